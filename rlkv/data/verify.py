@@ -1,0 +1,246 @@
+"""Answer verification: boxed-answer math checking, code tests, and a registry keyed by dataset source.
+
+`verify(completion, example)` is what reward functions and the evaluation harness call: it
+dispatches on `example["source"]` to the verifier registered for that source. Verifiers never
+raise on bad model output (unparsable answers, crashing code, timeouts all count as wrong).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+Verifier = Callable[[str, dict], bool]
+
+MATH_TIMEOUT_S = 5
+CODE_TIMEOUT_S = 10.0
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_THINK_END = "</think>"
+
+
+def strip_thinking(completion: str) -> str:
+    """The answer part of a completion: the text after the last `</think>` (all of it if there is none)."""
+    head, sep, tail = completion.rpartition(_THINK_END)
+    return tail if sep else completion
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced; None if absent or unclosed."""
+    for match in reversed(list(_BOX_RE.finditer(text))):
+        depth, start = 1, match.end()
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i].strip()
+    return None
+
+
+def _gold_latex(answer: str) -> str:
+    """The gold answer as a `$...$` LaTeX span math-verify can parse (accepts raw, `$..$` or boxed forms)."""
+    answer = str(answer).strip()
+    boxed = extract_boxed(answer)
+    if boxed is not None:
+        answer = boxed
+    answer = answer.strip("$").strip()
+    return f"${answer}$"
+
+
+def _math_verify(pred: str, gold: str, timeout: int | None) -> bool:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+    from math_verify import verify as mv_verify
+
+    configs = [LatexExtractionConfig(), ExprExtractionConfig()]
+    gold_parsed = parse(_gold_latex(gold), extraction_config=configs, parsing_timeout=timeout)
+    pred_parsed = parse(f"${pred}$", extraction_config=configs, parsing_timeout=timeout)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(mv_verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+
+
+def _run_bounded(fn: Callable[[], bool], timeout_s: float) -> bool:
+    """Run `fn` in a daemon thread, False if it raises or takes longer than `timeout_s`.
+
+    math-verify bounds its time with signal.alarm, which only works in the main thread; off it
+    we disable that and bound the caller's wait instead (a runaway sympy call keeps running in
+    its daemon thread but cannot block the caller).
+    """
+    result: list[bool] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except Exception:  # bad model output must never crash a reward function
+            logger.debug("verifier raised", exc_info=True)
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return bool(result and result[0])
+
+
+def verify_math(completion: str, answer: str, timeout_s: int = MATH_TIMEOUT_S) -> bool:
+    """True when the last `\\boxed{}` answer of `completion` equals `answer` (math-verify, symbolic/numeric).
+
+    `answer` may be raw ("0.5"), LaTeX ("\\frac{1}{2}") or boxed. Text before `</think>` is ignored.
+    Never raises: no boxed answer, parse failures and timeouts give False. Safe in any thread.
+    """
+    pred = extract_boxed(strip_thinking(completion))
+    if pred is None or not str(answer).strip():
+        return False
+    if threading.current_thread() is threading.main_thread():
+        try:
+            return _math_verify(pred, answer, timeout_s)
+        except Exception:
+            logger.debug("math-verify raised", exc_info=True)
+            return False
+    return _run_bounded(lambda: _math_verify(pred, answer, None), 2 * timeout_s)
+
+
+_CODE_BLOCK_RE = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
+
+# Runs first in the test subprocess: caps memory and CPU time and disables sockets
+# (best effort: this is a guard against accidents, not a sandbox for hostile code).
+_CODE_PRELUDE = """\
+import resource as _r, socket as _s
+_r.setrlimit(_r.RLIMIT_AS, (2 << 30, 2 << 30))
+_r.setrlimit(_r.RLIMIT_CPU, ({cpu}, {cpu}))
+def _no_net(*a, **k):
+    raise OSError("network disabled in rlkv code verification")
+_s.socket = _no_net
+_s.create_connection = _no_net
+del _r, _s, _no_net
+"""
+
+
+def extract_code(completion: str) -> str:
+    """The last fenced code block of a completion (after `</think>`); the whole answer if it has none."""
+    text = strip_thinking(completion)
+    blocks = _CODE_BLOCK_RE.findall(text)
+    return blocks[-1] if blocks else text
+
+
+def run_python_tests(program: str, test_code: str, timeout_s: float = CODE_TIMEOUT_S) -> bool:
+    """True when `program` followed by `test_code` exits 0 in a fresh isolated Python subprocess within `timeout_s`."""
+    source = _CODE_PRELUDE.format(cpu=max(1, int(timeout_s) + 1)) + "\n" + program + "\n\n" + test_code + "\n"
+    with tempfile.TemporaryDirectory(prefix="rlkv-code-") as tmp:
+        path = os.path.join(tmp, "solution_test.py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(source)
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-I", path],
+                cwd=tmp,
+                env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"},
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            return False
+        except OSError:
+            logger.debug("could not start the code verifier", exc_info=True)
+            return False
+    return proc.returncode == 0
+
+
+def example_metadata(example: dict) -> dict:
+    """The example's `metadata` column as a dict (stored as a JSON string in datasets; {} when absent)."""
+    meta = example.get("metadata")
+    if meta is None or meta == "":
+        return {}
+    if isinstance(meta, str):
+        return json.loads(meta)
+    return dict(meta)
+
+
+def verify_code(completion: str, example: dict) -> bool:
+    """Run the completion's code against `metadata["test_code"]` (plus `metadata["prefix"]` when the code lacks it).
+
+    `metadata`: `test_code` (assertions / a `check(...)` call), optional `entry_point` (a name
+    the code must define; if it does not, `prefix`, e.g. HumanEval's prompt, is prepended).
+    """
+    meta = example_metadata(example)
+    test_code = meta.get("test_code")
+    if not test_code:
+        raise ValueError(f"code example from source {example.get('source')!r} has no metadata['test_code']")
+    code = extract_code(completion)
+    entry_point = meta.get("entry_point")
+    if entry_point and not re.search(rf"def\s+{re.escape(entry_point)}\s*\(", code):
+        code = meta.get("prefix", "") + code
+    return run_python_tests(code, test_code, timeout_s=float(meta.get("timeout_s", CODE_TIMEOUT_S)))
+
+
+def verify_reasoning_gym(completion: str, example: dict) -> bool:
+    """Score with reasoning-gym's own scorer for `metadata["source_dataset"]`; correct when the score is 1."""
+    import reasoning_gym
+
+    meta = example_metadata(example)
+    answer = extract_boxed(strip_thinking(completion))
+    if answer is None:
+        return False
+    entry = {"question": example.get("problem", ""), "answer": example["answer"], "metadata": meta}
+    score_fn = reasoning_gym.get_score_answer_fn(meta["source_dataset"])
+    try:
+        return float(score_fn(answer, entry)) >= 1.0
+    except Exception:
+        logger.debug("reasoning-gym scorer raised", exc_info=True)
+        return False
+
+
+def _verify_chain(completion: str, example: dict) -> bool:
+    from rlkv.data.chain_task import verify_chain
+
+    return bool(verify_chain(completion, example["answer"]))
+
+
+def _verify_math_example(completion: str, example: dict) -> bool:
+    return verify_math(completion, example["answer"])
+
+
+MATH_SOURCES = ("gsm8k", "math500", "aime24", "aime25", "deepscaler", "champ", "math")
+CODE_SOURCES = ("mbpp", "humaneval")
+
+_VERIFIERS: dict[str, Verifier] = {
+    **dict.fromkeys(MATH_SOURCES, _verify_math_example),
+    **dict.fromkeys(CODE_SOURCES, verify_code),
+    "reasoning_gym": verify_reasoning_gym,
+    "chain": _verify_chain,
+}
+
+
+def register_verifier(source: str, fn: Verifier) -> None:
+    """Register (or replace) the verifier `fn(completion, example) -> bool` for examples whose `source` is `source`."""
+    if not source:
+        raise ValueError("register_verifier: source must be a non-empty string")
+    _VERIFIERS[source] = fn
+
+
+def get_verifier(source: str) -> Verifier:
+    """The verifier registered for `source`."""
+    try:
+        return _VERIFIERS[source]
+    except KeyError:
+        raise KeyError(
+            f"no verifier for source {source!r}; known: {sorted(_VERIFIERS)}. "
+            "Register one with rlkv.data.register_verifier(source, fn)."
+        ) from None
+
+
+def verify(completion: str, example: dict) -> bool:
+    """True when `completion` correctly answers `example` (a dataset row with `source`, `answer`, optional `metadata`)."""
+    if "source" not in example:
+        raise KeyError("verify: example has no 'source' field; rlkv.data loaders always set it")
+    return bool(get_verifier(example["source"])(completion, example))
