@@ -112,7 +112,9 @@ class HeadMask:
         fp = ModelFingerprint.of(model)
         scores = torch.tensor(rows, dtype=torch.float32)
         _validate_scores(scores, fp, source=str(path))
-        return cls(scores=scores.clamp(0.0, 1.0), fingerprint=fp, metadata={"source_tsv": str(path), **metadata})
+        return cls(
+            scores=scores.clamp(0.0, 1.0), fingerprint=fp, metadata={"source_tsv": str(path), **metadata}
+        )
 
     # persistence --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -147,14 +149,18 @@ class HeadMask:
         except FileNotFoundError:
             raise HeadMaskError(f"{path}: no such head-mask file") from None
         except json.JSONDecodeError as e:
-            raise HeadMaskError(f"{path}: not valid JSON ({e}); expected a file written by HeadMask.save") from None
+            raise HeadMaskError(
+                f"{path}: not valid JSON ({e}); expected a file written by HeadMask.save"
+            ) from None
         return cls.from_dict(doc, source=str(path))
 
     @classmethod
     def from_dict(cls, doc: Any, source: str = "<dict>") -> HeadMask:
         """Validate and build from the JSON document."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise HeadMaskError(f"{source}: field 'format' must be {FORMAT_NAME!r}; is this a head-mask file?")
+            raise HeadMaskError(
+                f"{source}: field 'format' must be {FORMAT_NAME!r}; is this a head-mask file?"
+            )
         version = doc.get("format_version")
         if version != FORMAT_VERSION:
             raise HeadMaskError(
@@ -220,7 +226,9 @@ class HeadMask:
         reservation alone exceeds it).
         """
         if not 0 <= min_full_per_layer <= self.num_kv_heads:
-            raise HeadMaskError(f"min_full_per_layer={min_full_per_layer} must be in [0, {self.num_kv_heads}]")
+            raise HeadMaskError(
+                f"min_full_per_layer={min_full_per_layer} must be in [0, {self.num_kv_heads}]"
+            )
         k = self.num_full_heads(sparsity)
         flat = self.scores.flatten()
         # stable sort on -score keeps the lower index first among ties
@@ -265,7 +273,9 @@ class HeadMask:
 
 def _check_sparsity(sparsity: float) -> None:
     if not isinstance(sparsity, (int, float)) or math.isnan(sparsity) or not 0.0 <= sparsity <= 1.0:
-        raise HeadMaskError(f"sparsity={sparsity!r} must be a number in [0, 1] (fraction of KV heads compressed)")
+        raise HeadMaskError(
+            f"sparsity={sparsity!r} must be a number in [0, 1] (fraction of KV heads compressed)"
+        )
 
 
 def _validate_scores(scores: torch.Tensor, fp: ModelFingerprint, source: str) -> None:

@@ -89,11 +89,15 @@ def tiny_config(family: str = "llama", **overrides):
     return config
 
 
-def tiny_model(family: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", **overrides) -> PreTrainedModel:
+def tiny_model(
+    family: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", **overrides
+) -> PreTrainedModel:
     """A randomly initialised tiny causal LM (fp32, eval mode) of the given family."""
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation, dtype=torch.float32
+    )
     # Larger-than-default init so attention patterns are peaked and tests discriminate between methods.
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -17,7 +17,9 @@ SUBCOMMANDS = [
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(prog="rlkv", description="RL-learned head masks and compressed KV caches")
+    parser = argparse.ArgumentParser(
+        prog="rlkv", description="RL-learned head masks and compressed KV caches"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(sub)

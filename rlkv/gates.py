@@ -1,0 +1,97 @@
+"""Learnable per-(layer, KV head) gates that switch a frozen model to RLKV's mixed attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from rlkv import mixed_attention
+
+
+class UnsupportedModelError(ValueError):
+    """The model's attention layers do not expose what head-level gating needs."""
+
+
+class HeadGates(nn.Module):
+    """One gate `alpha[l, h]` in [0, 1] per layer and KV head.
+
+    alpha: nn.Parameter FloatTensor[L, H_kv]; 1 = full attention, 0 = sink+local attention.
+    sink/local: token counts of the local branch (training: 128/256, RLKV's defaults).
+    """
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, sink: int = 128, local: int = 256, init: float = 1.0
+    ):
+        super().__init__()
+        if sink < 0 or local < 1:
+            raise ValueError(f"sink={sink}, local={local}: need sink >= 0 and local >= 1")
+        if not 0.0 <= init <= 1.0:
+            raise ValueError(f"init={init} must be in [0, 1] (the gate's range)")
+        self.sink = int(sink)
+        self.local = int(local)
+        self.alpha = nn.Parameter(torch.full((num_layers, num_kv_heads), float(init)))
+
+    @torch.no_grad()
+    def clamp_(self) -> HeadGates:
+        """Project alpha onto [0, 1] in place (the reference implementations do this before each forward)."""
+        self.alpha.clamp_(0.0, 1.0)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"layers={self.alpha.shape[0]}, kv_heads={self.alpha.shape[1]}, sink={self.sink}, local={self.local}"
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of `model` in layer order, checked for what gating needs."""
+    layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    expected = getattr(config, "num_hidden_layers", None)
+    if not layers or expected is None or len(layers) != expected:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: found {len(layers)} attention modules with `layer_idx` and "
+            f"`num_key_value_groups` (config says {expected} layers). rlkv gates need transformers attention "
+            "modules of the Llama / Qwen2 / Qwen3 / Mistral kind (GQA attributes, AttentionInterface dispatch)."
+        )
+    if sorted(m.layer_idx for m in layers) != list(range(expected)):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: attention layer_idx values are not 0..{expected - 1}"
+        )
+    return sorted(layers, key=lambda m: m.layer_idx)
+
+
+def attach_gates(model: PreTrainedModel, sink: int = 128, local: int = 256, init: float = 1.0) -> HeadGates:
+    """Add RLKV gates to `model`, freeze every model weight and switch it to mixed attention.
+
+    The gates become the submodule `model.rlkv_gates` (so optimizers, checkpoints and DDP see them)
+    and are the only trainable tensor. Works in training forwards and in `generate`. Returns the gates.
+    """
+    if hasattr(model, "rlkv_gates"):
+        raise ValueError("model already has rlkv gates; call rlkv.detach_gates(model) first")
+    layers = attention_layers(model)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    param = next(model.parameters())
+    gates = HeadGates(len(layers), num_kv, sink=sink, local=local, init=init).to(param.device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.add_module("rlkv_gates", gates)
+    for layer in layers:
+        # a plain attribute, not a submodule: one gate tensor, no duplicate state-dict entries per layer
+        object.__setattr__(layer, "_rlkv_gates", gates)
+    model._rlkv_previous_attn = model.config._attn_implementation
+    model.set_attn_implementation(mixed_attention.register())
+    return gates
+
+
+def detach_gates(model: PreTrainedModel) -> HeadGates:
+    """Remove the gates and restore the attention implementation the model had before; returns the gates."""
+    if not hasattr(model, "rlkv_gates"):
+        raise ValueError("model has no rlkv gates to detach")
+    gates = model.rlkv_gates
+    for layer in attention_layers(model):
+        object.__delattr__(layer, "_rlkv_gates")
+    del model.rlkv_gates
+    model.set_attn_implementation(model._rlkv_previous_attn)
+    del model._rlkv_previous_attn
+    return gates

@@ -1,0 +1,161 @@
+"""Gated mixed attention (RLKV): equality to stock attention, to a plain sink+local reference, and gradients."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+import rlkv
+from rlkv.gates import UnsupportedModelError
+from rlkv.mixed_attention import mixed_attention_forward
+from rlkv.testing import tiny_model
+
+SINK, LOCAL = 2, 4
+
+
+def sink_local_mask(attention_mask: torch.Tensor, sink: int, local: int) -> torch.Tensor:
+    """Plain dense reference: BoolTensor[B, 1, T, T], True where query i may attend key j."""
+    bsz, t = attention_mask.shape
+    valid = attention_mask.bool()
+    first = (~valid).long().cumprod(1).sum(1)  # leading pads per row
+    i = torch.arange(t)[:, None]
+    j = torch.arange(t)[None, :]
+    causal = j <= i
+    rows = []
+    for b in range(bsz):
+        is_sink = (j - first[b] >= 0) & (j - first[b] < sink)
+        allowed = causal & (is_sink | (i - j < local)) & valid[b][None, :]
+        rows.append(allowed)
+    return torch.stack(rows)[:, None]
+
+
+def reference_logits(model, input_ids, attention_mask, mask4d):
+    """The stock eager model run with an explicit 4D mask (padded query rows attend to themselves only)."""
+    eye = torch.eye(mask4d.shape[-1], dtype=torch.bool)[None, None]
+    full_rows = mask4d | (~mask4d.any(-1, keepdim=True) & eye)
+    additive = torch.zeros(full_rows.shape).masked_fill(~full_rows, torch.finfo(torch.float32).min)
+    model.set_attn_implementation("eager")
+    return model(input_ids=input_ids, attention_mask=additive).logits
+
+
+def causal_mask(attention_mask):
+    t = attention_mask.shape[1]
+    return (
+        torch.tril(torch.ones(t, t, dtype=torch.bool))[None, None] & attention_mask.bool()[:, None, None, :]
+    )
+
+
+@pytest.mark.parametrize("stock", ["sdpa", "eager"])
+def test_alpha_one_equals_stock_model(family, stock, left_padded_batch):
+    ids, mask = left_padded_batch
+    ref = tiny_model(family, attn_implementation=stock)(input_ids=ids, attention_mask=mask).logits
+    model = tiny_model(family)
+    rlkv.attach_gates(model, sink=SINK, local=LOCAL, init=1.0)
+    out = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert (out - ref)[real].abs().max() <= 1e-5
+
+
+def test_alpha_zero_equals_plain_sink_local_reference(family, left_padded_batch):
+    ids, mask = left_padded_batch
+    ref = reference_logits(tiny_model(family), ids, mask, sink_local_mask(mask, SINK, LOCAL))
+    model = tiny_model(family)
+    rlkv.attach_gates(model, sink=SINK, local=LOCAL, init=0.0)
+    out = model(input_ids=ids, attention_mask=mask).logits
+    assert (out - ref)[mask.bool()].abs().max() <= 1e-5
+    # and sink+local really differs from full attention on these lengths
+    full = tiny_model(family)(input_ids=ids, attention_mask=mask).logits
+    assert (full - out)[mask.bool()].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("q_len", [1, 3, 13])
+def test_random_alpha_is_per_group_mix_of_references(q_len):
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    gates = rlkv.attach_gates(model, sink=SINK, local=LOCAL)
+    gates.alpha.data = torch.rand_like(gates.alpha)
+    attn = model.model.layers[1].self_attn
+    bsz, n_kv, groups, dim, kv_len = 2, 2, 2, 16, 13
+    q = torch.randn(bsz, n_kv * groups, q_len, dim)
+    k, v = torch.randn(bsz, n_kv, kv_len, dim), torch.randn(bsz, n_kv, kv_len, dim)
+    pad = torch.ones(bsz, kv_len, dtype=torch.long)
+    pad[1, :3] = 0
+    full_mask = causal_mask(pad)[:, :, -q_len:]
+    local_mask = sink_local_mask(pad, SINK, LOCAL)[:, :, -q_len:]
+    out, _ = mixed_attention_forward(attn, q, k, v, full_mask, scaling=dim**-0.5)
+
+    def plain(mask):
+        kr, vr = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        s = (q @ kr.transpose(-1, -2)) * dim**-0.5
+        s = s.masked_fill(~mask, float("-inf"))
+        return (torch.softmax(s, -1) @ vr).transpose(1, 2)
+
+    a = gates.alpha[1].repeat_interleave(groups)[None, None, :, None]
+    expected = a * plain(full_mask) + (1 - a) * plain(local_mask)
+    real_rows = full_mask.any(-1).squeeze(1)  # [B, Q]: padded query rows are undefined in both
+    assert (out - expected)[real_rows].abs().max() <= 1e-5
+
+
+def test_cached_generation_equals_teacher_forcing(family, left_padded_batch):
+    ids, mask = left_padded_batch
+    model = tiny_model(family)
+    gates = rlkv.attach_gates(model, sink=SINK, local=LOCAL)
+    torch.manual_seed(1)
+    gates.alpha.data = torch.rand_like(gates.alpha)
+    new = 12
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    seq = out.sequences
+    full_mask = torch.cat([mask, torch.ones(mask.shape[0], new, dtype=mask.dtype)], 1)
+    position_ids = (full_mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        logits = model(input_ids=seq, attention_mask=full_mask, position_ids=position_ids).logits
+    tf = logits[:, ids.shape[1] - 1 : -1]
+    cached = torch.stack(out.logits, 1)
+    assert (tf - cached).abs().max() <= 1e-4
+    assert torch.equal(tf.argmax(-1), seq[:, ids.shape[1] :])
+
+
+def test_gradient_reaches_only_gates(left_padded_batch):
+    ids, mask = left_padded_batch
+    model = tiny_model("qwen2")
+    gates = rlkv.attach_gates(model, sink=SINK, local=LOCAL, init=0.7)
+    model.train()
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    assert gates.alpha.grad is not None and gates.alpha.grad.abs().sum() > 0
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable == ["rlkv_gates.alpha"]
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "rlkv_gates.alpha")
+
+
+def test_clamp_and_detach_restore_stock_model(left_padded_batch):
+    ids, mask = left_padded_batch
+    model = tiny_model("llama")
+    ref = model(input_ids=ids, attention_mask=mask).logits
+    gates = rlkv.attach_gates(model, init=0.5)
+    gates.alpha.data = torch.tensor([[1.7, -0.3], [0.5, 2.0]])
+    gates.clamp_()
+    assert gates.alpha.min() >= 0 and gates.alpha.max() <= 1
+    rlkv.detach_gates(model)
+    assert model.config._attn_implementation == "sdpa" and not hasattr(model, "rlkv_gates")
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, ref)
+
+
+def test_unsupported_architecture_is_rejected_at_attach():
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="layer_idx"):
+        rlkv.attach_gates(gpt2)
+
+
+def test_bad_gate_settings_are_rejected():
+    with pytest.raises(ValueError, match="init"):
+        rlkv.attach_gates(tiny_model("llama"), init=1.5)
+    with pytest.raises(ValueError, match="local"):
+        rlkv.attach_gates(tiny_model("llama"), local=0)
