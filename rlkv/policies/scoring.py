@@ -1,0 +1,193 @@
+"""Scoring helpers shared by the attention-based policies (R-KV, SkipKV, SnapKV, RPC, H2O).
+
+Shapes follow `rlkv/policies/base.py`: B batch rows, H compressed KV heads, G query heads per KV
+head (GQA), N observation queries, K store slots, D head dim. Masked entries are excluded, never
+zero-filled before a softmax: a slot that is padding, empty, in the future of a query or (where a
+method says so) inside the observation window gets no probability mass and no pooling weight.
+
+Typical use (R-KV's importance):
+
+    logits = observation_logits(store, exclude_window=True)        # [B, H, G, N, K], -inf masked
+    probs = masked_softmax(pool_query_groups(logits, "max"))        # [B, H, N, K]
+    pooled = pool_along_keys(probs, 7, "max", store.valid())        # [B, H, N, K]
+    importance = mean_over_queries(pooled, store.query_valid())     # [B, H, K]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from rlkv.cache import CompressedStore
+
+NEG_INF = float("-inf")
+
+
+def raw_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+    """Scaled dot products of grouped queries with keys, in float32.
+
+    queries: [B, H, G, N, D]; keys: [B, H, K, D]; scaling defaults to 1/sqrt(D).
+    Returns FloatTensor [B, H, G, N, K] (unmasked).
+    """
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(queries.shape[-1])
+    return torch.einsum("bhgnd,bhkd->bhgnk", queries.float(), keys.float()) * scaling
+
+
+def observation_key_mask(
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor,
+    query_positions: torch.Tensor,
+    query_valid: torch.Tensor,
+    exclude_window: bool = False,
+) -> torch.Tensor:
+    """Which (query, key) pairs may carry attention: BoolTensor [B, H, N, K].
+
+    key_positions: LongTensor [B, H, K] (logical positions, -1 for empty slots); key_valid:
+    BoolTensor [B, H, K]; query_positions: LongTensor [N]; query_valid: BoolTensor [B, N].
+    A pair is allowed when both are real tokens and the key is not after the query (causal).
+    `exclude_window` also drops keys inside the observation window (positions >= the oldest
+    observation query), as R-KV and SnapKV do before their softmax.
+    """
+    qpos = query_positions.to(key_positions.device)
+    allowed = key_valid[:, :, None, :] & (key_positions[:, :, None, :] <= qpos[None, None, :, None])
+    allowed = allowed & query_valid[:, None, :, None].to(allowed.device)
+    if exclude_window and qpos.numel() > 0:
+        allowed = allowed & (key_positions < qpos.min())[:, :, None, :]
+    return allowed
+
+
+def observation_logits(
+    store: CompressedStore, exclude_window: bool = False, scaling: float | None = None
+) -> torch.Tensor:
+    """Logits of the store's cached observation queries against its keys: [B, H, G, N, K].
+
+    Disallowed pairs (see `observation_key_mask`) are -inf. Needs `observe_queries > 0`.
+    """
+    if store.queries is None:
+        raise ValueError("observation_logits needs cached queries: set the policy's observe_queries > 0")
+    logits = raw_logits(store.queries, store.keys, scaling)
+    allowed = observation_key_mask(
+        store.positions, store.valid(), store.query_positions, store.query_valid(), exclude_window
+    )
+    return logits.masked_fill(~allowed[:, :, None], NEG_INF)
+
+
+def pool_query_groups(logits: torch.Tensor, mode: Literal["max", "mean"] = "max") -> torch.Tensor:
+    """Pool the G query heads of each KV head: [B, H, G, N, K] -> [B, H, N, K].
+
+    R-KV's convention is the max of the raw logits over the group, taken before the softmax.
+    `mean` ignores -inf (masked) entries only when the whole group is masked, which is how masks
+    arise here (they never differ inside a group).
+    """
+    if mode == "max":
+        return logits.amax(dim=2)
+    if mode == "mean":
+        return logits.mean(dim=2)
+    raise ValueError(f"pool_query_groups mode={mode!r}: use 'max' or 'mean'")
+
+
+def masked_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax along `dim` over the finite entries; -inf entries get 0, an all -inf line gives all 0."""
+    logits = logits.float()
+    finite = torch.isfinite(logits)
+    maximum = logits.masked_fill(~finite, NEG_INF).amax(dim=dim, keepdim=True)
+    maximum = torch.where(torch.isfinite(maximum), maximum, torch.zeros_like(maximum))
+    exp = torch.exp(logits - maximum).masked_fill(~finite, 0.0)
+    total = exp.sum(dim=dim, keepdim=True)
+    return exp / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def _compaction_order(valid: torch.Tensor) -> torch.Tensor:
+    """Slot indices [..., K] that list the valid slots first (in slot order), then the empty ones."""
+    return torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices
+
+
+def pool_along_keys(
+    scores: torch.Tensor,
+    kernel: int,
+    mode: Literal["max", "avg"],
+    valid: torch.Tensor,
+    count_include_pad: bool = True,
+) -> torch.Tensor:
+    """1-D pooling along the key (last) axis, same length, centred window of `kernel` slots.
+
+    scores: [B, H, N, K] or [B, H, K]; valid: BoolTensor [B, H, K] (which slots hold real tokens).
+    Neighbours are the adjacent *valid* slots in position order (empty and padding slots are
+    skipped, so a row pools the same way alone or inside a left-padded batch), like
+    `F.max_pool1d` / `F.avg_pool1d` with `padding=kernel // 2` over the retained tokens only.
+    `max` ignores positions beyond the ends; `avg` divides by `kernel` when `count_include_pad`
+    (torch's default, RPC's code) else by the number of real tokens in the window. Empty slots
+    come back as 0. `kernel` must be odd.
+    """
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"pooling kernel={kernel}: must be a positive odd number")
+    if kernel == 1:
+        return scores.masked_fill(~_broadcast_valid(valid, scores), 0.0)
+    lead = scores.shape[:-1]
+    valid_b = _broadcast_valid(valid, scores)
+    order = _compaction_order(valid_b)
+    compact = scores.float().gather(-1, order)
+    compact_valid = valid_b.gather(-1, order)
+    flat = compact.reshape(-1, 1, scores.shape[-1])
+    flat_valid = compact_valid.reshape(-1, 1, scores.shape[-1])
+    half = kernel // 2
+    if mode == "max":
+        pooled = F.max_pool1d(flat.masked_fill(~flat_valid, NEG_INF), kernel, stride=1, padding=half)
+    elif mode == "avg":
+        summed = F.avg_pool1d(flat.masked_fill(~flat_valid, 0.0), kernel, stride=1, padding=half) * kernel
+        if count_include_pad:
+            pooled = summed / kernel
+        else:
+            count = F.avg_pool1d(flat_valid.float(), kernel, stride=1, padding=half) * kernel
+            pooled = summed / count.clamp(min=1.0)
+    else:
+        raise ValueError(f"pool_along_keys mode={mode!r}: use 'max' or 'avg'")
+    pooled = pooled.reshape(*lead, -1).masked_fill(~compact_valid, 0.0)
+    return torch.empty_like(pooled).scatter_(-1, order, pooled)
+
+
+def _broadcast_valid(valid: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Key validity [B, H, K] expanded to the shape of `scores` ([B, H, K] or [B, H, N, K])."""
+    if scores.dim() == valid.dim() + 1:
+        valid = valid[:, :, None, :]
+    return valid.expand(scores.shape)
+
+
+def mean_over_queries(scores: torch.Tensor, query_valid: torch.Tensor) -> torch.Tensor:
+    """Mean over the real observation queries: [B, H, N, K] -> [B, H, K]; query_valid BoolTensor [B, N]."""
+    weight = query_valid.to(scores.device, torch.float32)[:, None, :, None]
+    count = weight.sum(dim=2).clamp(min=1.0)
+    return (scores.float() * weight).sum(dim=2) / count
+
+
+def observation_attention(
+    store: CompressedStore,
+    exclude_window: bool = True,
+    group_pool: Literal["max", "mean"] = "max",
+    kernel: int = 1,
+    key_pool: Literal["max", "avg"] = "max",
+) -> torch.Tensor:
+    """Attention importance of each slot from the cached observation queries: FloatTensor [B, H, K].
+
+    Logits pooled over the GQA group (`group_pool`), softmax over the allowed keys, pooled along
+    the key axis per query (`kernel`, `key_pool`), then averaged over the real observation queries.
+    Slots outside the softmax (padding, empty, observation window when excluded) score 0.
+    """
+    logits = observation_logits(store, exclude_window=exclude_window)
+    probs = masked_softmax(pool_query_groups(logits, group_pool))
+    if kernel > 1:
+        domain = store.valid() & ~observation_window(store) if exclude_window else store.valid()
+        probs = pool_along_keys(probs, kernel, key_pool, domain)
+    return mean_over_queries(probs, store.query_valid())
+
+
+def observation_window(store: CompressedStore) -> torch.Tensor:
+    """BoolTensor [B, H, K]: valid slots whose position is one of the cached observation queries'."""
+    if store.query_positions is None or store.query_positions.numel() == 0:
+        return torch.zeros_like(store.valid())
+    return store.valid() & (store.positions >= store.query_positions.min())
