@@ -1,0 +1,218 @@
+"""The inference API: load a model with a compression config, make its cache, generate batches.
+
+model, tok = load("path/or/hub-id", compression=CompressionConfig(head_mask="mask.json", sparsity=0.5))
+outputs = generate(model, tok, ["Solve ..."], max_new_tokens=8192)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+from rlkv.cache import HeadMixedCache, install_observers
+from rlkv.cache_attention import register_attention
+from rlkv.inference.config import CompressionConfig
+from rlkv.policies import get_policy
+
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass
+class GenerationOutput:
+    """One request's result. token_ids: generated tokens only (up to and including EOS)."""
+
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    finish_reason: str  # "eos" | "length"
+    cache_stats: dict[str, int] = field(default_factory=dict)
+
+
+def make_cache(
+    model: PreTrainedModel, compression: CompressionConfig, batch_size: int | None = None
+) -> HeadMixedCache:
+    """A `HeadMixedCache` for `model` laid out by `compression`; switches the model to "rlkv_cache" attention.
+
+    Raises `CompressionConfigError` / `HeadMaskError` for an invalid config or a mask of another model.
+    """
+    compression.validate()
+    full_heads = compression.full_heads(model)
+    policy = get_policy(compression.policy, **compression.policy_kwargs)
+    name = register_attention()
+    if model.config._attn_implementation != name:
+        model.set_attn_implementation(name)
+    if policy.observe_tokens or policy.observe_hidden_states:
+        install_observers(model)
+        if policy.observe_hidden_states and not model._rlkv_observes_hidden_states:
+            raise ValueError(
+                f"policy {compression.policy!r} needs final hidden states, but the model has no decoder.norm"
+            )
+    return HeadMixedCache(
+        model.config,
+        full_heads,
+        policy,
+        sink=compression.sink,
+        window=compression.window,
+        budget=compression.budget,
+        protect_prompt=compression.protect_prompt,
+        batch_size=batch_size,
+    )
+
+
+def load(
+    model_id_or_path: str | os.PathLike,
+    compression: CompressionConfig | None = None,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device | None = None,
+    **from_pretrained_kwargs: Any,
+) -> tuple[PreTrainedModel, Any]:
+    """Load a causal LM and its tokenizer (left padding) for inference.
+
+    With `compression`, the config is checked against the model now (mask compatibility, policy),
+    the model switches to "rlkv_cache" attention and `generate(model, ...)` uses the config by default.
+    """
+    model = AutoModelForCausalLM.from_pretrained(model_id_or_path, dtype=dtype, **from_pretrained_kwargs)
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_id_or_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if compression is not None:
+        make_cache(model, compression)  # validates against this model and activates the attention
+        model.rlkv_compression = compression
+    return model, tokenizer
+
+
+def _prompt_texts(tokenizer: Any, prompts: list[Prompt], apply_chat_template: bool) -> tuple[list[str], bool]:
+    """Prompt strings to tokenize, and whether they already hold the special tokens (chat template)."""
+    templated = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
+    texts = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str) and not templated:
+            texts.append(prompt)
+            continue
+        if not templated:
+            raise ValueError(f"prompts[{i}] is a chat message list but the tokenizer has no chat template")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    return texts, templated
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _dynamic_cache_stats(cache: DynamicCache, attention_mask: torch.Tensor) -> list[dict[str, int]]:
+    """Per-row stats of a plain (full) cache, from its tensors' storage."""
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
+    batch = attention_mask.shape[0]
+    resident = sum(t.untyped_storage().nbytes() for t in tensors) // batch
+    length = cache.get_seq_length()
+    heads = sum(t.shape[1] for t in tensors) // 2
+    pads = (attention_mask == 0).sum(1).tolist()
+    return [
+        {
+            "resident_bytes": resident,
+            "full_resident_bytes": resident,
+            "logical_length": length - pad,
+            "kept_tokens": heads * (length - pad),
+            "evictions": 0,
+        }
+        for pad in pads
+    ]
+
+
+def generate(
+    model: PreTrainedModel,
+    tokenizer: Any,
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    *,
+    compression: CompressionConfig | None = None,
+    batch_size: int = 8,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    apply_chat_template: bool = True,
+    group_by_length: bool = False,
+    progress: bool = True,
+    seed: int | None = None,
+) -> list[GenerationOutput]:
+    """Generate for a list of prompts (strings or chat message lists), in batches, left-padded.
+
+    compression: None uses the config given to `load` (if any), else a plain full cache.
+    group_by_length: batch prompts of similar token length together (less padding); results are
+    always returned in input order. Returns one `GenerationOutput` per prompt.
+    """
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], dict)):
+        raise TypeError(
+            "prompts must be a list of prompts (strings or chat message lists), not a single prompt"
+        )
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"batch_size={batch_size} and max_new_tokens={max_new_tokens} must be >= 1")
+    compression = compression if compression is not None else getattr(model, "rlkv_compression", None)
+    texts, templated = _prompt_texts(tokenizer, list(prompts), apply_chat_template)
+    encoded = [tokenizer(t, add_special_tokens=not templated)["input_ids"] for t in texts]
+    order = list(range(len(texts)))
+    if group_by_length:
+        order.sort(key=lambda i: len(encoded[i]))
+    eos = _eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
+    cache = make_cache(model, compression) if compression is not None else None
+    if seed is not None:
+        torch.manual_seed(seed)
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
+    )
+    results: list[GenerationOutput | None] = [None] * len(texts)
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    for batch in tqdm(batches, desc="generate", disable=not progress):
+        width = max(len(encoded[i]) for i in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids = encoded[i]
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        batch_cache = cache if cache is not None else DynamicCache(config=model.config)
+        with torch.inference_mode():
+            sequences = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=batch_cache,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad_id,
+                eos_token_id=sorted(eos),
+                **sampling,
+            )
+        stats = (
+            batch_cache.stats() if cache is not None else _dynamic_cache_stats(batch_cache, attention_mask)
+        )
+        for row, i in enumerate(batch):
+            generated = sequences[row, width:].tolist()
+            end = next((j for j, t in enumerate(generated) if t in eos), None)
+            token_ids = generated if end is None else generated[: end + 1]
+            results[i] = GenerationOutput(
+                text=tokenizer.decode(token_ids, skip_special_tokens=True),
+                token_ids=token_ids,
+                num_prompt_tokens=len(encoded[i]),
+                num_generated_tokens=len(token_ids),
+                finish_reason="length" if end is None else "eos",
+                cache_stats=stats[row],
+            )
+    return results

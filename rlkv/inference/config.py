@@ -1,0 +1,108 @@
+"""`CompressionConfig`: which heads keep a full KV cache and how the others are compressed."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlkv.head_mask import HeadMask, HeadMaskError
+
+
+class CompressionConfigError(ValueError):
+    """A `CompressionConfig` field with an invalid value (the message names the field and the fix)."""
+
+
+@dataclass
+class CompressionConfig:
+    """How a `HeadMixedCache` is laid out and compressed.
+
+    head_mask: HeadMask, path to a head-mask JSON (`HeadMask.save`), or None (no mask: the policy
+        compresses every head, the baseline mode of R-KV / H2O / ...).
+    sparsity: fraction of KV heads compressed, in [0, 1]; the mask keeps the top
+        round((1 - sparsity) * L * H) heads full. Ignored without a mask.
+    policy: registered policy name for the compressed heads (`rlkv.policies.available()`).
+    policy_kwargs: constructor arguments of the policy.
+    budget: evictable tokens kept per compressed head: int = tokens (sink and window included),
+        float in (0, 1] = ratio of the row's current length plus sink + window (RLKV's dynamic
+        budget), None = the policy's default. Streaming ignores it (it keeps sink + window).
+    sink, window: tokens always kept at the start and the end of each row (RLKV inference: 16, 64).
+    protect_prompt: never evict prompt tokens (they do not count against the budget).
+    min_full_per_layer: keep at least this many full heads in every layer.
+    """
+
+    head_mask: HeadMask | str | os.PathLike | None = None
+    sparsity: float = 0.5
+    policy: str = "streaming"
+    policy_kwargs: dict[str, Any] = field(default_factory=dict)
+    budget: int | float | None = None
+    sink: int = 16
+    window: int = 64
+    protect_prompt: bool = True
+    min_full_per_layer: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `CompressionConfigError` for the first invalid field (model-independent checks)."""
+        from rlkv.policies import UnknownPolicyError, get_policy_class
+
+        s = self.sparsity
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or math.isnan(s) or not 0.0 <= s <= 1.0:
+            raise CompressionConfigError(
+                f"sparsity={s!r}: must be a number in [0, 1] (fraction of KV heads compressed)"
+            )
+        for name in ("sink", "window", "min_full_per_layer"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CompressionConfigError(f"{name}={value!r}: must be an integer >= 0")
+        b = self.budget
+        if isinstance(b, bool) or not (b is None or isinstance(b, (int, float))):
+            raise CompressionConfigError(
+                f"budget={b!r}: must be an int (tokens), a float ratio in (0, 1], or None"
+            )
+        if isinstance(b, float) and not 0.0 < b <= 1.0:
+            raise CompressionConfigError(
+                f"budget={b!r}: a float budget is a ratio of the current length, in (0, 1]"
+            )
+        if isinstance(b, int) and b < self.sink + self.window:
+            raise CompressionConfigError(
+                f"budget={b} is smaller than sink + window = {self.sink} + {self.window}; raise the budget or "
+                "lower sink/window (the budget counts them)"
+            )
+        if not isinstance(self.policy_kwargs, dict):
+            raise CompressionConfigError(
+                f"policy_kwargs={self.policy_kwargs!r}: must be a dict of keyword arguments"
+            )
+        try:
+            get_policy_class(self.policy)
+        except UnknownPolicyError as e:
+            raise CompressionConfigError(f"policy={self.policy!r}: {e}") from None
+        if self.head_mask is not None and not isinstance(self.head_mask, (HeadMask, str, os.PathLike)):
+            raise CompressionConfigError(
+                f"head_mask has type {type(self.head_mask).__name__}: pass a HeadMask, a path to its JSON, or None"
+            )
+
+    def resolve_head_mask(self) -> HeadMask | None:
+        """The head mask as a `HeadMask` (loaded from its path if needed), or None."""
+        if self.head_mask is None or isinstance(self.head_mask, HeadMask):
+            return self.head_mask
+        return HeadMask.load(self.head_mask)
+
+    def full_heads(self, model: Any) -> torch.Tensor | None:
+        """BoolTensor[L, H_kv] of full heads for `model`, or None (no mask: all heads compressed).
+
+        Raises `HeadMaskError` when the mask was made for another model.
+        """
+        mask = self.resolve_head_mask()
+        if mask is None:
+            return None
+        mask.check_compatible(model)
+        try:
+            return mask.full_heads(self.sparsity, min_full_per_layer=self.min_full_per_layer)
+        except HeadMaskError as e:
+            raise CompressionConfigError(f"min_full_per_layer={self.min_full_per_layer}: {e}") from None

@@ -1,0 +1,171 @@
+"""The compression-policy interface: a policy scores and selects, the cache owns everything else.
+
+A `HeadMixedCache` (rlkv/cache.py) keeps, per layer, the KV heads marked full with every token and
+the other ("compressed") KV heads in a bounded store. Whenever a forward pass has added tokens to a
+layer's compressed store, the cache attends with them, then asks the policy whether to compress
+and which slots stay. The cache does the gathering into smaller tensors (memory really freed),
+tracks logical positions, padding validity, the prompt protection and the sink/window overhead.
+
+Writing a policy
+----------------
+    from typing import TYPE_CHECKING
+    from rlkv.policies import register_policy
+    from rlkv.policies.base import CompressionPolicy, keep_top_scores
+    if TYPE_CHECKING:
+        from rlkv.cache import CompressedStore      # the type of `store` below
+
+    @register_policy("mine")
+    class MyPolicy(CompressionPolicy):
+        observe_queries = 8            # store.queries holds the last 8 queries of the compressed heads
+
+        def __init__(self, buffer: int = 128):
+            self.buffer = buffer       # every kwarg of CompressionConfig.policy_kwargs arrives here
+
+        def should_compress(self, store):            # called after every forward, per layer
+            return store.budget is not None and bool(
+                (store.num_evictable() > store.budget[:, None] + self.buffer).any())
+
+        def select(self, store):                     # -> BoolTensor keep [B, H_c, K] (or [B, K])
+            scores = ...                             # FloatTensor [B, H_c, K], higher = keep
+            return keep_top_scores(store, scores)
+
+One policy instance serves a whole cache (all layers); keep per-layer state in `store.state` (a
+dict the cache clears with each new sequence) or in `store.slot_buffer(...)`; keep cross-layer
+state on `self` and clear it in `reset()`.
+
+What the policy sees: `CompressedStore` (one per layer; all tensors live on the model's device)
+-----------------------------------------------------------------------------------------------
+- `layer_idx` int; `head_idx` LongTensor[H_c]: which KV heads of the layer are compressed;
+  `num_groups` G: query heads per KV head (GQA), query head `h * G + g` uses KV head `h`.
+- `keys`, `values`: [B, H_c, K, D], keys already rotated (RoPE) at their true position.
+- `positions`: LongTensor[B, H_c, K], the logical position of each slot = its column in the
+  batch's (left-padded) token sequence, 0-based; -1 marks an empty slot (rows and heads may keep
+  different counts, the store is padded to the largest). Valid slots of a (row, head) appear in
+  increasing position order; empty slots can sit anywhere.
+- `valid()` BoolTensor[B, H_c, K]: slot holds a real token (never padding).
+- `protected()` BoolTensor[B, H_c, K]: prompt tokens when `protect_prompt` (always kept).
+- `evictable()` = valid & not protected; `num_evictable()` LongTensor[B, H_c].
+- `forced_keep()` BoolTensor[B, H_c, K]: protected | first `sink` tokens of the row | last
+  `window` tokens of the row. The cache ORs this into every selection, so a policy never has to.
+- `logical_length` int T (tokens seen, padding included); `prompt_length` int (columns of the
+  prompt, padding included); `num_generated` int = T - prompt_length; `valid_length`
+  LongTensor[B]: real tokens seen per row; `is_prefill` bool: this forward was the prompt.
+- `budget`: LongTensor[B] or None: how many evictable (non-protected) tokens may stay per
+  (row, head), sink and window included. From `CompressionConfig.budget`: an int is used as is;
+  a float ratio r gives `round(r * valid_length) + sink + window` (RLKV's dynamic budget);
+  None falls back to the policy's `default_budget`; None there too = no budget.
+- `sink`, `window` ints (from CompressionConfig).
+- `queries` [B, H_c, G, N, D] (only if `observe_queries = N > 0`): the last N queries of the
+  query heads of each compressed KV head (post-RoPE, as attention used them), oldest first;
+  `query_positions` LongTensor[N]; `query_valid()` BoolTensor[B, N] (False for padding).
+  N is smaller than requested until that many tokens were seen. Queries persist across steps.
+- `state` dict: per-layer scratch space for the policy, cleared at each new sequence.
+- `slot_buffer(name, fill=0.0, dtype=torch.float32)` -> Tensor[B, H_c, K]: a per-slot value the
+  cache keeps aligned with the slots (new slots get `fill`, evictions gather it). Update it in
+  place (e.g. H2O's accumulated attention: `store.slot_buffer("acc").add_(...)`).
+
+What a policy declares (class attributes) and the hooks it gets
+----------------------------------------------------------------
+- `observe_queries: int = 0` (above).
+- `observe_attention: bool = False`: after each forward, `on_attention(store, probs)` with
+  probs FloatTensor[B, H_c, G, Q, K] = softmax attention of the Q new queries over the store's
+  slots (0 on empty/masked slots). The cache then computes the compressed heads' attention eagerly.
+- `observe_tokens: bool = False`: `on_tokens(token_ids LongTensor[B, Q], positions LongTensor[Q])`
+  once per forward, before the layers run (from a forward pre-hook on the model; padding
+  included, positions are logical).
+- `observe_hidden_states: bool = False`: `on_hidden_states(hidden [B, Q, hidden], positions)`
+  once per forward, with the last layer's output after the final norm (forward hook on the norm).
+  It arrives after the layers ran, so a compression sees hidden states up to the previous step.
+- `default_budget: int | float | None = None`: budget used when the config gives none.
+- `reset()`: a new sequence (batch) starts; clear state kept on `self`.
+
+When and what
+-------------
+- `should_compress(store) -> bool`: called after every forward (prefill and each decode step) for
+  each layer with compressed heads. Default: compress when some (row, head) holds more evictable
+  tokens than its budget.
+- `select(store) -> BoolTensor`: which slots stay. `[B, H_c, K]` per (row, KV head), or `[B, K]`
+  per layer (applied to every head: only valid if the policy always selects per layer, so the
+  slots of all heads of a layer hold the same positions). The cache keeps
+  `(keep | forced_keep()) & valid()` and reallocates the store to exactly the largest kept count.
+  Helpers: `keep_top_scores(store, scores, budget=None)`, `keep_forced_only(store)`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from rlkv.cache import CompressedStore
+
+
+class CompressionPolicy:
+    """Base class of token-eviction policies for the compressed heads of a `HeadMixedCache`."""
+
+    name: ClassVar[str] = ""
+    observe_queries: ClassVar[int] = 0
+    observe_attention: ClassVar[bool] = False
+    observe_tokens: ClassVar[bool] = False
+    observe_hidden_states: ClassVar[bool] = False
+    default_budget: ClassVar[int | float | None] = None
+
+    def reset(self) -> None:
+        """A new sequence starts: clear any state kept on the policy object."""
+
+    def on_tokens(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Token ids [B, Q] entering the model at logical `positions` [Q] (if `observe_tokens`)."""
+
+    def on_hidden_states(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> None:
+        """Final-norm hidden states [B, Q, hidden] at logical `positions` [Q] (if `observe_hidden_states`)."""
+
+    def on_attention(self, store: CompressedStore, probs: torch.Tensor) -> None:
+        """Attention probabilities [B, H_c, G, Q, K] of the new queries over the store (if `observe_attention`)."""
+
+    def should_compress(self, store: CompressedStore) -> bool:
+        """Whether to run `select` now; default: some (row, head) holds more evictable tokens than its budget."""
+        if store.budget is None:
+            return False
+        return bool((store.num_evictable() > store.budget[:, None]).any())
+
+    def select(self, store: CompressedStore) -> torch.Tensor:
+        """BoolTensor keep mask [B, H_c, K] (or [B, K] per layer) over the store's slots."""
+        raise NotImplementedError(f"{type(self).__name__} must implement select(store)")
+
+
+def keep_forced_only(store: CompressedStore) -> torch.Tensor:
+    """Keep nothing beyond the cache's forced set (protected prompt, sink, window): BoolTensor [B, H_c, K]."""
+    return store.forced_keep()
+
+
+def keep_top_scores(
+    store: CompressedStore, scores: torch.Tensor, budget: torch.Tensor | int | None = None
+) -> torch.Tensor:
+    """Keep mask [B, H_c, K]: the forced set plus the highest-`scores` evictable slots.
+
+    scores: FloatTensor [B, H_c, K] (or [B, K], shared by all heads); higher = more important.
+    budget: evictable tokens to keep per (row, head), forced sink/window included; LongTensor[B],
+    int, or None for `store.budget`. Ties break towards the older position.
+    """
+    forced = store.forced_keep()
+    evictable = store.evictable()
+    if scores.dim() == 2:
+        scores = scores[:, None, :].expand_as(forced)
+    if budget is None:
+        budget = store.budget
+    if budget is None:
+        raise ValueError(
+            "keep_top_scores needs a budget: set CompressionConfig.budget or the policy's default_budget"
+        )
+    budget = torch.as_tensor(budget, device=forced.device).reshape(-1)
+    budget = budget.expand(forced.shape[0]) if budget.numel() == 1 else budget
+    already = (forced & evictable).sum(-1)  # forced evictable tokens spend budget too
+    extra = (budget[:, None] - already).clamp(min=0)  # [B, H_c]
+    candidate = evictable & ~forced
+    ranked = scores.float().masked_fill(~candidate, float("-inf"))
+    # stable sort on the slot order keeps older positions first among equal scores
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return forced | (candidate & (rank < extra[..., None]))

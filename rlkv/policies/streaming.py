@@ -1,0 +1,28 @@
+"""Streaming (sink + local window) eviction: RLKV's inference policy for compressed heads."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlkv.policies import register_policy
+from rlkv.policies.base import CompressionPolicy, keep_forced_only
+
+if TYPE_CHECKING:
+    from rlkv.cache import CompressedStore
+
+
+@register_policy("streaming")
+class StreamingPolicy(CompressionPolicy):
+    """Keep the first `sink` and last `window` tokens of each row (plus the protected prompt).
+
+    Sink and window sizes come from `CompressionConfig.sink` / `.window` (RLKV: 16 + 64); the
+    budget is ignored. Compresses as soon as anything outside that set is stored.
+    """
+
+    def should_compress(self, store: CompressedStore) -> bool:
+        return bool((store.valid() & ~store.forced_keep()).any())
+
+    def select(self, store: CompressedStore) -> torch.Tensor:
+        return keep_forced_only(store)
