@@ -1,0 +1,187 @@
+"""Gate checkpoint files, head-mask export, gate statistics, and the trainer callbacks that use them.
+
+A gate checkpoint directory holds `gates.safetensors` (tensor `alpha` [L, H_kv] plus sink/local
+and the model's name in the metadata), the model's `config.json`, and `head_mask.json` /
+`head_mask.tsv` (the exported `HeadMask`). Only the gates are saved, never the frozen weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, PretrainedConfig, TrainerCallback
+
+from rlkv.head_mask import HeadMask, HeadMaskError, ModelFingerprint
+
+GATES_FILE = "gates.safetensors"
+HEAD_MASK_JSON = "head_mask.json"
+HEAD_MASK_TSV = "head_mask.tsv"
+
+
+def full_alpha(alpha: torch.Tensor) -> torch.Tensor:
+    """The whole gate tensor [L, H_kv] on this rank, differentiable where the backend allows.
+
+    Plain tensors pass through; an FSDP2 DTensor is all-gathered (a collective: call on every
+    rank); a DeepSpeed ZeRO-3 parameter must be persistent (L * H_kv below
+    `stage3_param_persistence_threshold`), which gate tensors are unless the threshold is tiny.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(alpha, DTensor):
+        return alpha.full_tensor()
+    status = getattr(alpha, "ds_status", None)
+    if status is not None and "NOT_AVAILABLE" in str(status):
+        raise RuntimeError(
+            "DeepSpeed ZeRO-3 partitioned the gate tensor rlkv_gates.alpha; set "
+            f"zero_optimization.stage3_param_persistence_threshold above {int(alpha.ds_numel)} so it stays whole"
+        )
+    return alpha
+
+
+def gate_statistics(alpha: torch.Tensor, model_or_config: Any, target_sparsity: float) -> dict[str, float]:
+    """What a researcher watches about the gates (clamped to [0, 1]).
+
+    Returns mean/std/min/max, `above_0.5` (number of heads with alpha > 0.5), `mask_sparsity`
+    (achieved fraction of compressed heads of the mask at `target_sparsity`: rounding makes it
+    differ from the target) and `mask_margin` (lowest full-head gate minus highest compressed-head
+    gate: how clearly the gates separate the two groups at that sparsity; NaN if one group is empty).
+    """
+    mask = HeadMask.from_gates(alpha, model_or_config)
+    scores = mask.scores
+    full = mask.full_heads(target_sparsity)
+    n_full, n = int(full.sum()), scores.numel()
+    margin = float(scores[full].min() - scores[~full].max()) if 0 < n_full < n else math.nan
+    return {
+        "gates/mean": float(scores.mean()),
+        "gates/std": float(scores.std()) if n > 1 else 0.0,
+        "gates/min": float(scores.min()),
+        "gates/max": float(scores.max()),
+        "gates/above_0.5": float((scores > 0.5).sum()),
+        "gates/mask_sparsity": 1.0 - n_full / n,
+        "gates/mask_margin": margin,
+    }
+
+
+def save_gate_checkpoint(
+    directory: str | os.PathLike,
+    alpha: torch.Tensor,
+    sink: int,
+    local: int,
+    config: PretrainedConfig,
+    metadata: dict[str, Any] | None = None,
+) -> HeadMask:
+    """Write gates.safetensors, config.json, head_mask.json and head_mask.tsv into `directory` (atomically).
+
+    Returns the exported `HeadMask` (scores = alpha clamped to [0, 1]).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    alpha = alpha.detach().float().cpu().contiguous()
+    name = str(getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", ""))
+    tmp = directory / f".{GATES_FILE}.tmp"
+    save_file(
+        {"alpha": alpha},
+        str(tmp),
+        metadata={"format": "rlkv-gates", "sink": str(sink), "local": str(local), "model_name_or_path": name},
+    )
+    os.replace(tmp, directory / GATES_FILE)
+    config.save_pretrained(directory)
+    mask = HeadMask.from_gates(
+        SimpleNamespace(alpha=alpha, sink=sink, local=local), config, **(metadata or {})
+    )
+    mask.save(directory / HEAD_MASK_JSON)
+    mask.to_tsv(directory / HEAD_MASK_TSV)
+    return mask
+
+
+def load_gate_checkpoint(directory: str | os.PathLike) -> tuple[torch.Tensor, dict[str, str]]:
+    """Read `gates.safetensors` from a checkpoint directory: (alpha FloatTensor[L, H_kv], metadata)."""
+    path = Path(directory) / GATES_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{directory}: no {GATES_FILE}; expected a checkpoint written by rlkv's GateGRPOTrainer "
+            "(output_dir/checkpoint-N or output_dir itself after training)"
+        )
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = dict(f.metadata() or {})
+    tensors = load_file(str(path))
+    if "alpha" not in tensors or tensors["alpha"].dim() != 2:
+        raise HeadMaskError(f"{path}: expected one 2-D tensor named 'alpha' ([layers, kv_heads])")
+    return tensors["alpha"], metadata
+
+
+def head_mask_from_checkpoint(directory: str | os.PathLike, **metadata: Any) -> HeadMask:
+    """Rebuild the `HeadMask` of a gate checkpoint from its gates.safetensors and config.json."""
+    alpha, meta = load_gate_checkpoint(directory)
+    config = AutoConfig.from_pretrained(directory)
+    fingerprint = ModelFingerprint.of(config)
+    if meta.get("model_name_or_path"):
+        fingerprint = dataclasses.replace(fingerprint, name_or_path=meta["model_name_or_path"])
+    return HeadMask(
+        scores=alpha.clamp(0.0, 1.0),
+        fingerprint=fingerprint,
+        train_sink=int(meta.get("sink", 128)),
+        train_local=int(meta.get("local", 256)),
+        metadata={"checkpoint": str(directory), **metadata},
+    )
+
+
+def _gates_of(model: Any):
+    gates = getattr(model, "rlkv_gates", None)
+    if gates is None:
+        raise ValueError("model has no rlkv_gates; build it with rlkv.attach_gates or GateGRPOTrainer")
+    return gates
+
+
+class GateClampCallback(TrainerCallback):
+    """Projects the gates onto [0, 1] before training and after every optimizer step (authors: clamp).
+
+    Clamping in place under no_grad after the step keeps autograd intact and means every forward
+    (rollout generation and loss) sees gates in range.
+    """
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        _gates_of(model).clamp_()
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        _gates_of(model).clamp_()
+
+
+class HeadMaskExportCallback(TrainerCallback):
+    """Keeps `output_dir/head_mask.json` and `head_mask.tsv` current: refreshed at every save and at the end.
+
+    (Each checkpoint directory gets its own copy from `GateGRPOTrainer.save_model`.)
+    """
+
+    def __init__(self, metadata: dict[str, Any] | None = None):
+        self.metadata = dict(metadata or {})
+
+    def _export(self, args, state, model) -> None:
+        gates = _gates_of(model)
+        alpha = full_alpha(gates.alpha)  # every rank: may be a collective
+        if not state.is_world_process_zero:
+            return
+        config = model.config
+        mask = HeadMask.from_gates(
+            SimpleNamespace(alpha=alpha, sink=gates.sink, local=gates.local),
+            config,
+            global_step=state.global_step,
+            **self.metadata,
+        )
+        mask.save(Path(args.output_dir) / HEAD_MASK_JSON)
+        mask.to_tsv(Path(args.output_dir) / HEAD_MASK_TSV)
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        self._export(args, state, model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self._export(args, state, model)

@@ -1,0 +1,102 @@
+"""`GateGRPOConfig`: TRL's `GRPOConfig` with RLKV's gate and penalty fields and the paper's defaults."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig
+
+
+@dataclass
+class GateGRPOConfig(GRPOConfig):
+    """GRPO settings for training RLKV head gates (only the L x H_kv gates train; the model is frozen).
+
+    RLKV fields (see DESIGN.md, "RLKV"): the L1 penalty added to the loss is
+    `beta' * mean(|alpha|)` = `beta' / (L * H) * ||alpha||_1` with
+    `beta' = 1[r_bar > reward_threshold] * l1_beta * (exp(r_bar) - 1)` when `adaptive_penalty`,
+    else the constant `l1_beta`. `r_bar` is the mean raw reward of the step's generation batch.
+
+    Defaults that differ from TRL follow the paper (Table 3) and the authors' code: 4 generations,
+    lr 1e-2 constant, weight decay 0.017, clip epsilon 0.4, no KL (beta 0), 7168 new tokens,
+    per-sequence loss aggregation ("grpo"). bf16 defaults to on only when CUDA is available;
+    activation (gradient) checkpointing defaults to off.
+    """
+
+    l1_beta: float = field(
+        default=1e-3, metadata={"help": "Base weight beta of the L1 penalty on the gates."}
+    )
+    reward_threshold: float = field(
+        default=0.5,
+        metadata={"help": "tau: the penalty is exactly 0 while the step's mean reward r_bar <= tau."},
+    )
+    adaptive_penalty: bool = field(
+        default=True,
+        metadata={
+            "help": "Scale beta by 1[r_bar > tau] * (exp(r_bar) - 1); False = constant l1_beta (ablation)."
+        },
+    )
+    gate_sink: int = field(default=128, metadata={"help": "Sink tokens of the local branch during training."})
+    gate_local: int = field(
+        default=256, metadata={"help": "Local-window tokens of the local branch during training."}
+    )
+    gate_init: float = field(
+        default=1.0, metadata={"help": "Initial gate value in [0, 1] (1 = full attention)."}
+    )
+    target_sparsity: float = field(
+        default=0.5,
+        metadata={
+            "help": "Fraction of KV heads compressed by the exported mask; used for logging and metadata."
+        },
+    )
+
+    # paper / authors' defaults overriding TRL's
+    learning_rate: float = field(default=1e-2, metadata={"help": "AdamW learning rate of the gates."})
+    weight_decay: float = field(default=0.017, metadata={"help": "AdamW weight decay of the gates."})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "Learning-rate schedule."})
+    num_generations: int | None = field(default=4, metadata={"help": "Completions sampled per prompt (G)."})
+    max_completion_length: int | None = field(
+        default=7168, metadata={"help": "Maximum new tokens per completion."}
+    )
+    epsilon: float = field(
+        default=0.4, metadata={"help": "Clip range of the importance ratio (authors: 0.4)."}
+    )
+    beta: float = field(
+        default=0.0, metadata={"help": "KL coefficient; RLKV trains without KL or reference model."}
+    )
+    loss_type: str = field(
+        default="grpo",
+        metadata={
+            "help": "TRL loss aggregation; 'grpo' = per-sequence token mean, then mean over sequences."
+        },
+    )
+    logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Deprecated alias of activation_checkpointing (transformers 5)."}
+    )
+    activation_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Recompute activations in backward (memory for time); default off."}
+    )
+    bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; default: on iff CUDA."})
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = False
+        if self.bf16 is None:
+            self.bf16 = torch.cuda.is_available() and not self.fp16
+        _check_range("l1_beta", self.l1_beta, 0.0, math.inf, "a non-negative penalty weight such as 1e-3")
+        _check_range("reward_threshold", self.reward_threshold, -math.inf, math.inf, "a finite reward level")
+        _check_range("gate_init", self.gate_init, 0.0, 1.0, "a value in [0, 1]")
+        _check_range("target_sparsity", self.target_sparsity, 0.0, 1.0, "a fraction of heads in [0, 1]")
+        if self.gate_sink < 0 or self.gate_local < 1:
+            raise ValueError(
+                f"gate_sink={self.gate_sink}, gate_local={self.gate_local}: need gate_sink >= 0 and gate_local >= 1 "
+                "(paper: 128 and 256)"
+            )
+        super().__post_init__()
+
+
+def _check_range(name: str, value: float, low: float, high: float, what: str) -> None:
+    if not isinstance(value, (int, float)) or math.isnan(value) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r} is invalid: use {what}")

@@ -1,0 +1,183 @@
+"""`GateGRPOTrainer`: TRL's GRPOTrainer training only RLKV's head gates, with the adaptive L1 penalty.
+
+What it changes in TRL (everything else, GRPO included, is TRL's):
+- the model gets `rlkv.attach_gates` (frozen weights, gated mixed attention in training forwards
+  and in generation, so rollouts come from the gated policy itself);
+- `_calculate_rewards` records r_bar, the mean raw reward of the step's generation batch over
+  all ranks; `_compute_loss` adds `beta' * mean(|alpha|)` scaled for gradient accumulation as
+  TRL scales its loss;
+- the gates are clamped to [0, 1] after each optimizer step (`GateClampCallback`);
+- checkpoints hold the gates only (`gates.safetensors` + config + head_mask.json/tsv) plus
+  transformers' optimizer / scheduler / RNG / trainer state, and resume restores alpha exactly;
+- gate statistics are added to every training log record.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+from trl.trainer.utils import create_model_from_path
+
+from rlkv.gates import attach_gates
+from rlkv.trainers.callbacks import (
+    GateClampCallback,
+    HeadMaskExportCallback,
+    full_alpha,
+    gate_statistics,
+    load_gate_checkpoint,
+    save_gate_checkpoint,
+)
+from rlkv.trainers.config import GateGRPOConfig
+
+
+def penalty_weight(
+    mean_reward: float, l1_beta: float, reward_threshold: float, adaptive: bool = True
+) -> float:
+    """beta' of RLKV: `1[r_bar > tau] * beta * (exp(r_bar) - 1)` if adaptive, else `beta`.
+
+    A NaN mean reward (every completion unscorable) gives 0 when adaptive: no evidence, no penalty.
+    """
+    if not adaptive:
+        return float(l1_beta)
+    if math.isnan(mean_reward) or mean_reward <= reward_threshold:
+        return 0.0
+    return float(l1_beta * math.expm1(mean_reward))
+
+
+def l1_penalty(alpha: torch.Tensor, weight: float) -> torch.Tensor:
+    """`weight / (L * H) * ||alpha||_1` as a differentiable scalar."""
+    return weight * alpha.abs().mean()
+
+
+class GateGRPOTrainer(GRPOTrainer):
+    """GRPO on RLKV gates. Arguments as `trl.GRPOTrainer`; `args` must be a `GateGRPOConfig`.
+
+    `model` is a model path or a `PreTrainedModel`; gates are attached here (sink/local/init from
+    `args`) unless the model already carries `rlkv_gates`. `peft_config` is not accepted: the
+    gates are the only trainable tensor.
+    """
+
+    def __init__(
+        self, model: Any, reward_funcs: Any = None, args: GateGRPOConfig | None = None, **kwargs: Any
+    ):
+        if not isinstance(args, GateGRPOConfig):
+            raise TypeError(f"args must be a rlkv.trainers.GateGRPOConfig, got {type(args).__name__}")
+        if kwargs.get("peft_config") is not None:
+            raise ValueError("peft_config is not supported: GateGRPOTrainer trains only the rlkv gates")
+        train_dataset = kwargs.get("train_dataset")
+        if train_dataset is not None and hasattr(train_dataset, "__len__"):
+            if len(train_dataset) == 0:
+                raise ValueError("train_dataset is empty: check the dataset path/name, split and filters")
+            if "prompt" not in train_dataset.column_names:
+                raise ValueError(
+                    f"train_dataset has no 'prompt' column (columns: {train_dataset.column_names}); "
+                    "build prompts with train_gates.py's prompt_template or add the column"
+                )
+        if isinstance(model, str):
+            init_kwargs = dict(args.model_init_kwargs or {})
+            if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+                init_kwargs["device_map"] = None
+            model = create_model_from_path(model, **init_kwargs)
+        gates = getattr(model, "rlkv_gates", None)
+        if gates is None:
+            gates = attach_gates(model, sink=args.gate_sink, local=args.gate_local, init=args.gate_init)
+        elif (gates.sink, gates.local) != (args.gate_sink, args.gate_local):
+            raise ValueError(
+                f"model already has rlkv gates with sink/local {gates.sink}/{gates.local} but args say "
+                f"gate_sink/gate_local {args.gate_sink}/{args.gate_local}; make them agree"
+            )
+        trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+        if trainable != ["rlkv_gates.alpha"]:
+            raise ValueError(
+                f"only rlkv_gates.alpha may be trainable, found trainable parameters {trainable}"
+            )
+        run_metadata = {
+            "trainer": "rlkv.trainers.GateGRPOTrainer",
+            "l1_beta": args.l1_beta,
+            "reward_threshold": args.reward_threshold,
+            "adaptive_penalty": args.adaptive_penalty,
+            "target_sparsity": args.target_sparsity,
+        }
+        callbacks = [
+            *(kwargs.pop("callbacks", None) or []),
+            GateClampCallback(),
+            HeadMaskExportCallback(run_metadata),
+        ]
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, callbacks=callbacks, **kwargs)
+        self._run_metadata = run_metadata
+        self._mean_reward = {"train": math.nan, "eval": math.nan}
+
+    # the gates ------------------------------------------------------------------------------
+    @property
+    def gates(self):
+        """The `HeadGates` module of the (unwrapped) model."""
+        return self.accelerator.unwrap_model(self.model).rlkv_gates
+
+    # RLKV objective -------------------------------------------------------------------------
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # gathered over ranks already, so r_bar (and the penalty) is identical on every rank
+        weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        mode = "train" if self.model.training else "eval"
+        self._mean_reward[mode] = torch.nanmean(rewards).item() if rewards.numel() else math.nan
+        return rewards_per_func
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        args: GateGRPOConfig = self.args
+        r_bar = self._mean_reward[mode]
+        weight = penalty_weight(r_bar, args.l1_beta, args.reward_threshold, args.adaptive_penalty)
+        alpha = full_alpha(self.accelerator.unwrap_model(model).rlkv_gates.alpha)
+        penalty = l1_penalty(alpha, weight)
+        # TRL divides its loss by the accumulation steps in training; the penalty is per optimizer step
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        self._metrics[mode]["rlkv/r_bar"].append(r_bar)
+        self._metrics[mode]["rlkv/beta_prime"].append(weight)
+        self._metrics[mode]["rlkv/l1_penalty"].append(penalty.item())
+        return loss + penalty.to(loss.dtype) / normalizer
+
+    # logging --------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training:
+            alpha = full_alpha(self.gates.alpha)
+            logs.update(gate_statistics(alpha, self.model.config, self.args.target_sparsity))
+        super().log(logs, start_time)
+
+    # checkpoints: the gates only ------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the gates (gates.safetensors), config.json, head_mask.json/tsv, tokenizer and args."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        gates = self.gates
+        alpha = full_alpha(gates.alpha)  # every rank: may be a collective
+        if not self.args.should_save:
+            return
+        metadata = {**self._run_metadata, "global_step": self.state.global_step}
+        config = self.accelerator.unwrap_model(self.model).config
+        save_gate_checkpoint(output_dir, alpha, gates.sink, gates.local, config, metadata)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        alpha, _ = load_gate_checkpoint(resume_from_checkpoint)
+        gates = self.accelerator.unwrap_model(model if model is not None else self.model).rlkv_gates
+        if tuple(alpha.shape) != tuple(gates.alpha.shape):
+            raise ValueError(
+                f"{resume_from_checkpoint}: gates have shape {tuple(alpha.shape)}, this model needs "
+                f"{tuple(gates.alpha.shape)}; resume with the model the checkpoint was trained on"
+            )
+        target = gates.alpha
+        with torch.no_grad():
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
+            if isinstance(target, DTensor):
+                target.copy_(distribute_tensor(alpha.to(target.dtype), target.device_mesh, target.placements))
+            else:
+                target.copy_(alpha.to(device=target.device, dtype=target.dtype))

@@ -1,0 +1,163 @@
+"""Train RLKV head gates with GRPO: `accelerate launch train_gates.py --config recipes/<name>.yaml [--field value ...]`.
+
+Every field of `ScriptArguments` (data, prompt, rewards), `rlkv.trainers.GateGRPOConfig` (TRL's
+GRPOConfig plus RLKV's l1_beta, reward_threshold, adaptive_penalty, gate_*, target_sparsity) and
+TRL's `ModelConfig` (model_name_or_path, dtype, ...) can be set in the YAML or on the command line
+(the command line wins). Writes checkpoints with the gates and `head_mask.json` / `head_mask.tsv`
+into `output_dir` at every save and at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScriptArguments:
+    """What to train on and how it is scored."""
+
+    dataset_name: str = field(
+        default="",
+        metadata={
+            "help": "Problem set for rlkv.data.load_problems: a name (gsm8k, deepscaler, chain, reasoning_gym:<task>, "
+            "...), a .jsonl/.json/.parquet file or a save_to_disk folder (e.g. a curriculum) in the problem schema."
+        },
+    )
+    dataset_split: str | None = field(
+        default=None, metadata={"help": "Split (each named set has a default)."}
+    )
+    dataset_num: int | None = field(
+        default=None, metadata={"help": "Use this many problems (seeded sample)."}
+    )
+    dataset_data_files: str | None = field(
+        default=None, metadata={"help": "Local file in the hub layout for a named set (offline machines)."}
+    )
+    prompt_template: str = field(
+        default="auto",
+        metadata={"help": "rlkv.data prompt template: math (RLKV paper), code, plain, or auto (by source)."},
+    )
+    system_prompt: str | None = field(default=None, metadata={"help": "Optional system message."})
+    open_think: bool = field(
+        default=False, metadata={"help": "End the prompt inside an opened <think> block."}
+    )
+    rewards: list[str] = field(
+        default_factory=lambda: ["verify"],
+        metadata={
+            "help": "Reward functions: verify (the verifier registered for each row's source), math (boxed answer "
+            "vs `answer` with math-verify), or import paths module:function."
+        },
+    )
+
+
+def check_model_geometry(model_name_or_path: str, trust_remote_code: bool = False) -> None:
+    """Fail fast (before loading weights) when the model config lacks what per-KV-head gates need."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(text, a, None) is None]
+    if missing:
+        raise ValueError(
+            f"model {model_name_or_path!r} ({config.model_type}) has no {', '.join(missing)} in its config: rlkv "
+            "gates need a decoder with per-layer (grouped-query) attention such as Llama, Qwen2, Qwen3, Mistral"
+        )
+    heads, kv = (
+        text.num_attention_heads,
+        getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+    )
+    if heads % kv:
+        raise ValueError(
+            f"model {model_name_or_path!r}: num_attention_heads={heads} not divisible by kv heads={kv}"
+        )
+
+
+def build_train_dataset(
+    script_args: ScriptArguments, tokenizer, chat_template_kwargs: dict | None, seed: int
+):
+    """The problems with a `prompt` column (chat-templated string) added; ProblemDataError if unusable or empty."""
+    from rlkv.data import ProblemDataError, build_prompt, load_problems
+
+    if not script_args.dataset_name:
+        raise ProblemDataError("dataset_name is empty: set it in the recipe or with --dataset_name")
+    ds = load_problems(
+        script_args.dataset_name,
+        split=script_args.dataset_split,
+        num=script_args.dataset_num,
+        seed=seed,
+        data_files=script_args.dataset_data_files,
+    )
+    if len(ds) == 0:
+        raise ProblemDataError(
+            f"dataset {script_args.dataset_name!r} has no problems after loading/filtering"
+        )
+
+    def add_prompt(example: dict) -> dict:
+        prompt = build_prompt(
+            example,
+            tokenizer,
+            script_args.prompt_template,
+            system_prompt=script_args.system_prompt,
+            open_think=script_args.open_think,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return {"prompt": prompt}
+
+    return ds.map(add_prompt, desc="prompts")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the recipe, validate it, train, save the final gates and head mask."""
+    import torch
+    from transformers import AutoTokenizer
+    from trl import ModelConfig, TrlParser
+
+    from rlkv.data import ProblemDataError
+    from rlkv.gates import UnsupportedModelError
+    from rlkv.trainers import GateGRPOConfig, GateGRPOTrainer, get_reward
+
+    parser = TrlParser((ScriptArguments, GateGRPOConfig, ModelConfig))
+    try:
+        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    except ValueError as e:  # unknown recipe fields and invalid values
+        parser.error(f"bad recipe: {e}")
+    if not model_args.model_name_or_path:
+        parser.error("bad recipe: model_name_or_path is not set")
+    try:
+        check_model_geometry(model_args.model_name_or_path, model_args.trust_remote_code)
+        reward_funcs = [get_reward(name) for name in script_args.rewards]
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_args.model_name_or_path,
+            revision=model_args.model_revision,
+            trust_remote_code=model_args.trust_remote_code,
+            padding_side="left",
+        )
+        train_dataset = build_train_dataset(
+            script_args, tokenizer, training_args.chat_template_kwargs, seed=training_args.seed
+        )
+    except (ValueError, OSError, ProblemDataError) as e:
+        parser.error(f"bad recipe: {e}")
+    training_args.model_init_kwargs = {
+        **(training_args.model_init_kwargs or {}),
+        "revision": model_args.model_revision,
+        "trust_remote_code": model_args.trust_remote_code,
+        **({"dtype": model_args.dtype} if model_args.dtype else {}),
+    }
+    try:
+        trainer = GateGRPOTrainer(
+            model=model_args.model_name_or_path,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            processing_class=tokenizer,
+        )
+    except UnsupportedModelError as e:
+        parser.error(f"bad recipe: {e}")
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
