@@ -1,0 +1,115 @@
+"""RPC (Reasoning Path Compression, seed 000): periodic compression scored by a selector window.
+
+Schedule: the first compression runs once `interval + selector_window` tokens (P + R) were
+generated, then every `interval` tokens. Selectors are the last R queries (R - 1 cached ones plus
+the current), and their tokens are always kept. Candidates are the other evictable tokens (the
+prompt is protected by default, as in the paper, which never evicts it).
+
+Score of a candidate j of a layer (one selection per layer, shared by all its compressed heads):
+    s_j = avgpool_k( 1/(H G) * sum_{heads} sum_{i in selectors} softmax_{j in candidates}(q_i . k_j / sqrt(D)) )
+with the softmax over the candidate region only and the pooling over adjacent candidates (zero
+padding at the ends, divisor k, kernel 7), as in the authors' code.
+
+Budget: RPC's own target after cycle n is `n * int(P / c)` kept candidates plus the R selectors
+(the paper's ratio c = 4 over the generated part; sink/window tokens spend the same target). A
+`CompressionConfig.budget` (tokens or ratio) overrides that target; the schedule stays periodic,
+so between compressions a head holds up to budget + P evictable tokens (P plays the buffer's role).
+With `protect_prompt=False` the prompt joins the candidates and the target covers it too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from rlkv.policies import register_policy
+from rlkv.policies.base import CompressionPolicy, keep_top_scores
+from rlkv.policies.scoring import (
+    NEG_INF,
+    masked_softmax,
+    observation_logits,
+    observation_window,
+    pool_along_keys,
+)
+
+if TYPE_CHECKING:
+    from rlkv.cache import CompressedStore
+
+CYCLES = "rpc_cycles"
+
+
+@register_policy("rpc")
+class RPCPolicy(CompressionPolicy):
+    """Periodic, layer-wise selection from a selector window of recent queries (RPC).
+
+    interval: P, generated tokens between compressions (paper: 1024 or 4096; default 4096).
+    selector_window: R, recent queries that score the candidates, their tokens always kept (32).
+    ratio: c, target compression of the generated part (4: keep n * P / c after cycle n).
+    kernel: local pooling window along the candidates (7); pooling "avg" (paper) or "max".
+    """
+
+    def __init__(
+        self,
+        interval: int = 4096,
+        selector_window: int = 32,
+        ratio: float = 4.0,
+        kernel: int = 7,
+        pooling: Literal["avg", "max"] = "avg",
+    ):
+        if interval < 1:
+            raise ValueError(f"rpc: interval={interval} must be >= 1 (generated tokens between compressions)")
+        if selector_window < 1:
+            raise ValueError(
+                f"rpc: selector_window={selector_window} must be >= 1 (recent queries used as selectors)"
+            )
+        if ratio < 1:
+            raise ValueError(f"rpc: ratio={ratio} must be >= 1 (compression ratio of the generated part)")
+        if kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"rpc: kernel={kernel} must be a positive odd number (pooling window)")
+        if pooling not in ("avg", "max"):
+            raise ValueError(f"rpc: pooling={pooling!r}: use 'avg' (paper) or 'max'")
+        self.interval = int(interval)
+        self.selector_window = int(selector_window)
+        self.ratio = float(ratio)
+        self.kernel = int(kernel)
+        self.pooling = pooling
+        self.kept_per_cycle = int(self.interval / self.ratio)  # T = P / c, as int(P / c) in the paper's code
+        self.observe_queries = self.selector_window
+
+    def should_compress(self, store: CompressedStore) -> bool:
+        cycles = store.state.get(CYCLES, 0)
+        return store.num_generated >= (cycles + 1) * self.interval + self.selector_window
+
+    def target(self, store: CompressedStore) -> torch.Tensor:
+        """LongTensor[B]: evictable tokens to keep per row at the next compression."""
+        if store.budget is not None:
+            return store.budget
+        cycles = store.state.get(CYCLES, 0) + 1
+        kept = cycles * self.kept_per_cycle + self.selector_window
+        return torch.full_like(store.valid_length, kept)
+
+    def scores(self, store: CompressedStore) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores FloatTensor [B, K], selectors BoolTensor [B, K]) for the layer's slots.
+
+        Scores are pooled importance on candidates and 0 elsewhere; selectors mark the tokens of
+        the selector window (valid slots at the cached queries' positions).
+        """
+        positions = store.positions
+        if not bool((positions == positions[:, :1]).all()):
+            raise ValueError(
+                "rpc selects per layer: the compressed heads of a layer must hold the same positions"
+            )
+        selectors = observation_window(store)
+        candidates = store.evictable() & ~selectors
+        logits = observation_logits(store).masked_fill(~candidates[:, :, None, None, :], NEG_INF)
+        per_layer = masked_softmax(logits).sum(dim=3).mean(dim=(1, 2))  # sum over selectors, mean over heads
+        pooled = pool_along_keys(per_layer[:, None], self.kernel, self.pooling, candidates[:, :1])[:, 0]
+        return pooled, selectors[:, 0]
+
+    def select(self, store: CompressedStore) -> torch.Tensor:
+        target = self.target(store)
+        store.state[CYCLES] = store.state.get(CYCLES, 0) + 1
+        scores, selectors = self.scores(store)
+        keep = keep_top_scores(store, scores.masked_fill(selectors, float("inf")), target)
+        return keep[:, 0]

@@ -1,0 +1,100 @@
+"""SnapKV (Li et al. 2024), decode-adapted as R-KV's baseline: attention-only importance every `buffer` steps.
+
+SnapKV scores the cache with the attention of its last observation-window queries. Adapted to
+decoding the way R-KV's paper runs it as a baseline (seeds 001/004): once a (row, head) holds
+`budget + buffer` evictable tokens, score every evictable token outside the observation window,
+keep the top `budget - window` plus the `window` observation tokens (always kept). Importance per
+KV head: softmax over the non-window keys of each observation query, pooled over the query heads
+of the GQA group, max-pooled along the keys (kernel 7), averaged over the observation queries:
+R-KV's score without its redundancy term.
+
+Defaults follow R-KV's baseline (window 8, max-pool kernel 7, max over the group's raw logits
+before the softmax, buffer 128). SnapKV's own paper setting: `window=32, pooling="avg",
+group_pool="mean"` (mean over the group of each query head's softmax, SnapKV/AdaKV style).
+The softmax runs over every valid key outside the window, protected prompt included (SnapKV
+compresses the prompt with the same attention distribution); protected tokens are kept anyway.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from rlkv.policies import register_policy
+from rlkv.policies.base import CompressionPolicy, keep_top_scores
+from rlkv.policies.scoring import (
+    masked_softmax,
+    mean_over_queries,
+    observation_logits,
+    observation_window,
+    pool_along_keys,
+    pool_query_groups,
+)
+
+if TYPE_CHECKING:
+    from rlkv.cache import CompressedStore
+
+
+@register_policy("snapkv")
+class SnapKVPolicy(CompressionPolicy):
+    """Observation-window attention importance, compressing every `buffer` steps once over budget.
+
+    window: observation queries (8, R-KV's baseline; 32 in SnapKV's paper), their tokens kept.
+    kernel / pooling: pooling along the keys (7, "max"; SnapKV's code uses "avg").
+    group_pool: GQA pooling, "max" of the raw logits before the softmax (R-KV) or "mean" of the
+        query heads' softmax probabilities (SnapKV with GQA).
+    buffer: tokens added between compressions (128).
+    Default budget (no `CompressionConfig.budget`): 1024 tokens per head.
+    """
+
+    default_budget = 1024
+
+    def __init__(
+        self,
+        window: int = 8,
+        kernel: int = 7,
+        pooling: Literal["max", "avg"] = "max",
+        group_pool: Literal["max", "mean"] = "max",
+        buffer: int = 128,
+    ):
+        if window < 1:
+            raise ValueError(f"snapkv: window={window} must be >= 1 (observation queries)")
+        if kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"snapkv: kernel={kernel} must be a positive odd number (pooling window)")
+        if pooling not in ("max", "avg"):
+            raise ValueError(f"snapkv: pooling={pooling!r}: use 'max' (R-KV's baseline) or 'avg' (SnapKV)")
+        if group_pool not in ("max", "mean"):
+            raise ValueError(f"snapkv: group_pool={group_pool!r}: use 'max' (R-KV) or 'mean' (SnapKV)")
+        if buffer < 0:
+            raise ValueError(f"snapkv: buffer={buffer} must be >= 0 (tokens added between compressions)")
+        self.window = int(window)
+        self.kernel = int(kernel)
+        self.pooling = pooling
+        self.group_pool = group_pool
+        self.buffer = int(buffer)
+        self.observe_queries = self.window
+
+    def _due(self, store: CompressedStore) -> torch.Tensor:
+        """BoolTensor [B, H_c]: (row, head) pairs whose buffer is full."""
+        return store.num_evictable() >= store.budget[:, None] + max(self.buffer, 1)
+
+    def should_compress(self, store: CompressedStore) -> bool:
+        return store.budget is not None and bool(self._due(store).any())
+
+    def scores(self, store: CompressedStore) -> torch.Tensor:
+        """Importance FloatTensor [B, H_c, K]: 0 on the observation window and invalid slots."""
+        logits = observation_logits(store, exclude_window=True)
+        if self.group_pool == "max":
+            probs = masked_softmax(pool_query_groups(logits, "max"))
+        else:
+            probs = masked_softmax(logits).mean(dim=2)
+        domain = store.valid() & ~observation_window(store)
+        pooled = pool_along_keys(probs, self.kernel, self.pooling, domain)
+        return mean_over_queries(pooled, store.query_valid())
+
+    def select(self, store: CompressedStore) -> torch.Tensor:
+        scores = self.scores(store).masked_fill(observation_window(store), float("inf"))
+        keep = keep_top_scores(store, scores)
+        # rows/heads whose buffer is not full yet keep everything, as they would running alone
+        return torch.where(self._due(store)[..., None], keep, store.valid())
