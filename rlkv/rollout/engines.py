@@ -1,0 +1,185 @@
+"""Generation engines with one interface, used to build training data and to sample rollouts.
+
+`engine.generate(prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=None)` takes fully
+formatted prompt strings (chat template already applied, see `rlkv.data.build_prompt`) and returns
+one `rlkv.inference.GenerationOutput` per prompt, in order. Temperature 0 is greedy decoding.
+
+- `TransformersEngine`: the model in this process, batched with left padding, optionally with a
+  compressed KV cache; it delegates to `rlkv.inference.generate`.
+- `VLLMEngine`: vLLM (optional extra `pip install 'rlkv[vllm]'`), full KV cache only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rlkv.inference import GenerationOutput
+
+TINY_MODEL_PREFIX = "tiny:"
+
+
+class GenerationEngine(Protocol):
+    """What the curriculum builder and evaluators need from an engine."""
+
+    name: str
+
+    def generate(
+        self,
+        prompts: list[str],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[GenerationOutput]:
+        """One output per prompt, in order."""
+        ...
+
+
+def load_model_and_tokenizer(
+    model_path: str, dtype: str = "auto", device: str | None = None
+) -> tuple[Any, Any]:
+    """A causal LM (eval mode) and its left-padding tokenizer, via `rlkv.inference.load`.
+
+    `tiny:<family>` (e.g. `tiny:llama`) gives the random tiny test model and the offline tokenizer
+    of `rlkv.testing`, so the tools run on a fresh clone without any download.
+    """
+    if model_path.startswith(TINY_MODEL_PREFIX):
+        from rlkv.testing import tiny_model, tiny_tokenizer
+
+        model = tiny_model(model_path[len(TINY_MODEL_PREFIX) :] or "llama")
+        return (model if device is None else model.to(device)), tiny_tokenizer()
+    from rlkv.inference import load
+
+    return load(model_path, dtype=dtype, device=device)
+
+
+def _strip_duplicate_bos(prompts: list[str], tokenizer: Any) -> list[str]:
+    """Drop a leading BOS text from templated prompts when the tokenizer adds BOS itself (no double BOS)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or tokenizer.bos_token_id is None:
+        return prompts
+    adds_bos = tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    return [p[len(bos) :] if adds_bos and p.startswith(bos) else p for p in prompts]
+
+
+class TransformersEngine:
+    """Batched generation with a transformers model in this process (left padding; optional compressed cache).
+
+    model / tokenizer: a loaded causal LM and its tokenizer (see `from_pretrained` for a path).
+    compression: passed to `rlkv.inference.generate` (None = full KV cache, plain transformers decoding).
+    batch_size: prompts per forward batch.
+    """
+
+    name = "transformers"
+
+    def __init__(
+        self, model: Any, tokenizer: Any, compression: Any = None, batch_size: int = 8, progress: bool = False
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: must be >= 1")
+        if tokenizer.pad_token_id is None:
+            raise ValueError(
+                "the tokenizer has no pad token; batched generation needs one (e.g. tokenizer.pad_token = tokenizer.eos_token)"
+            )
+        self.model, self.tokenizer = model, tokenizer
+        self.compression, self.batch_size, self.progress = compression, batch_size, progress
+
+    @classmethod
+    def from_pretrained(
+        cls, model_path: str, *, dtype: str = "auto", device: str | None = None, **kwargs: Any
+    ) -> TransformersEngine:
+        """Load `model_path` (local path, hub id or `tiny:<family>`) and wrap it."""
+        model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
+        return cls(model, tokenizer, **kwargs)
+
+    def generate(
+        self,
+        prompts: list[str],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for formatted `prompts` (greedy when temperature is 0) through `rlkv.inference.generate`."""
+        from rlkv.inference import generate
+
+        sampling = temperature > 0
+        return generate(
+            self.model,
+            self.tokenizer,
+            # Prompts come chat-templated; rlkv.inference.generate then tokenizes them with special tokens.
+            _strip_duplicate_bos(list(prompts), self.tokenizer),
+            max_new_tokens,
+            compression=self.compression,
+            batch_size=self.batch_size,
+            do_sample=sampling,
+            temperature=temperature if sampling else 1.0,
+            top_p=top_p if sampling else 1.0,
+            apply_chat_template=False,
+            group_by_length=False,
+            progress=self.progress,
+            seed=seed,
+        )
+
+
+class VLLMEngine:
+    """Generation with vLLM (full KV cache). Needs `pip install 'rlkv[vllm]'` and a GPU.
+
+    model_path: local path or hub id; other keyword arguments go to `vllm.LLM` (e.g.
+    tensor_parallel_size, gpu_memory_utilization, max_model_len, dtype).
+    """
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, seed: int = 0, **llm_kwargs: Any):
+        try:
+            import vllm
+        except ImportError:
+            raise ImportError("the vLLM engine needs vLLM: pip install 'rlkv[vllm]'") from None
+        self._vllm = vllm
+        self.llm = vllm.LLM(model=model_path, seed=seed, **llm_kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: list[str],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for formatted `prompts` (greedy when temperature is 0); vLLM schedules its own batches."""
+        from rlkv.inference import GenerationOutput
+
+        params = self._vllm.SamplingParams(
+            temperature=temperature,
+            top_p=top_p if temperature > 0 else 1.0,
+            max_tokens=max_new_tokens,
+            seed=seed,
+        )
+        results = self.llm.generate(list(prompts), params, use_tqdm=False)
+        outputs = []
+        for result in results:
+            completion = result.outputs[0]
+            token_ids = list(completion.token_ids)
+            outputs.append(
+                GenerationOutput(
+                    text=completion.text,
+                    token_ids=token_ids,
+                    num_prompt_tokens=len(result.prompt_token_ids),
+                    num_generated_tokens=len(token_ids),
+                    finish_reason="length" if completion.finish_reason == "length" else "eos",
+                    cache_stats={},
+                )
+            )
+        return outputs
+
+
+def make_engine(kind: str, model_path: str, *, batch_size: int = 8, **kwargs: Any) -> GenerationEngine:
+    """An engine by name: "transformers" (any path, hub id, or `tiny:<family>`) or "vllm"."""
+    if kind == "transformers":
+        return TransformersEngine.from_pretrained(model_path, batch_size=batch_size, **kwargs)
+    if kind == "vllm":
+        return VLLMEngine(model_path, **kwargs)
+    raise ValueError(f"engine={kind!r}: choose 'transformers' or 'vllm'")
