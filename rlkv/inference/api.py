@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    PreTrainedModel,
+    StoppingCriteriaList,
+)
 
 from rlkv.cache import HeadMixedCache, install_observers
 from rlkv.cache_attention import register_attention
@@ -148,12 +154,15 @@ def generate(
     group_by_length: bool = False,
     progress: bool = True,
     seed: int | None = None,
+    stopping_criteria: list[Any] | None = None,
 ) -> list[GenerationOutput]:
     """Generate for a list of prompts (strings or chat message lists), in batches, left-padded.
 
     compression: None uses the config given to `load` (if any), else a plain full cache.
     group_by_length: batch prompts of similar token length together (less padding); results are
     always returned in input order. Returns one `GenerationOutput` per prompt.
+    stopping_criteria: extra transformers `StoppingCriteria` (e.g. the eval harness's repetition
+    stop); a row they end is padded with the pad token after its last real token.
     """
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], dict)):
         raise TypeError(
@@ -198,6 +207,7 @@ def generate(
                 max_new_tokens=max_new_tokens,
                 pad_token_id=pad_id,
                 eos_token_id=sorted(eos),
+                stopping_criteria=StoppingCriteriaList(stopping_criteria or []),
                 **sampling,
             )
         stats = (
