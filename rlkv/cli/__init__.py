@@ -12,6 +12,7 @@ import sys
 
 SUBCOMMANDS = [
     "rlkv.cli.generate",
+    "rlkv.cli.data",
     "rlkv.cli.export_mask",
 ]
 

@@ -1,0 +1,108 @@
+"""`rlkv data ...`: build the self-distilled length curriculum, or show problems of a dataset as prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `rlkv data curriculum` and `rlkv data show`."""
+    from rlkv.data.curriculum import PAPER_BUCKETS
+
+    data = subparsers.add_parser("data", help="problem datasets and the length curriculum")
+    sub = data.add_subparsers(dest="data_command", required=True)
+
+    cur = sub.add_parser(
+        "curriculum",
+        help="greedy-solve a problem pool, keep solved problems, bucket by solution length, sample quotas",
+        description="Self-distilled length curriculum (RLKV). Resumable: rerun the same command after a kill.",
+    )
+    cur.add_argument(
+        "--model", required=True, help="local path, hub id, or tiny:<family> (random test model)"
+    )
+    cur.add_argument(
+        "--problems", required=True, help="dataset name (rlkv.data.problem_sources()) or a schema file"
+    )
+    cur.add_argument("--out", required=True, help="output folder (dataset/, stats.json, shards/)")
+    cur.add_argument("--split", default=None, help="dataset split (default: the dataset's own)")
+    cur.add_argument(
+        "--num", type=int, default=None, help="pool size: seeded sample of the dataset (default: all)"
+    )
+    cur.add_argument(
+        "--data-files", default=None, help="read a named dataset from this local file (hub layout)"
+    )
+    cur.add_argument("--buckets", default=PAPER_BUCKETS, help="LOW-HIGH:QUOTA,... in tokens, k = 1024")
+    cur.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
+    cur.add_argument("--max-new-tokens", type=int, default=None, help="default: the top bucket's upper bound")
+    cur.add_argument("--batch-size", type=int, default=8, help="transformers engine batch size")
+    cur.add_argument("--chunk-size", type=int, default=None, help="problems per engine call / resume unit")
+    cur.add_argument("--seed", type=int, default=0, help="pool sampling and quota sampling seed")
+    cur.add_argument("--template", default="auto", help="prompt template: auto, math, code, plain")
+    cur.add_argument(
+        "--open-think", action="store_true", help="start the answer inside an opened <think> block"
+    )
+    cur.add_argument("--dtype", default="auto", help="model dtype for the transformers engine")
+    cur.add_argument("--device", default=None, help="device for the transformers engine (e.g. cuda)")
+    cur.set_defaults(func=_curriculum)
+
+    show = sub.add_parser("show", help="print problems of a dataset with the prompt the model would see")
+    show.add_argument("problems", help="dataset name or schema file")
+    show.add_argument("--split", default=None)
+    show.add_argument("--num", type=int, default=3)
+    show.add_argument("--seed", type=int, default=0)
+    show.add_argument("--data-files", default=None)
+    show.add_argument("--template", default="auto")
+    show.set_defaults(func=_show)
+
+
+def _curriculum(args: argparse.Namespace) -> int:
+    from rlkv.data.curriculum import CurriculumConfig, build_curriculum
+    from rlkv.data.loaders import load_problems
+    from rlkv.rollout.engines import make_engine
+
+    problems = load_problems(
+        args.problems, split=args.split, num=args.num, seed=args.seed, data_files=args.data_files
+    )
+    if args.engine == "transformers":
+        engine = make_engine(
+            "transformers", args.model, batch_size=args.batch_size, dtype=args.dtype, device=args.device
+        )
+    else:
+        engine = make_engine("vllm", args.model, seed=args.seed)
+    chunk_size = args.chunk_size or (args.batch_size * 8 if args.engine == "transformers" else 512)
+    config = CurriculumConfig(
+        buckets=args.buckets,
+        max_new_tokens=args.max_new_tokens,
+        template=args.template,
+        open_think=args.open_think,
+        chunk_size=chunk_size,
+        seed=args.seed,
+    )
+    result = build_curriculum(engine, problems, args.out, config)
+    stats = result.stats
+    print(
+        f"solved {stats['solved']}/{stats['pool_size']} ({stats['pool_accuracy']:.1%}); "
+        f"selected {stats['selected']} -> {result.out_dir / 'dataset'}"
+    )
+    for b in stats["buckets"]:
+        short = f" (short by {b['shortfall']})" if b["shortfall"] else ""
+        print(f"  {b['bucket']:>10}: {b['selected']}/{b['quota']} of {b['available']} solved{short}")
+    tput = stats["throughput"]
+    if tput["problems_generated"]:
+        print(f"throughput: {tput['problems_per_s']} problems/s, {tput['tokens_per_s']} tokens/s")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from rlkv.data.loaders import load_problems
+    from rlkv.data.prompts import format_problem
+
+    problems = load_problems(
+        args.problems, split=args.split, num=args.num, seed=args.seed, data_files=args.data_files
+    )
+    for row in problems:
+        meta = json.loads(row["metadata"]) if row.get("metadata") else {}
+        print(f"--- source={row['source']} answer={row['answer']!r} metadata keys={sorted(meta)}")
+        print(format_problem(row, args.template))
+    return 0

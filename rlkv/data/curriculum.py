@@ -1,0 +1,400 @@
+"""The self-distilled length curriculum (RLKV): the model's own solved problems, bucketed by solution length.
+
+`build_curriculum(engine, problems, out_dir, config)` runs the model greedily over a problem pool,
+keeps the problems it solves (verified, finished before `max_new_tokens`), buckets them by the
+token length of its own solution, samples each bucket's quota (seeded), orders the selection from
+short to long solutions (easy to hard) and writes, under `out_dir`:
+
+- `dataset/`: `datasets.Dataset.save_to_disk`, the pool's columns plus `prompt` (the chat-templated
+  string, the column TRL's GRPO trainer reads), `completion`, `solution_tokens`, `bucket`;
+- `stats.json`: pool accuracy, counts and shortfall per bucket, length histograms, throughput;
+- `shards/shard-NNNNN.jsonl`: one line per generated problem, appended and flushed chunk by
+  chunk. A killed run restarts where it stopped: finished chunks are read back, unfinished ones
+  are generated again with the same batch composition, so the final dataset equals that of an
+  uninterrupted run;
+- `run.json`: what the shards were generated with (pool fingerprint, generation settings);
+  resuming with a different pool or generation settings is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlkv._io import atomic_write_text
+from rlkv.data.prompts import build_prompt
+from rlkv.data.verify import verify
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from rlkv.rollout.engines import GenerationEngine
+
+logger = logging.getLogger(__name__)
+
+TOKENS_PER_K = 1024
+PAPER_BUCKETS = "0-2k:600,2k-4k:600,4k-6k:1000,6k-8k:800"
+_BOUND_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kK]?)\s*$")
+
+
+class CurriculumError(RuntimeError):
+    """The curriculum cannot be built (nothing solved, or an output folder from a different run)."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Solutions with `low <= solution_tokens < high`, of which `quota` are sampled. `label` is the spec text."""
+
+    low: int
+    high: int
+    quota: int
+    label: str
+
+    def holds(self, num_tokens: int) -> bool:
+        """Whether a solution of `num_tokens` tokens falls in this bucket."""
+        return self.low <= num_tokens < self.high
+
+
+def _parse_bound(text: str, spec: str) -> int:
+    match = _BOUND_RE.match(text)
+    if not match:
+        raise ValueError(f"buckets={spec!r}: bad token bound {text!r}; use e.g. 512, 2k or 1.5k (k = 1024)")
+    value = float(match.group(1)) * (TOKENS_PER_K if match.group(2) else 1)
+    return int(round(value))
+
+
+def parse_buckets(spec: str) -> list[Bucket]:
+    """Parse "0-2k:600,2k-4k:600,..." (token ranges [low, high), k = 1024, `:quota`) into sorted, disjoint buckets."""
+    buckets = []
+    for part in spec.split(","):
+        if not part.strip():
+            continue
+        bounds, sep, quota = part.partition(":")
+        low, dash, high = bounds.partition("-")
+        if not sep or not dash:
+            raise ValueError(
+                f"buckets={spec!r}: bad entry {part.strip()!r}; expected LOW-HIGH:QUOTA, e.g. 0-2k:600"
+            )
+        if not quota.strip().isdigit():
+            raise ValueError(f"buckets={spec!r}: quota {quota.strip()!r} must be a non-negative integer")
+        bucket = Bucket(_parse_bound(low, spec), _parse_bound(high, spec), int(quota), bounds.strip())
+        if bucket.low >= bucket.high:
+            raise ValueError(f"buckets={spec!r}: range {bucket.label!r} is empty (low >= high)")
+        buckets.append(bucket)
+    if not buckets:
+        raise ValueError(f"buckets={spec!r}: no buckets given")
+    buckets.sort(key=lambda b: b.low)
+    for prev, nxt in zip(buckets, buckets[1:]):
+        if nxt.low < prev.high:
+            raise ValueError(f"buckets={spec!r}: ranges {prev.label!r} and {nxt.label!r} overlap")
+    return buckets
+
+
+@dataclass
+class CurriculumConfig:
+    """Settings of `build_curriculum`.
+
+    buckets: "LOW-HIGH:QUOTA,..." token ranges of the model's solution (k = 1024), paper default.
+    max_new_tokens: generation limit (default: the top bucket's upper bound).
+    template / open_think / chat_template_kwargs: prompt construction (`rlkv.data.build_prompt`).
+    chunk_size: problems per engine call; also the resume granularity (a chunk is redone if cut).
+    seed: quota sampling seed.
+    histogram_bins: number of equal-width bins of the length histogram over [0, max_new_tokens].
+    """
+
+    buckets: str = PAPER_BUCKETS
+    max_new_tokens: int | None = None
+    template: str = "auto"
+    open_think: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chunk_size: int = 64
+    seed: int = 0
+    histogram_bins: int = 16
+
+    def resolved_max_new_tokens(self) -> int:
+        """`max_new_tokens`, defaulting to the top bucket's upper bound."""
+        return self.max_new_tokens or max(b.high for b in parse_buckets(self.buckets))
+
+    def generation_settings(self) -> dict[str, Any]:
+        """The settings the shard files depend on (changing them invalidates a partial run)."""
+        return {
+            "max_new_tokens": self.resolved_max_new_tokens(),
+            "template": self.template,
+            "open_think": self.open_think,
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "chunk_size": self.chunk_size,
+        }
+
+
+@dataclass
+class CurriculumResult:
+    """The saved curriculum (`dataset`, easy to hard), its `stats` (as in stats.json) and the output folder."""
+
+    dataset: Dataset
+    stats: dict[str, Any]
+    out_dir: Path
+
+
+def pool_fingerprint(problems: Dataset) -> str:
+    """A hash of the pool's problems, answers and sources, in order."""
+    digest = hashlib.sha256()
+    for row in problems.select_columns(["problem", "answer", "source"]):
+        digest.update(json.dumps([row["problem"], row["answer"], row["source"]]).encode())
+    return digest.hexdigest()
+
+
+def _check_or_write_manifest(out_dir: Path, problems: Dataset, config: CurriculumConfig, engine: Any) -> None:
+    manifest = {
+        "pool_fingerprint": pool_fingerprint(problems),
+        "pool_size": len(problems),
+        "generation": config.generation_settings(),
+    }
+    path = out_dir / "run.json"
+    if path.exists():
+        previous = json.loads(path.read_text())
+        for key in ("pool_fingerprint", "generation"):
+            if previous.get(key) != manifest[key]:
+                raise CurriculumError(
+                    f"{out_dir} holds a run with a different {key.replace('_', ' ')} "
+                    f"({previous.get(key)} vs {manifest[key]}); use another --out folder or delete it"
+                )
+        return
+    atomic_write_text(path, json.dumps({**manifest, "engine": getattr(engine, "name", "?")}, indent=2) + "\n")
+
+
+def read_shards(shard_dir: Path) -> dict[int, dict[str, Any]]:
+    """Finished records by pool index from the shard files (first occurrence wins; a cut last line is ignored)."""
+    records: dict[int, dict[str, Any]] = {}
+    for path in sorted(shard_dir.glob("shard-*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break  # the write of this line was cut by a kill
+                record = json.loads(line)
+                records.setdefault(record["index"], record)
+    return records
+
+
+def _chunks(num_problems: int, chunk_size: int) -> list[range]:
+    return [
+        range(start, min(start + chunk_size, num_problems)) for start in range(0, num_problems, chunk_size)
+    ]
+
+
+def _generate_pool(
+    engine: GenerationEngine, problems: Dataset, prompts: list[str], out_dir: Path, config: CurriculumConfig
+) -> tuple[dict[int, dict[str, Any]], dict[str, float]]:
+    """Generate and verify every problem not yet in the shards; returns all records and this run's throughput."""
+    from tqdm.auto import tqdm
+
+    shard_dir = out_dir / "shards"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    records = read_shards(shard_dir)
+    todo = [
+        chunk for chunk in _chunks(len(problems), config.chunk_size) if any(i not in records for i in chunk)
+    ]
+    max_new_tokens = config.resolved_max_new_tokens()
+    solved = sum(r["correct"] and r["finish_reason"] == "eos" for r in records.values())
+    done_before = sum(all(i in records for i in chunk) for chunk in _chunks(len(problems), config.chunk_size))
+    generated_tokens, start = 0, time.perf_counter()
+    shard_path = shard_dir / f"shard-{len(list(shard_dir.glob('shard-*.jsonl'))):05d}.jsonl"
+    bar = tqdm(
+        total=len(problems),
+        initial=len(problems) - sum(len(c) for c in todo),
+        desc="curriculum",
+        unit="problem",
+    )
+    with open(shard_path, "a", encoding="utf-8") as shard, bar:
+        for chunk in todo:
+            outputs = engine.generate([prompts[i] for i in chunk], max_new_tokens, temperature=0.0)
+            lines = []
+            for i, out in zip(chunk, outputs):
+                record = {
+                    "index": i,
+                    "correct": bool(verify(out.text, problems[i])),
+                    "finish_reason": out.finish_reason,
+                    "solution_tokens": int(out.num_generated_tokens),
+                    "completion": out.text,
+                }
+                solved += record["correct"] and record["finish_reason"] == "eos" and i not in records
+                records.setdefault(i, record)
+                generated_tokens += record["solution_tokens"]
+                lines.append(json.dumps(record) + "\n")
+            # One write per chunk, then fsync: a kill leaves whole chunks plus at most one cut line.
+            shard.write("".join(lines))
+            shard.flush()
+            os.fsync(shard.fileno())
+            elapsed = time.perf_counter() - start
+            bar.update(len(chunk))
+            bar.set_postfix(
+                solved=f"{solved}/{len(records)}", tok_s=f"{generated_tokens / max(elapsed, 1e-9):.1f}"
+            )
+    elapsed = time.perf_counter() - start
+    if shard_path.stat().st_size == 0:
+        shard_path.unlink()
+    problems_run = sum(len(c) for c in todo)
+    throughput = {
+        "problems_generated": problems_run,
+        "chunks_resumed": done_before,
+        "generated_tokens": generated_tokens,
+        "elapsed_s": round(elapsed, 3),
+        "problems_per_s": round(problems_run / elapsed, 4) if problems_run else None,
+        "tokens_per_s": round(generated_tokens / elapsed, 2) if problems_run else None,
+    }
+    return records, throughput
+
+
+def _histogram(lengths: list[int], max_new_tokens: int, bins: int) -> list[int]:
+    width = max_new_tokens / bins
+    counts = [0] * bins
+    for n in lengths:
+        counts[min(int(n / width), bins - 1)] += 1
+    return counts
+
+
+def select_curriculum(
+    records: dict[int, dict[str, Any]], buckets: list[Bucket], seed: int
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Sample each bucket's quota from the solved records (seeded); returns pool indices easy to hard and bucket stats."""
+    solved = sorted(i for i, r in records.items() if r["correct"] and r["finish_reason"] == "eos")
+    rng = random.Random(seed)
+    selected, bucket_stats = [], []
+    for bucket in buckets:
+        available = [i for i in solved if bucket.holds(records[i]["solution_tokens"])]
+        chosen = sorted(rng.sample(available, min(bucket.quota, len(available))))
+        shortfall = bucket.quota - len(chosen)
+        if shortfall:
+            message = (
+                f"bucket {bucket.label}: quota {bucket.quota} but only {len(available)} solved problems "
+                f"have a solution of {bucket.low}-{bucket.high} tokens (shortfall {shortfall})"
+            )
+            warnings.warn(message, stacklevel=3)
+            logger.warning(message)
+        selected += chosen
+        bucket_stats.append(
+            {
+                "bucket": bucket.label,
+                "low": bucket.low,
+                "high": bucket.high,
+                "quota": bucket.quota,
+                "available": len(available),
+                "selected": len(chosen),
+                "shortfall": shortfall,
+            }
+        )
+    selected.sort(key=lambda i: (records[i]["solution_tokens"], i))
+    return selected, bucket_stats
+
+
+def _save_dataset(dataset: Dataset, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dataset.save_to_disk(str(tmp))
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def build_curriculum(
+    engine: GenerationEngine,
+    problems: Dataset,
+    out_dir: str | os.PathLike,
+    config: CurriculumConfig | None = None,
+) -> CurriculumResult:
+    """Build (or resume) the length curriculum of `engine`'s model over `problems` (rlkv.data schema) in `out_dir`.
+
+    Raises CurriculumError when no problem is solved or `out_dir` holds a different run; warns
+    (UserWarning) for each bucket with fewer solved problems than its quota.
+    """
+    from datasets import Dataset
+
+    config = config or CurriculumConfig()
+    buckets = parse_buckets(config.buckets)
+    if len(problems) == 0:
+        raise CurriculumError("the problem pool is empty")
+    missing = [c for c in ("problem", "answer", "source") if c not in problems.column_names]
+    if missing:
+        raise CurriculumError(
+            f"the problem pool has no column {missing[0]!r}; load it with rlkv.data.load_problems"
+        )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_or_write_manifest(out_dir, problems, config, engine)
+
+    prompt_kwargs = {"open_think": config.open_think, "chat_template_kwargs": config.chat_template_kwargs}
+    prompts = [build_prompt(row, engine.tokenizer, config.template, **prompt_kwargs) for row in problems]
+    records, throughput = _generate_pool(engine, problems, prompts, out_dir, config)
+
+    max_new_tokens = config.resolved_max_new_tokens()
+    solved = [i for i, r in records.items() if r["correct"] and r["finish_reason"] == "eos"]
+    if not solved:
+        raise CurriculumError(
+            f"the model solved none of the {len(problems)} problems (finished: "
+            f"{sum(r['finish_reason'] == 'eos' for r in records.values())}); check the template "
+            f"({config.template!r}), max_new_tokens ({max_new_tokens}) and the answer format; "
+            f"completions are in {out_dir / 'shards'}"
+        )
+    selected, bucket_stats = select_curriculum(records, buckets, config.seed)
+
+    rows = []
+    for i in selected:
+        row = dict(problems[i])
+        row.update(
+            prompt=prompts[i],
+            completion=records[i]["completion"],
+            solution_tokens=records[i]["solution_tokens"],
+            bucket=next(b.label for b in buckets if b.holds(records[i]["solution_tokens"])),
+        )
+        rows.append(row)
+    if not rows:
+        raise CurriculumError(
+            f"{len(solved)} problems were solved but no solution length falls in the buckets {config.buckets!r}"
+        )
+    dataset = Dataset.from_list(rows)
+    _save_dataset(dataset, out_dir / "dataset")
+
+    by_source: dict[str, list[int]] = {}
+    for i, r in records.items():
+        counts = by_source.setdefault(problems[i]["source"], [0, 0])
+        counts[0] += r["correct"] and r["finish_reason"] == "eos"
+        counts[1] += 1
+    bins = config.histogram_bins
+    stats = {
+        "pool_size": len(problems),
+        "finished": sum(r["finish_reason"] == "eos" for r in records.values()),
+        "truncated": sum(r["finish_reason"] == "length" for r in records.values()),
+        "solved": len(solved),
+        "pool_accuracy": len(solved) / len(problems),
+        "accuracy_by_source": {s: c[0] / c[1] for s, c in sorted(by_source.items())},
+        "selected": len(selected),
+        "buckets": bucket_stats,
+        "unbucketed_solved": sum(
+            not any(b.holds(records[i]["solution_tokens"]) for b in buckets) for i in solved
+        ),
+        "length_histogram": {
+            "edges": [round(k * max_new_tokens / bins, 3) for k in range(bins + 1)],
+            "all": _histogram([r["solution_tokens"] for r in records.values()], max_new_tokens, bins),
+            "solved": _histogram([records[i]["solution_tokens"] for i in solved], max_new_tokens, bins),
+            "selected": _histogram([records[i]["solution_tokens"] for i in selected], max_new_tokens, bins),
+        },
+        "mean_solution_tokens_selected": sum(records[i]["solution_tokens"] for i in selected) / len(selected),
+        "config": asdict(config),
+        "max_new_tokens": max_new_tokens,
+        "engine": getattr(engine, "name", type(engine).__name__),
+        "throughput": throughput,
+    }
+    atomic_write_text(out_dir / "stats.json", json.dumps(stats, indent=2) + "\n")
+    return CurriculumResult(dataset=dataset, stats=stats, out_dir=out_dir)

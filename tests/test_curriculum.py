@@ -1,0 +1,252 @@
+"""Curriculum builder on the tiny model: quotas, ordering, stats vs data, resume after a kill == one run."""
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset, load_from_disk
+
+from rlkv.data import build_prompt, register_verifier
+from rlkv.data.curriculum import (
+    Bucket,
+    CurriculumConfig,
+    CurriculumError,
+    build_curriculum,
+    parse_buckets,
+    read_shards,
+)
+from rlkv.rollout import TransformersEngine
+
+SOURCE = "curriculum_test"
+BUCKETS = "0-10:2,10-30:3,30-40:5"
+MAX_NEW = 40
+
+
+def crc_correct(completion: str, example: dict) -> bool:
+    """A controllable stand-in for correctness (the random model solves nothing): 2 in 3 completions pass."""
+    return zlib.crc32(completion.encode()) % 3 != 0
+
+
+register_verifier(SOURCE, crc_correct)
+
+
+def _pool(n: int) -> Dataset:
+    rows = [{"problem": f"{a} + {a * 7 % 13} = ?", "answer": "0", "source": SOURCE} for a in range(n)]
+    return Dataset.from_list([{**r, "solution": "", "metadata": "{}"} for r in rows])
+
+
+def _config(**kw) -> CurriculumConfig:
+    return CurriculumConfig(
+        buckets=BUCKETS, max_new_tokens=MAX_NEW, template="plain", chunk_size=4, histogram_bins=4, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from rlkv.testing import tiny_model, tiny_tokenizer
+
+    return TransformersEngine(tiny_model("llama"), tiny_tokenizer(), batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def reference_run(engine, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    with pytest.warns(UserWarning, match="shortfall"):
+        result = build_curriculum(engine, _pool(24), out, _config())
+    return result
+
+
+def _plain_greedy(model, tokenizer, prompt):
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=tokenizer.eos_token_id
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_parse_buckets():
+    assert parse_buckets("2k-4k:600, 0-2k:5,4k-6.5k:0") == [
+        Bucket(0, 2048, 5, "0-2k"),
+        Bucket(2048, 4096, 600, "2k-4k"),
+        Bucket(4096, 6656, 0, "4k-6.5k"),
+    ]
+    for bad, msg in [
+        ("0-2k", "LOW-HIGH:QUOTA"),
+        ("0-2k:x", "quota"),
+        ("2k-1k:3", "empty"),
+        ("0-2k:1,1k-3k:1", "overlap"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            parse_buckets(bad)
+
+
+def test_quotas_ordering_and_stats_match_data(engine, reference_run):
+    pool = _pool(24)
+    model, tok = engine.model, engine.tokenizer
+    # Plain reference: unpadded greedy decoding of each prompt, bucketed here by hand.
+    solved = {}
+    for row in pool:
+        ids = _plain_greedy(model, tok, build_prompt(row, tok, "plain"))
+        if ids[-1] == tok.eos_token_id and crc_correct(tok.decode(ids, skip_special_tokens=True), row):
+            solved[row["problem"]] = len(ids)
+    buckets = parse_buckets(BUCKETS)
+    available = [sum(b.low <= n < b.high for n in solved.values()) for b in buckets]
+    assert 0 < sum(available) < len(pool)
+
+    ds, stats = reference_run.dataset, reference_run.stats
+    assert stats["solved"] == len(solved) and stats["pool_accuracy"] == len(solved) / len(pool)
+    assert [b["available"] for b in stats["buckets"]] == available
+    assert [b["selected"] for b in stats["buckets"]] == [min(b.quota, a) for b, a in zip(buckets, available)]
+    assert [b["shortfall"] for b in stats["buckets"]] == [
+        max(0, b.quota - a) for b, a in zip(buckets, available)
+    ]
+    assert stats["selected"] == len(ds) == sum(min(b.quota, a) for b, a in zip(buckets, available))
+    for b in buckets:
+        assert sum(bucket == b.label for bucket in ds["bucket"]) == min(b.quota, available[buckets.index(b)])
+
+    lengths = ds["solution_tokens"]
+    assert lengths == sorted(lengths)  # easy to hard
+    for row in ds:
+        assert solved[row["problem"]] == row["solution_tokens"]
+        assert row["prompt"] == build_prompt(row, tok, "plain")
+        assert crc_correct(row["completion"], row)
+        assert next(b for b in buckets if b.holds(row["solution_tokens"])).label == row["bucket"]
+    hist = stats["length_histogram"]
+    width = MAX_NEW / 4
+    assert hist["selected"] == [sum(int(n // width) == k for n in lengths) for k in range(4)]
+    assert sum(hist["all"]) == len(pool) and sum(hist["solved"]) == len(solved)
+
+    out = reference_run.out_dir
+    assert load_from_disk(str(out / "dataset")).to_list() == ds.to_list()
+    assert json.loads((out / "stats.json").read_text()) == stats
+    assert set(ds.column_names) >= {"problem", "answer", "source", "metadata", "prompt", "solution_tokens"}
+
+
+def _comparable(stats):
+    return {k: v for k, v in stats.items() if k != "throughput"}
+
+
+def test_resume_after_cut_shards_equals_uninterrupted(engine, reference_run, tmp_path):
+    (shard,) = sorted((reference_run.out_dir / "shards").glob("*.jsonl"))
+    data = shard.read_bytes()
+    rng = random.Random(0)
+    for cut in [rng.randrange(1, len(data)) for _ in range(2)]:
+        out = tmp_path / f"cut{cut}"
+        (out / "shards").mkdir(parents=True)
+        shutil.copy(reference_run.out_dir / "run.json", out / "run.json")
+        (out / "shards" / shard.name).write_bytes(data[:cut])
+        done = len(read_shards(out / "shards"))
+        with pytest.warns(UserWarning, match="shortfall"):
+            resumed = build_curriculum(engine, _pool(24), out, _config())
+        assert resumed.dataset.to_list() == reference_run.dataset.to_list()
+        assert _comparable(resumed.stats) == _comparable(reference_run.stats)
+        assert resumed.stats["throughput"]["problems_generated"] == 24 - (done // 4) * 4
+        # Append-only: the cut shard is untouched, the rest went to a new shard.
+        assert (out / "shards" / shard.name).read_bytes() == data[:cut]
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import sys, zlib
+    from datasets import Dataset
+    from rlkv.data import register_verifier
+    from rlkv.data.curriculum import CurriculumConfig, build_curriculum
+    from rlkv.rollout import TransformersEngine
+    from rlkv.testing import tiny_model, tiny_tokenizer
+    register_verifier("{source}", lambda c, e: zlib.crc32(c.encode()) % 3 != 0)
+    pool = Dataset.from_json(sys.argv[1])
+    config = CurriculumConfig(buckets="{buckets}", max_new_tokens={max_new}, template="plain", chunk_size=4,
+                              histogram_bins=4)
+    build_curriculum(TransformersEngine(tiny_model("llama"), tiny_tokenizer(), batch_size=4), pool, sys.argv[2], config)
+    """
+)
+
+
+def test_killed_process_restarts_without_loss(engine, tmp_path):
+    pool = _pool(64)
+    pool_file = tmp_path / "pool.jsonl"
+    pool.to_json(str(pool_file))
+    script = tmp_path / "run.py"
+    script.write_text(KILL_SCRIPT.format(source=SOURCE, buckets=BUCKETS, max_new=MAX_NEW))
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(pool_file), str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "."},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 120
+    delay = random.Random(1).uniform(0.0, 0.3)
+    while time.time() < deadline and proc.poll() is None:
+        shards = list((out / "shards").glob("*.jsonl")) if (out / "shards").exists() else []
+        if shards and shards[0].stat().st_size > 0:
+            time.sleep(delay)
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    done = len(read_shards(out / "shards"))
+    assert 0 < done < len(pool) and not (out / "stats.json").exists()
+
+    with pytest.warns(UserWarning, match="shortfall"):
+        resumed = build_curriculum(engine, pool, out, _config())
+        uninterrupted = build_curriculum(engine, pool, tmp_path / "whole", _config())
+    assert resumed.dataset.to_list() == uninterrupted.dataset.to_list()
+    assert _comparable(resumed.stats) == _comparable(uninterrupted.stats)
+    assert resumed.stats["throughput"]["problems_generated"] <= len(pool) - done + 3
+
+
+def test_zero_solved_and_mismatched_resume_are_clear_errors(engine, tmp_path):
+    register_verifier("never_solved", lambda completion, example: False)
+    pool = _pool(4).map(lambda r: {"source": "never_solved"})
+    with pytest.raises(CurriculumError, match="solved none of the 4 problems"):
+        build_curriculum(engine, pool, tmp_path / "zero", _config())
+    with pytest.raises(CurriculumError, match="different pool fingerprint"):
+        build_curriculum(engine, _pool(4), tmp_path / "zero", _config())
+    with pytest.raises(CurriculumError, match="different generation"):
+        build_curriculum(engine, pool, tmp_path / "zero", _config(open_think=True))
+
+
+def test_cli_builds_from_a_pool_file(tmp_path, capsys):
+    from rlkv.cli import main
+
+    pool_file = tmp_path / "pool.jsonl"
+    _pool(8).to_json(str(pool_file))
+    args = [
+        "data",
+        "curriculum",
+        "--model",
+        "tiny:llama",
+        "--problems",
+        str(pool_file),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    args += [
+        "--buckets",
+        "0-20:2,20-40:8",
+        "--max-new-tokens",
+        "40",
+        "--batch-size",
+        "4",
+        "--template",
+        "plain",
+    ]
+    with pytest.warns(UserWarning, match="shortfall"):
+        assert main(args) == 0
+    stats = json.loads((tmp_path / "o" / "stats.json").read_text())
+    printed = capsys.readouterr().out
+    assert f"solved {stats['solved']}/8" in printed and "tokens/s" in printed
+    assert len(load_from_disk(str(tmp_path / "o" / "dataset"))) == stats["selected"]
