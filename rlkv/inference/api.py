@@ -49,6 +49,7 @@ def make_cache(
     compression.validate()
     full_heads = compression.full_heads(model)
     policy = get_policy(compression.policy, **compression.policy_kwargs)
+    policy.attach(model)
     name = register_attention()
     if model.config._attn_implementation != name:
         model.set_attn_implementation(name)

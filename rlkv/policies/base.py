@@ -78,6 +78,8 @@ What a policy declares (class attributes) and the hooks it gets
   It arrives after the layers ran, so a compression sees hidden states up to the previous step.
 - `default_budget: int | float | None = None`: budget used when the config gives none.
 - `reset()`: a new sequence (batch) starts; clear state kept on `self`.
+- `attach(model)`: called once by `rlkv.inference.make_cache` with the model the cache serves, for
+  policies that act on the model itself (SkipKV's steering hook); install hooks idempotently.
 
 When and what
 -------------
@@ -113,6 +115,9 @@ class CompressionPolicy:
 
     def reset(self) -> None:
         """A new sequence starts: clear any state kept on the policy object."""
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """The model this policy's cache serves (from `make_cache`): install model hooks here, idempotently."""
 
     def on_tokens(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Token ids [B, Q] entering the model at logical `positions` [Q] (if `observe_tokens`)."""
