@@ -1,0 +1,25 @@
+"""Evaluation harness: methods x sparsities x benchmarks at matched KV budgets, error modes, reports.
+
+`run_eval(EvalConfig(...))` writes results.jsonl (resumable) and, through `write_report`, report.md
+and PNG plots. Method names and the budget-matching rule are in `rlkv.eval.methods`; the error-mode
+rules in `rlkv.eval.errors`.
+"""
+
+from rlkv.eval.errors import ERROR_MODES, RepetitionRule, RepetitionStop, classify_error
+from rlkv.eval.methods import BudgetRule, MethodError, matched_tokens_per_head, method_config, parse_method
+from rlkv.eval.runner import EvalConfig, read_results, run_eval
+
+__all__ = [
+    "ERROR_MODES",
+    "BudgetRule",
+    "EvalConfig",
+    "MethodError",
+    "RepetitionRule",
+    "RepetitionStop",
+    "classify_error",
+    "matched_tokens_per_head",
+    "method_config",
+    "parse_method",
+    "read_results",
+    "run_eval",
+]

@@ -1,0 +1,223 @@
+"""Evaluation methods by name, each turned into a `CompressionConfig` at a sparsity with matched KV budgets.
+
+Method names
+------------
+- ``full``: no compression (a plain full KV cache).
+- ``rlkv``, ``random-mask``, ``duo``: a head mask (the trained one, seeded random scores, a
+  DuoAttention TSV) keeps the top heads full at sparsity `s`; the other heads keep sink + window
+  (16 + 64) tokens (RLKV inference).
+- ``<mask>+<policy>`` (e.g. ``rlkv+rkv``, ``rlkv+rpc``): the same heads full, and the token-eviction
+  `policy` runs on the compressed heads with the same per-head token count, sink + window (80): a
+  smaller forced set (`combo_sink` + `combo_window`, default 16 + 8) leaves the policy real choices.
+- any other registered policy (``rkv``, ``h2o``, ``snapkv``, ``rpc``, ``skipkv``; ``streaming`` is
+  sink + the most recent tokens, policy ``sink-recent``): the policy on every head (baseline).
+
+Matching rule (``budget_rule="matched"``, the default)
+-----------------------------------------------------
+Let N = layers x KV heads, n_c = N - round((1 - s) * N) the heads a mask compresses (so s_eff =
+n_c / N is the sparsity a mask really has), o = sink + window = 80 and T the row's real length.
+A head-mask method then holds (1 - s_eff) * N * T + s_eff * N * o KV entries: on average
+``(1 - s_eff) * T + s_eff * o`` per head. A baseline gets exactly that per head: the dynamic budget
+``round((1 - s_eff) * T)`` plus a forced overhead of ``round(s_eff * o)`` tokens (split sink :
+window as 16 : 64), so resident KV is equal within one token per head at every length T >= o.
+The RLKV appendix instead gives baselines ``(1 - s) * T + 16 + 64`` per head, i.e. (1 - s_eff) * o
+more than the head-mask methods: that is ``budget_rule="paper"``. ``budget_rule="fixed"`` gives
+baselines a fixed token budget per head (R-KV's setting; not matched). Matching assumes the prompt
+is evictable (``protect_prompt=False``, as in RLKV where compressed heads keep only sink + local):
+a protected prompt stays in every head and breaks the equality.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlkv.head_mask import HeadMask
+from rlkv.policies import available as available_policies
+from rlkv.policies import register_policy
+from rlkv.policies.base import CompressionPolicy, keep_top_scores
+
+if TYPE_CHECKING:
+    from rlkv.cache import CompressedStore
+    from rlkv.inference.config import CompressionConfig
+
+MASK_METHODS = ("rlkv", "random-mask", "duo")
+BUDGET_RULES = ("matched", "paper", "fixed")
+# Baseline method name -> registered policy, where they differ.
+BASELINE_POLICY_ALIASES = {"streaming": "sink-recent"}
+
+
+class MethodError(ValueError):
+    """An unknown or unusable evaluation method name / setting."""
+
+
+@register_policy("sink-recent")
+class SinkRecentPolicy(CompressionPolicy):
+    """StreamingLLM with a budget: keep the sink and the most recent tokens that fit the budget.
+
+    (The `streaming` policy keeps sink + window only and ignores budgets; the `streaming` baseline at
+    a dynamic budget needs the recent part to grow with the budget.)
+    """
+
+    def select(self, store: CompressedStore) -> torch.Tensor:
+        return keep_top_scores(store, store.positions.float())
+
+
+@dataclass(frozen=True)
+class BudgetRule:
+    """How methods are sized at a sparsity (see the module docstring).
+
+    kind: "matched" (equal resident KV), "paper" (RLKV appendix: baselines (1 - s) * T + 16 + 64),
+        or "fixed" (baselines keep `fixed_budget` tokens per head).
+    sink, window: tokens a compressed head always keeps (RLKV inference: 16 + 64).
+    combo_sink, combo_window: forced tokens of `<mask>+<policy>` compressed heads (budget sink + window).
+    protect_prompt: keep prompt tokens out of eviction (breaks exact matching; see module docstring).
+    """
+
+    kind: str = "matched"
+    sink: int = 16
+    window: int = 64
+    fixed_budget: int | None = None
+    combo_sink: int = 16
+    combo_window: int = 8
+    protect_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in BUDGET_RULES:
+            raise MethodError(f"budget_rule={self.kind!r}: choose one of {BUDGET_RULES}")
+        if self.kind == "fixed" and (
+            self.fixed_budget is None or self.fixed_budget < self.sink + self.window
+        ):
+            raise MethodError(
+                f"budget_rule='fixed' needs fixed_budget >= sink + window = {self.sink + self.window} "
+                f"(got {self.fixed_budget!r})"
+            )
+        if self.combo_sink + self.combo_window > self.sink + self.window:
+            raise MethodError(
+                f"combo_sink + combo_window = {self.combo_sink + self.combo_window} must not exceed "
+                f"sink + window = {self.sink + self.window} (the compressed heads' token count)"
+            )
+
+    @property
+    def overhead(self) -> int:
+        """Tokens a sink + local compressed head keeps: sink + window."""
+        return self.sink + self.window
+
+
+@dataclass(frozen=True)
+class Method:
+    """A parsed method name: `mask` (a MASK_METHODS name or None) and the `policy` of the compressed heads."""
+
+    name: str
+    mask: str | None
+    policy: str | None
+
+    @property
+    def is_full(self) -> bool:
+        return self.mask is None and self.policy is None
+
+
+def parse_method(name: str) -> Method:
+    """`Method` for a method name; `MethodError` lists the valid forms."""
+    policies = available_policies()
+    if name == "full":
+        return Method(name, None, None)
+    if name in MASK_METHODS:
+        return Method(name, name, "streaming")
+    mask, plus, policy = name.partition("+")
+    if plus:
+        if mask in MASK_METHODS and policy in policies:
+            return Method(name, mask, policy)
+    else:
+        policy = BASELINE_POLICY_ALIASES.get(name, name)
+        if policy in policies and policy != "full":
+            return Method(name, None, policy)
+    raise MethodError(
+        f"unknown method {name!r}: use 'full', a mask method {list(MASK_METHODS)}, '<mask>+<policy>' or a "
+        f"baseline policy; registered policies: {policies}"
+    )
+
+
+def effective_sparsity(sparsity: float, num_heads: int) -> float:
+    """The fraction of heads a head mask really compresses at `sparsity`: 1 - round((1 - s) * N) / N."""
+    return 1.0 - int(round((1.0 - sparsity) * num_heads)) / num_heads
+
+
+def matched_tokens_per_head(sparsity: float, num_heads: int, length: int, overhead: int = 80) -> float:
+    """Mean KV entries per head a head-mask method holds for a row of `length` real tokens (the match target)."""
+    if length <= overhead:
+        return float(length)
+    s = effective_sparsity(sparsity, num_heads)
+    return (1.0 - s) * length + s * overhead
+
+
+def baseline_sizing(sparsity: float, num_heads: int, rule: BudgetRule) -> dict[str, Any]:
+    """`budget`, `sink`, `window` of a baseline (policy on every head) at `sparsity` under `rule`."""
+    if rule.kind == "fixed":
+        return {"budget": int(rule.fixed_budget), "sink": rule.sink, "window": rule.window}
+    s = effective_sparsity(sparsity, num_heads)
+    if rule.kind == "paper":
+        sink, window = rule.sink, rule.window
+    else:
+        overhead = int(round(s * rule.overhead))
+        sink = int(round(s * rule.sink))
+        sink, window = sink, overhead - sink
+    # every head compressed: the dynamic part is gone, only the overhead stays
+    budget: int | float = 1.0 - s if s < 1.0 else sink + window
+    return {"budget": budget, "sink": sink, "window": window}
+
+
+def num_kv_heads_total(model: Any) -> int:
+    """L * H_kv of a model (what sparsity fractions count)."""
+    from rlkv.head_mask import ModelFingerprint
+
+    fp = ModelFingerprint.of(model)
+    return fp.num_hidden_layers * fp.num_key_value_heads
+
+
+def method_config(
+    method: str | Method,
+    sparsity: float,
+    *,
+    model: Any,
+    masks: dict[str, HeadMask],
+    rule: BudgetRule | None = None,
+    policy_kwargs: dict[str, dict[str, Any]] | None = None,
+) -> CompressionConfig | None:
+    """The `CompressionConfig` of `method` at `sparsity` for `model` (None for `full`).
+
+    masks: head masks by mask-method name ("rlkv", "random-mask", "duo"), as needed by `method`.
+    policy_kwargs: constructor arguments per policy name (e.g. {"rkv": {"buffer": 0}}).
+    """
+    from rlkv.inference.config import CompressionConfig
+
+    method = parse_method(method) if isinstance(method, str) else method
+    rule = rule or BudgetRule()
+    if method.is_full:
+        return None
+    kwargs = dict((policy_kwargs or {}).get(method.policy, {}))
+    common = {"policy": method.policy, "policy_kwargs": kwargs, "protect_prompt": rule.protect_prompt}
+    if method.mask is None:
+        sizing = baseline_sizing(sparsity, num_kv_heads_total(model), rule)
+        return CompressionConfig(head_mask=None, sparsity=sparsity, **sizing, **common)
+    if method.mask not in masks:
+        raise MethodError(
+            f"method {method.name!r} needs the {method.mask!r} head mask; "
+            + ("set head_mask" if method.mask == "rlkv" else "set duo_mask (a DuoAttention TSV)")
+        )
+    mask = masks[method.mask]
+    mask.check_compatible(model)
+    if method.policy == "streaming":
+        return CompressionConfig(
+            head_mask=mask, sparsity=sparsity, sink=rule.sink, window=rule.window, **common
+        )
+    return CompressionConfig(
+        head_mask=mask,
+        sparsity=sparsity,
+        budget=rule.overhead,
+        sink=rule.combo_sink,
+        window=rule.combo_window,
+        **common,
+    )

@@ -1,0 +1,355 @@
+"""report.md and PNG plots, regenerated from results.jsonl alone (matplotlib is imported lazily).
+
+Tables (like RLKV Tables 1, 4-6): pass@1 per method x sparsity, resident KV per method x sparsity
+(with the largest deviation from the matched target), error modes on problems the full model
+solves, mean length of commonly-correct samples, wall time. Plots: accuracy vs sparsity per method
+(Figure 5), the head mask's gate heatmap (Figure 3), error-mode bars (Figure 9), mean length of
+commonly-correct samples (Figure 10).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from rlkv._io import atomic_write_text
+from rlkv.eval.errors import ERROR_MODES
+from rlkv.eval.methods import matched_tokens_per_head
+
+Row = dict[str, Any]
+
+
+def _methods(rows: list[Row]) -> list[str]:
+    """Methods in first-seen order, `full` first."""
+    seen = list(dict.fromkeys(r["method"] for r in rows))
+    return sorted(seen, key=lambda m: m != "full")
+
+
+def _sparsities(rows: list[Row]) -> list[float]:
+    return sorted({r["sparsity"] for r in rows if r["method"] != "full"})
+
+
+def _cell(rows: list[Row], method: str, sparsity: float) -> list[Row]:
+    if method == "full":
+        return [r for r in rows if r["method"] == "full"]
+    return [r for r in rows if r["method"] == method and r["sparsity"] == sparsity]
+
+
+def accuracy_table(rows: list[Row]) -> dict[str, dict[float, float]]:
+    """pass@1 (mean correctness over problems and samples) per method and sparsity."""
+    table: dict[str, dict[float, float]] = defaultdict(dict)
+    for method in _methods(rows):
+        for s in _sparsities(rows) or [0.0]:
+            cell = _cell(rows, method, s)
+            if cell:
+                table[method][s] = mean(float(r["correct"]) for r in cell)
+    return table
+
+
+def _solved_by_full(rows: list[Row]) -> set[tuple[str, str, int]]:
+    return {
+        (r["benchmark"], r["problem_id"], r["sample"]) for r in rows if r["method"] == "full" and r["correct"]
+    }
+
+
+def error_mode_table(rows: list[Row]) -> dict[tuple[str, float], dict[str, int]]:
+    """Error-mode counts of each (method, sparsity) on the problems the full model solves (plus `n`)."""
+    solved = _solved_by_full(rows)
+    table: dict[tuple[str, float], dict[str, int]] = {}
+    for method in _methods(rows):
+        if method == "full":
+            continue
+        for s in _sparsities(rows):
+            cell = [
+                r for r in _cell(rows, method, s) if (r["benchmark"], r["problem_id"], r["sample"]) in solved
+            ]
+            if cell:
+                counts = {mode: sum(r["error_mode"] == mode for r in cell) for mode in ERROR_MODES}
+                table[(method, s)] = {"n": len(cell), **counts}
+    return table
+
+
+def common_length_table(rows: list[Row]) -> dict[float, dict[str, Any]]:
+    """Per sparsity: problems every method (and full) solved, and each method's mean generated length on them."""
+    methods = _methods(rows)
+    out: dict[float, dict[str, Any]] = {}
+    for s in _sparsities(rows):
+        correct_sets = []
+        for m in methods:
+            correct_sets.append(
+                {(r["benchmark"], r["problem_id"], r["sample"]) for r in _cell(rows, m, s) if r["correct"]}
+            )
+        common = set.intersection(*correct_sets) if correct_sets else set()
+        lengths = {}
+        for m in methods:
+            vals = [
+                r["num_generated_tokens"]
+                for r in _cell(rows, m, s)
+                if (r["benchmark"], r["problem_id"], r["sample"]) in common
+            ]
+            if vals:
+                lengths[m] = mean(vals)
+        out[s] = {"n": len(common), "lengths": lengths}
+    return out
+
+
+def kv_table(rows: list[Row], num_heads: int, overhead: int) -> dict[tuple[str, float], dict[str, float]]:
+    """Per (method, sparsity): resident KV as % of full, and max |KV tokens per head - matched target|."""
+    table = {}
+    for method in _methods(rows):
+        for s in _sparsities(rows) or [0.0]:
+            cell = [r for r in _cell(rows, method, s) if r.get("kv_tokens") is not None]
+            if not cell:
+                continue
+            full = sum(r["logical_length"] * num_heads for r in cell)
+            target_s = 0.0 if method == "full" else s
+            dev = max(
+                abs(
+                    r["kv_tokens_per_head"]
+                    - matched_tokens_per_head(target_s, num_heads, r["logical_length"], overhead)
+                )
+                for r in cell
+            )
+            table[(method, s)] = {
+                "kv_percent": 100.0 * sum(r["kv_tokens"] for r in cell) / max(full, 1),
+                "max_dev": dev,
+                "kv_mib": mean(r["kv_bytes"] for r in cell) / 2**20,
+            }
+    return table
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s:g}"
+
+
+def render_markdown(rows: list[Row], config: dict[str, Any], num_heads: int | None) -> str:
+    """The report.md text for `rows` of one run with its saved `config`."""
+    lines = ["# rlkv evaluation report", ""]
+    benches = list(dict.fromkeys(r["benchmark"] for r in rows))
+    n_problems = {b: len({r["problem_id"] for r in rows if r["benchmark"] == b}) for b in benches}
+    lines += [
+        f"- model: `{config.get('model', '?')}`; head mask: `{config.get('head_mask')}`",
+        f"- benchmarks: {', '.join(f'{b} ({n} problems)' for b, n in n_problems.items())}; "
+        f"max_new_tokens {config.get('max_new_tokens')}; "
+        + (
+            f"pass@1 over {config.get('num_samples')} samples at temperature {config.get('temperature')}"
+            if config.get("temperature", 0) > 0
+            else "greedy pass@1"
+        ),
+        f"- rows: {len(rows)}; generation wall time {sum(r.get('seconds', 0) for r in rows):.0f} s",
+        "",
+        "**Budget matching** (`budget_rule: "
+        + str(config.get("budget_rule", "matched"))
+        + "`). "
+        + {
+            "matched": "At sparsity s a head mask keeps round((1 - s) N) of the N KV heads full and the rest at "
+            "sink + window tokens, i.e. (1 - s_eff) T + s_eff (sink + window) KV entries per head on average "
+            "(s_eff = the fraction of heads really compressed, T = the row's length). Token-eviction baselines "
+            "get exactly that per head: the dynamic budget round((1 - s_eff) T) plus a forced overhead of "
+            "round(s_eff (sink + window)) sink/recent tokens. `<mask>+<policy>` methods keep the mask's full "
+            "heads and let the policy pick sink + window tokens on the compressed heads. The KV table below "
+            "shows the measured deviation from that target (at most one token per head when matched).",
+            "paper": "RLKV appendix: baselines get round((1 - s) T) + sink + window tokens per head, "
+            "(1 - s_eff)(sink + window) per head more than the head-mask methods.",
+            "fixed": f"Baselines keep a fixed {config.get('fixed_budget')} tokens per head (R-KV setting); "
+            "not matched to the head-mask methods.",
+        }.get(str(config.get("budget_rule", "matched")), ""),
+        "",
+    ]
+    sparsities = _sparsities(rows)
+    header = "| method | " + " | ".join(f"s={_fmt_s(s)}" for s in sparsities) + " |"
+    rule = "| --- |" + " ---: |" * len(sparsities)
+    for bench in benches:
+        brows = [r for r in rows if r["benchmark"] == bench]
+        acc = accuracy_table(brows)
+        lines += [f"## {bench}: pass@1 (%)", "", header, rule]
+        for method, by_s in acc.items():
+            cells = [
+                f"{100 * by_s.get(0.0 if method == 'full' else s, float('nan')):.1f}" for s in sparsities
+            ]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append("")
+
+    if num_heads:
+        overhead = int(config.get("sink", 16)) + int(config.get("window", 64))
+        kv = kv_table(rows, num_heads, overhead)
+        lines += [
+            "## Resident KV: % of a full cache (max deviation from the matched target, tokens per head)",
+            "",
+            header,
+            rule,
+        ]
+        for method in _methods(rows):
+            cells = []
+            for s in sparsities:
+                c = kv.get((method, s))
+                cells.append("" if c is None else f"{c['kv_percent']:.1f} ({c['max_dev']:.1f})")
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append("")
+
+    errors = error_mode_table(rows)
+    lines += [
+        "## Error modes on problems the full model solves (repetitive / overlength / incorrect, of n)",
+        "",
+        header,
+        rule,
+    ]
+    for method in _methods(rows):
+        if method == "full":
+            continue
+        cells = []
+        for s in sparsities:
+            c = errors.get((method, s))
+            cells.append(
+                "" if c is None else f"{c['repetitive']} / {c['overlength']} / {c['incorrect']} of {c['n']}"
+            )
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Repetitive: the tail is a loop (RepetitionRule: < 10% distinct tokens in the last 400, or an exact "
+        "period <= 64 repeated >= 4 times over >= 64 tokens); overlength: hit max_new_tokens; incorrect: "
+        "finished with a wrong answer.",
+        "",
+    ]
+
+    common = common_length_table(rows)
+    lines += ["## Mean generated length of commonly-correct samples (tokens)", "", header, rule]
+    for method in _methods(rows):
+        cells = []
+        for s in sparsities:
+            c = common[s]
+            v = c["lengths"].get(method)
+            cells.append("" if v is None else f"{v:.0f}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines.append("| (n common) | " + " | ".join(str(common[s]["n"]) for s in sparsities) + " |")
+    lines.append("")
+
+    lines += ["## Generation wall time (s)", "", header, rule]
+    for method in _methods(rows):
+        cells = [f"{sum(r.get('seconds', 0) for r in _cell(rows, method, s)):.0f}" for s in sparsities]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot_accuracy(rows: list[Row], path: Path) -> None:
+    """Accuracy vs sparsity, one line per method, one panel per benchmark (RLKV Figure 5)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benches = list(dict.fromkeys(r["benchmark"] for r in rows))
+    fig, axes = plt.subplots(1, len(benches), figsize=(5 * len(benches), 3.8), squeeze=False)
+    for ax, bench in zip(axes[0], benches):
+        acc = accuracy_table([r for r in rows if r["benchmark"] == bench])
+        for method, by_s in acc.items():
+            if method == "full":
+                ax.axhline(100 * by_s[0.0], color="black", linestyle="--", label="full")
+                continue
+            xs = sorted(by_s)
+            ax.plot(xs, [100 * by_s[x] for x in xs], marker="o", label=method)
+        ax.set(title=bench, xlabel="sparsity (fraction of KV heads compressed)", ylabel="pass@1 (%)")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_error_modes(rows: list[Row], path: Path) -> None:
+    """Stacked error-mode bars per method and sparsity on full-solved problems (RLKV Figure 9)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = error_mode_table(rows)
+    labels = [f"{m}\ns={_fmt_s(s)}" for m, s in table]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels) + 2), 4))
+    bottom = [0.0] * len(labels)
+    for mode in ERROR_MODES:
+        vals = [100.0 * c[mode] / c["n"] for c in table.values()]
+        ax.bar(labels, vals, bottom=bottom, label=mode)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set(ylabel="% of full-solved problems", title="error modes")
+    ax.tick_params(axis="x", labelsize=7, rotation=90)
+    ax.legend()
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_common_length(rows: list[Row], path: Path) -> None:
+    """Mean generated length of commonly-correct samples per method vs sparsity (RLKV Figure 10)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    common = common_length_table(rows)
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for method in _methods(rows):
+        xs = [s for s in common if method in common[s]["lengths"]]
+        ax.plot(xs, [common[s]["lengths"][method] for s in xs], marker="o", label=method)
+    ax.set(xlabel="sparsity", ylabel="mean generated tokens", title="commonly-correct samples")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_gate_heatmap(scores: Any, path: Path, title: str = "head mask scores") -> None:
+    """Heatmap of a head mask's scores [L, H_kv] (RLKV Figure 3)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = [list(map(float, row)) for row in scores.tolist()]
+    fig, ax = plt.subplots(figsize=(max(3.0, 0.5 * len(data[0]) + 2), max(3.0, 0.25 * len(data) + 1.5)))
+    image = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
+    ax.set(xlabel="KV head", ylabel="layer", title=title)
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Save atomically (temp file + rename) and close the figure."""
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_report(out: str | os.PathLike, head_mask: Any = None, plots: bool = True) -> Path:
+    """Regenerate report.md (and the PNGs) in `out` from its results.jsonl; returns the report path."""
+    from rlkv.eval.runner import CONFIG_FILE, RESULTS_FILE, read_results
+
+    out = Path(out)
+    rows = read_results(out / RESULTS_FILE)
+    if not rows:
+        raise ValueError(f"{out / RESULTS_FILE}: no results to report; run `rlkv eval` first")
+    config_path = out / CONFIG_FILE
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    num_heads = None
+    if head_mask is not None:
+        num_heads = int(head_mask.scores.numel())
+    elif rows[0].get("kv_tokens") and rows[0].get("kv_tokens_per_head"):
+        num_heads = round(rows[0]["kv_tokens"] / rows[0]["kv_tokens_per_head"])
+    text = render_markdown(rows, config, num_heads)
+    if plots:
+        plot_accuracy(rows, out / "accuracy_vs_sparsity.png")
+        plot_error_modes(rows, out / "error_modes.png")
+        plot_common_length(rows, out / "common_length.png")
+        figures = ["accuracy_vs_sparsity.png", "error_modes.png", "common_length.png"]
+        if head_mask is not None:
+            plot_gate_heatmap(head_mask.scores, out / "gate_heatmap.png")
+            figures.append("gate_heatmap.png")
+        text += "\n## Figures\n\n" + "\n".join(f"![{f[:-4]}]({f})" for f in figures) + "\n"
+    return atomic_write_text(out / "report.md", text)

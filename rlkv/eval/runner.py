@@ -1,0 +1,399 @@
+"""The resumable evaluation loop: benchmarks x methods x sparsities -> results.jsonl (one row per generation).
+
+Rows are keyed by (benchmark, problem id, method, sparsity, sample). A rerun with the same output
+folder reads results.jsonl, skips every finished key and appends the rest (each row written and
+flushed as soon as its batch is done; a torn last line from a killed run is dropped). Settings that
+change results (model, max_new_tokens, budget rule, ...) are saved in `eval_config.json` and a
+rerun with different ones is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from rlkv._io import atomic_write_text
+from rlkv.eval.errors import RepetitionRule, RepetitionStop, classify_error
+from rlkv.eval.methods import BudgetRule, method_config, num_kv_heads_total, parse_method
+
+logger = logging.getLogger(__name__)
+
+RESULTS_FILE = "results.jsonl"
+CONFIG_FILE = "eval_config.json"
+# Settings that may change between a run and its resumption (they do not change any row).
+RESUME_FREE_FIELDS = ("out", "benchmarks", "methods", "sparsities", "num_problems", "batch_size", "progress")
+
+
+@dataclass
+class EvalConfig:
+    """One evaluation run (the fields of `recipes/eval/*.yaml`).
+
+    model: a path / hub id for `rlkv.inference.load`, or "tiny:<family>" (random tiny model, smoke tests).
+    head_mask: the trained head mask (JSON from `HeadMask.save`, or an RLKV/DuoAttention .tsv) for `rlkv*`.
+    duo_mask: a DuoAttention TSV for the `duo` method.
+    benchmarks: `rlkv.data.load_problems` names or files; `split` applies to each.
+    methods: see `rlkv.eval.methods`; `full` always runs first (error modes are measured against it).
+    sparsities: fractions of KV heads compressed; `full` runs once (recorded at sparsity 0).
+    num_samples, temperature, top_p: pass@1 over `num_samples` samples (temperature 0 = greedy, 1 sample).
+    budget_rule, fixed_budget, sink, window, combo_sink, combo_window, protect_prompt: `BudgetRule`.
+    policy_kwargs: constructor arguments per policy name.
+    early_stop_repetition: end a generation once `RepetitionRule` sees a loop (finish reason "repetition").
+    repetition: `RepetitionRule` fields.
+    """
+
+    model: str = ""
+    out: str = "eval-out"
+    head_mask: str | None = None
+    duo_mask: str | None = None
+    random_mask_seed: int = 0
+    benchmarks: list[str] = field(default_factory=lambda: ["chain"])
+    split: str | None = "test"
+    template: str = "auto"
+    system_prompt: str | None = None
+    methods: list[str] = field(default_factory=lambda: ["full", "rlkv"])
+    sparsities: list[float] = field(default_factory=lambda: [0.2, 0.4, 0.6, 0.8])
+    num_problems: int | None = 50
+    max_new_tokens: int = 1024
+    batch_size: int = 8
+    num_samples: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    budget_rule: str = "matched"
+    fixed_budget: int | None = None
+    sink: int = 16
+    window: int = 64
+    combo_sink: int = 16
+    combo_window: int = 8
+    protect_prompt: bool = False
+    policy_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    early_stop_repetition: bool = True
+    repetition: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "auto"
+    device: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.benchmarks or not self.methods:
+            raise ValueError("EvalConfig: `benchmarks` and `methods` must each name at least one entry")
+        for s in self.sparsities:
+            if not 0.0 <= float(s) <= 1.0:
+                raise ValueError(f"EvalConfig.sparsities: {s!r} is not a fraction in [0, 1]")
+        self.sparsities = [float(s) for s in self.sparsities]
+        if self.num_samples < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError("EvalConfig: num_samples, max_new_tokens and batch_size must be >= 1")
+        if self.temperature <= 0 and self.num_samples > 1:
+            raise ValueError(
+                f"EvalConfig: num_samples={self.num_samples} needs temperature > 0 (greedy samples are identical)"
+            )
+        for name in self.methods:
+            parse_method(name)
+        self.budget()  # validates the budget fields
+        self.repetition_rule()
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> EvalConfig:
+        """Build from a mapping (a YAML recipe); unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise ValueError(f"unknown eval config field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**doc)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> EvalConfig:
+        """Read a YAML recipe (see recipes/eval/)."""
+        import yaml
+
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: an eval recipe must be a YAML mapping of config fields")
+        return cls.from_dict(doc)
+
+    def budget(self) -> BudgetRule:
+        """The `BudgetRule` these settings describe."""
+        return BudgetRule(
+            kind=self.budget_rule,
+            sink=self.sink,
+            window=self.window,
+            fixed_budget=self.fixed_budget,
+            combo_sink=self.combo_sink,
+            combo_window=self.combo_window,
+            protect_prompt=self.protect_prompt,
+        )
+
+    def repetition_rule(self) -> RepetitionRule:
+        """The `RepetitionRule` these settings describe."""
+        return RepetitionRule(**self.repetition)
+
+
+def row_key(benchmark: str, problem_id: str, method: str, sparsity: float, sample: int) -> str:
+    """The resume key of one result row."""
+    return f"{benchmark}|{problem_id}|{method}|{sparsity:g}|{sample}"
+
+
+def read_results(path: str | os.PathLike, repair: bool = False) -> list[dict[str, Any]]:
+    """Rows of a results.jsonl. A torn last line (killed writer) is ignored, and cut off when `repair`."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    rows, good_end, start = [], 0, 0
+    while start < len(data):
+        end = data.find(b"\n", start)
+        line = data[start:] if end < 0 else data[start:end]
+        try:
+            if line.strip():
+                rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if end >= 0 and data[end + 1 :].strip():
+                raise ValueError(
+                    f"{path}: line {len(rows) + 1} is not valid JSON (not a torn last line)"
+                ) from None
+            break
+        if end < 0:
+            good_end = len(data) if line.strip() == b"" else good_end
+            break
+        start = good_end = end + 1
+    if repair and good_end < len(data):
+        logger.warning(
+            "%s: dropping a torn last line (%d bytes) left by an interrupted run", path, len(data) - good_end
+        )
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return rows
+
+
+def problem_id(index: int, example: dict[str, Any]) -> str:
+    """Stable id of a problem: its index in the loaded set plus a hash of its text and answer."""
+    digest = hashlib.sha1(f"{example['problem']}\x00{example['answer']}".encode()).hexdigest()[:8]
+    return f"{index:05d}-{digest}"
+
+
+def _load_model(cfg: EvalConfig):
+    if cfg.model.startswith("tiny:"):
+        from rlkv.testing import tiny_model, tiny_tokenizer
+
+        return tiny_model(cfg.model.split(":", 1)[1]), tiny_tokenizer()
+    if not cfg.model:
+        raise ValueError("EvalConfig.model is empty: give a model path, hub id, or tiny:<family>")
+    from rlkv.inference import load
+
+    return load(cfg.model, dtype=cfg.dtype, device=cfg.device)
+
+
+def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:
+    """The head masks the configured methods need, by mask-method name."""
+    from rlkv.head_mask import HeadMask
+
+    needed = {parse_method(m).mask for m in cfg.methods} - {None}
+    masks: dict[str, HeadMask] = {}
+    if "rlkv" in needed and cfg.head_mask:
+        path = Path(cfg.head_mask)
+        masks["rlkv"] = HeadMask.from_tsv(path, model) if path.suffix == ".tsv" else HeadMask.load(path)
+    if "random-mask" in needed:
+        masks["random-mask"] = HeadMask.random(model, seed=cfg.random_mask_seed)
+    if "duo" in needed and cfg.duo_mask:
+        masks["duo"] = HeadMask.from_tsv(cfg.duo_mask, model, kind="duo")
+    return masks
+
+
+def _check_resume(out: Path, cfg: EvalConfig) -> None:
+    path = out / CONFIG_FILE
+    current = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE_FIELDS}
+    if path.exists():
+        saved = json.loads(path.read_text())
+        diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        if diff and read_results(out / RESULTS_FILE):
+            raise ValueError(
+                f"{out}: results there were made with other settings ({', '.join(diff)} differ); "
+                "use another --out or the same settings to resume"
+            )
+    atomic_write_text(path, json.dumps(current, indent=1, sort_keys=True) + "\n")
+
+
+@dataclass
+class _Task:
+    benchmark: str
+    method: str
+    sparsity: float
+    sample: int
+
+
+def _tasks(cfg: EvalConfig) -> list[_Task]:
+    samples = range(cfg.num_samples)
+    tasks = [_Task(b, "full", 0.0, k) for b in cfg.benchmarks for k in samples if "full" in cfg.methods]
+    for b in cfg.benchmarks:
+        for s in cfg.sparsities:
+            for m in cfg.methods:
+                if m != "full":
+                    tasks.extend(_Task(b, m, s, k) for k in samples)
+    return tasks
+
+
+def _seed_for(cfg: EvalConfig, *parts: Any) -> int:
+    digest = hashlib.sha1("|".join(map(str, (cfg.seed, *parts))).encode()).hexdigest()
+    return int(digest[:8], 16)
+
+
+def run_eval(
+    cfg: EvalConfig,
+    model: Any = None,
+    tokenizer: Any = None,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+    write_report: bool = True,
+) -> Path:
+    """Run (or resume) the evaluation; returns the output folder with results.jsonl and the report.
+
+    model, tokenizer: an already loaded pair (else loaded from `cfg.model`).
+    on_row: called after each row is written (progress hooks, tests).
+    """
+    from tqdm.auto import tqdm
+
+    from rlkv.data import verify
+    from rlkv.data.loaders import load_problems
+    from rlkv.data.prompts import format_problem
+    from rlkv.data.verify import extract_boxed, strip_thinking
+    from rlkv.inference import generate
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_resume(out, cfg)
+    results_path = out / RESULTS_FILE
+    done_rows = read_results(results_path, repair=True)
+    done = {r["key"] for r in done_rows}
+    if model is None:
+        model, tokenizer = _load_model(cfg)
+    masks = build_masks(cfg, model)
+    rule, repetition = cfg.budget(), cfg.repetition_rule()
+    num_heads = num_kv_heads_total(model)
+    bytes_per_entry = 2 * model.config.get_text_config().head_dim * next(model.parameters()).element_size()
+
+    problems: dict[str, list[tuple[str, dict[str, Any], list[dict[str, str]], int]]] = {}
+    for bench in cfg.benchmarks:
+        ds = load_problems(bench, split=cfg.split, num=cfg.num_problems, seed=cfg.seed)
+        entries = []
+        for i, example in enumerate(ds):
+            messages = [{"role": "user", "content": format_problem(example, cfg.template)}]
+            if cfg.system_prompt:
+                messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            entries.append((problem_id(i, example), example, messages, length))
+        problems[bench] = entries
+
+    tasks = _tasks(cfg)
+    pending = {
+        id(t): [
+            e
+            for e in problems[t.benchmark]
+            if row_key(t.benchmark, e[0], t.method, t.sparsity, t.sample) not in done
+        ]
+        for t in tasks
+    }
+    total = sum(len(p) for p in pending.values())
+    tally: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for r in done_rows:
+        tally[r["method"]][0] += int(r["correct"])
+        tally[r["method"]][1] += 1
+    bar = tqdm(total=total, desc="eval", disable=not cfg.progress, dynamic_ncols=True)
+    sampling = cfg.temperature > 0
+    with open(results_path, "a", encoding="utf-8") as sink:
+        for task in tasks:
+            todo = sorted(pending[id(task)], key=lambda e: e[3])  # group by prompt length
+            if not todo:
+                continue
+            compression = method_config(
+                task.method,
+                task.sparsity,
+                model=model,
+                masks=masks,
+                rule=rule,
+                policy_kwargs=cfg.policy_kwargs,
+            )
+            for start in range(0, len(todo), cfg.batch_size):
+                chunk = todo[start : start + cfg.batch_size]
+                stop = RepetitionStop(repetition) if cfg.early_stop_repetition else None
+                began = time.perf_counter()
+                outputs = generate(
+                    model,
+                    tokenizer,
+                    [e[2] for e in chunk],
+                    cfg.max_new_tokens,
+                    compression=compression,
+                    batch_size=len(chunk),
+                    do_sample=sampling,
+                    temperature=cfg.temperature if sampling else 1.0,
+                    top_p=cfg.top_p,
+                    progress=False,
+                    seed=_seed_for(cfg, task.benchmark, task.method, task.sparsity, task.sample, chunk[0][0]),
+                    stopping_criteria=[stop] if stop is not None else None,
+                )
+                seconds = (time.perf_counter() - began) / len(chunk)
+                for row_idx, ((pid, example, _, _), output) in enumerate(zip(chunk, outputs)):
+                    token_ids, finish = output.token_ids, output.finish_reason
+                    if stop is not None and stop.stopped_rows[row_idx] and finish != "eos":
+                        token_ids = _strip_padding(token_ids, tokenizer.pad_token_id)
+                        finish = "repetition"
+                    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+                    correct = bool(verify(text, dict(example)))
+                    stats = output.cache_stats
+                    row = {
+                        "key": row_key(task.benchmark, pid, task.method, task.sparsity, task.sample),
+                        "benchmark": task.benchmark,
+                        "problem_id": pid,
+                        "method": task.method,
+                        "sparsity": task.sparsity,
+                        "sample": task.sample,
+                        "answer": example["answer"],
+                        "prediction": extract_boxed(strip_thinking(text)),
+                        "correct": correct,
+                        "completion": text,
+                        "num_prompt_tokens": output.num_prompt_tokens,
+                        "num_generated_tokens": len(token_ids),
+                        "finish_reason": finish,
+                        "error_mode": classify_error(
+                            correct=correct, finish_reason=finish, token_ids=token_ids, rule=repetition
+                        ),
+                        "logical_length": stats.get("logical_length"),
+                        "kv_tokens": stats.get("kept_tokens"),
+                        "kv_tokens_per_head": stats.get("kept_tokens", 0) / num_heads,
+                        "kv_bytes": stats.get("kept_tokens", 0) * bytes_per_entry,
+                        "resident_bytes": stats.get("resident_bytes"),
+                        "full_resident_bytes": stats.get("full_resident_bytes"),
+                        "evictions": stats.get("evictions"),
+                        "seconds": round(seconds, 4),
+                    }
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                    tally[task.method][0] += int(correct)
+                    tally[task.method][1] += 1
+                    bar.update(1)
+                    if on_row is not None:
+                        on_row(row)
+                os.fsync(sink.fileno())
+                bar.set_postfix_str(
+                    " ".join(f"{m}={c / n:.0%}" for m, (c, n) in tally.items() if n), refresh=False
+                )
+    bar.close()
+    if write_report:
+        from rlkv.eval.report import write_report as _write_report
+
+        _write_report(out, head_mask=masks.get("rlkv"))
+    return out
+
+
+def _strip_padding(token_ids: list[int], pad_id: int | None) -> list[int]:
+    """Drop the pad tokens generate appends to a row after a stopping criterion ended it."""
+    end = len(token_ids)
+    while pad_id is not None and end and token_ids[end - 1] == pad_id:
+        end -= 1
+    return token_ids[:end]
