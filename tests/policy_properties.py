@@ -1,0 +1,158 @@
+"""Shared property checks for the attention-based eviction policy tests (RPC, H2O, SnapKV).
+
+Not a test module: helpers that run a tiny model through a `HeadMixedCache` with a given policy
+instance and assert the properties every policy must have (batch rows independent, identity with
+plain `generate` when nothing is evicted, combined mode with a head mask).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkv.cache import HeadMixedCache
+from rlkv.cache_attention import register_attention
+from rlkv.head_mask import HeadMask
+from rlkv.policies.base import CompressionPolicy
+
+
+def generate_with(
+    model,
+    policy: CompressionPolicy,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    new_tokens: int,
+    *,
+    full_heads: torch.Tensor | None = None,
+    sink: int = 0,
+    window: int = 0,
+    budget: int | float | None = None,
+    protect_prompt: bool = True,
+) -> tuple[torch.Tensor, HeadMixedCache]:
+    """Greedy-generate exactly `new_tokens` tokens through a `HeadMixedCache`: (tokens [B, new], cache)."""
+    model.set_attn_implementation(register_attention())
+    cache = HeadMixedCache(
+        model.config,
+        full_heads,
+        policy,
+        sink=sink,
+        window=window,
+        budget=budget,
+        protect_prompt=protect_prompt,
+    )
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[:, input_ids.shape[1] :], cache
+
+
+def plain_generate(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int
+) -> torch.Tensor:
+    """Greedy tokens of the stock model (sdpa, DynamicCache)."""
+    model.set_attn_implementation("sdpa")
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[:, input_ids.shape[1] :]
+
+
+def kept_positions(cache: HeadMixedCache, row: int) -> list[list[list[int]]]:
+    """Per layer and compressed head: the row's kept positions, relative to its first real token."""
+    result = []
+    for layer in cache.layers:
+        store = layer.store
+        start = int(store.row_start[row])
+        heads = []
+        for head in range(store.positions.shape[1]):
+            pos = store.positions[row, head]
+            heads.append(sorted((pos[pos >= 0] - start).tolist()))
+        result.append(heads)
+    return result
+
+
+def assert_rows_independent(
+    model, make_policy, input_ids, attention_mask, new_tokens: int, **cache_kwargs
+) -> None:
+    """A left-padded batch gives every row the tokens and kept positions it gets alone."""
+    batch_tokens, batch_cache = generate_with(
+        model, make_policy(), input_ids, attention_mask, new_tokens, **cache_kwargs
+    )
+    evicted = 0
+    for row in range(input_ids.shape[0]):
+        real = attention_mask[row].bool()
+        alone_ids = input_ids[row : row + 1, real]
+        alone_tokens, alone_cache = generate_with(
+            model, make_policy(), alone_ids, torch.ones_like(alone_ids), new_tokens, **cache_kwargs
+        )
+        assert batch_tokens[row].tolist() == alone_tokens[0].tolist(), (
+            f"row {row}: tokens differ from running alone"
+        )
+        assert kept_positions(batch_cache, row) == kept_positions(alone_cache, 0), (
+            f"row {row}: kept positions differ"
+        )
+        evicted += alone_cache.stats()[0]["evictions"]
+    assert evicted > 0, "the check is vacuous: nothing was evicted"
+
+
+def assert_no_eviction_is_identity(
+    model, make_policy, input_ids, attention_mask, new_tokens: int, **cache_kwargs
+):
+    """With a budget above the sequence, tokens equal plain `model.generate` and nothing is evicted."""
+    expected = plain_generate(model, input_ids, attention_mask, new_tokens)
+    tokens, cache = generate_with(model, make_policy(), input_ids, attention_mask, new_tokens, **cache_kwargs)
+    assert tokens.tolist() == expected.tolist()
+    assert all(row["evictions"] == 0 for row in cache.stats())
+
+
+def expected_resident_bytes(cache: HeadMixedCache) -> int:
+    """Analytic bytes of a head-mixed cache from its shapes: full heads hold every column (padding
+    included), compressed heads their kept slots (K, D values fp32; int64 positions), plus the
+    cached queries and the policy's per-slot buffers (fp32)."""
+    total = 0
+    for layer in cache.layers:
+        num_full = int(layer.full_idx.numel())
+        if num_full:
+            batch, _, length, dim = layer.keys.shape
+            assert length == layer.logical_length
+            total += 2 * batch * num_full * length * dim * layer.keys.element_size()
+        store = layer.store
+        if store is None:
+            continue
+        batch, heads, slots, dim = store.keys.shape
+        total += 2 * batch * heads * slots * dim * store.keys.element_size()
+        total += batch * heads * slots * 8  # positions
+        total += batch * heads * slots * 4 * len(store._slot_buffers)
+        if store.queries is not None:
+            num_q = store.queries.shape[3]
+            total += batch * heads * layer.num_groups * num_q * dim * store.queries.element_size() + num_q * 8
+    return total
+
+
+def assert_combined_mode(
+    model, policy: CompressionPolicy, input_ids, attention_mask, new_tokens: int, **cache_kwargs
+):
+    """With a head mask at sparsity 0.5: full heads keep every token, the policy bounds the others,
+    and the resident bytes (read from storage) equal the analytic formula."""
+    full_heads = HeadMask.random(model, seed=3).full_heads(0.5)
+    assert full_heads.any() and not full_heads.all()
+    _, cache = generate_with(
+        model, policy, input_ids, attention_mask, new_tokens, full_heads=full_heads, **cache_kwargs
+    )
+    for layer in cache.layers:
+        if layer.full_idx.numel():
+            assert layer.keys.shape[2] == layer.logical_length  # every column kept
+    stores = [layer.store for layer in cache.layers if layer.store is not None]
+    assert stores and all(store.evicted.sum() > 0 for store in stores)
+    assert cache.resident_bytes() == expected_resident_bytes(cache)
+    return cache
