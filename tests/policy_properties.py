@@ -118,9 +118,12 @@ def assert_no_eviction_is_identity(
 def expected_resident_bytes(cache: HeadMixedCache) -> int:
     """Analytic bytes of a head-mixed cache from its shapes: full heads hold every column (padding
     included), compressed heads their kept slots (K, D values fp32; int64 positions), plus the
-    cached queries and the policy's per-slot buffers (fp32)."""
-    total = 0
+    cached queries and the policy's per-slot buffers (fp32), plus the O(B + H) bookkeeping (row
+    starts, eviction counters, head indices, the full-head layout)."""
+    total = cache.full_heads.numel()  # bool [L, H_kv]
     for layer in cache.layers:
+        batch = int(layer.row_start.numel())
+        total += batch * 8 + layer.num_kv_heads * 8  # row_start; full_idx + comp_idx
         num_full = int(layer.full_idx.numel())
         if num_full:
             batch, _, length, dim = layer.keys.shape
@@ -130,6 +133,7 @@ def expected_resident_bytes(cache: HeadMixedCache) -> int:
         if store is None:
             continue
         batch, heads, slots, dim = store.keys.shape
+        total += batch * 8  # eviction counter per row
         total += 2 * batch * heads * slots * dim * store.keys.element_size()
         total += batch * heads * slots * 8  # positions
         total += batch * heads * slots * 4 * len(store._slot_buffers)
