@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,29 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _curriculum(args: argparse.Namespace) -> int:
-    from rlkv.data.curriculum import CurriculumConfig, build_curriculum
-    from rlkv.data.loaders import load_problems
-    from rlkv.rollout.engines import make_engine
+    from rlkv.data.curriculum import CurriculumError
 
-    problems = load_problems(
-        args.problems, split=args.split, num=args.num, seed=args.seed, data_files=args.data_files
-    )
-    if args.engine == "transformers":
-        engine = make_engine(
-            "transformers", args.model, batch_size=args.batch_size, dtype=args.dtype, device=args.device
-        )
-    else:
-        engine = make_engine("vllm", args.model, seed=args.seed)
-    chunk_size = args.chunk_size or (args.batch_size * 8 if args.engine == "transformers" else 512)
-    config = CurriculumConfig(
-        buckets=args.buckets,
-        max_new_tokens=args.max_new_tokens,
-        template=args.template,
-        open_think=args.open_think,
-        chunk_size=chunk_size,
-        seed=args.seed,
-    )
-    result = build_curriculum(engine, problems, args.out, config)
+    try:
+        result = _build(args)
+    except (CurriculumError, ValueError) as e:  # bad data, buckets or settings, or nothing solved
+        print(f"rlkv data curriculum: error: {e}", file=sys.stderr)
+        return 2
     stats = result.stats
     print(
         f"solved {stats['solved']}/{stats['pool_size']} ({stats['pool_accuracy']:.1%}); "
@@ -92,6 +77,33 @@ def _curriculum(args: argparse.Namespace) -> int:
     if tput["problems_generated"]:
         print(f"throughput: {tput['problems_per_s']} problems/s, {tput['tokens_per_s']} tokens/s")
     return 0
+
+
+def _build(args: argparse.Namespace):
+    from rlkv.data.curriculum import CurriculumConfig, build_curriculum
+    from rlkv.data.loaders import load_problems
+    from rlkv.rollout.engines import make_engine
+
+    problems = load_problems(
+        args.problems, split=args.split, num=args.num, seed=args.seed, data_files=args.data_files
+    )
+    chunk_size = args.chunk_size or (args.batch_size * 8 if args.engine == "transformers" else 512)
+    config = CurriculumConfig(
+        buckets=args.buckets,
+        max_new_tokens=args.max_new_tokens,
+        template=args.template,
+        open_think=args.open_think,
+        chunk_size=chunk_size,
+        seed=args.seed,
+    )
+    config.resolved_max_new_tokens()  # validates the buckets before the model loads
+    if args.engine == "transformers":
+        engine = make_engine(
+            "transformers", args.model, batch_size=args.batch_size, dtype=args.dtype, device=args.device
+        )
+    else:
+        engine = make_engine("vllm", args.model, seed=args.seed)
+    return build_curriculum(engine, problems, args.out, config)
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
 """Problem datasets, prompt templates, answer verification and the self-distilled length curriculum."""
 
+from rlkv.data.curriculum import CurriculumConfig, CurriculumError, CurriculumResult, build_curriculum
 from rlkv.data.loaders import SCHEMA_COLUMNS, ProblemDataError, load_problems, problem_sources
 from rlkv.data.prompts import PROMPT_TEMPLATES, build_prompt, format_problem, register_template
 from rlkv.data.verify import (
@@ -14,6 +15,10 @@ from rlkv.data.verify import (
 )
 
 __all__ = [
+    "CurriculumConfig",
+    "CurriculumError",
+    "CurriculumResult",
+    "build_curriculum",
     "PROMPT_TEMPLATES",
     "SCHEMA_COLUMNS",
     "ProblemDataError",
