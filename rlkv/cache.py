@@ -193,7 +193,8 @@ class CompressedStore:
     def tensors(self) -> list[torch.Tensor | None]:
         """Every tensor the store holds (for resident-byte accounting)."""
         extra = [buf for buf, _ in self._slot_buffers.values()]
-        return [self.keys, self.values, self.positions, self.queries, self.query_positions, *extra]
+        kv = [self.keys, self.values, self.positions, self.queries, self.query_positions, *extra]
+        return [*kv, self.row_start, self.evicted]
 
 
 class HeadMixedLayer(CacheLayerMixin):
@@ -419,7 +420,7 @@ class HeadMixedLayer(CacheLayerMixin):
     # accounting ------------------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor | None]:
         extra = self.store.tensors() if self.store is not None else []
-        return [self.keys, self.values, *extra]
+        return [self.keys, self.values, *extra, self.row_start, self.full_idx, self.comp_idx]
 
 
 class HeadMixedCache(Cache):
@@ -500,8 +501,8 @@ class HeadMixedCache(Cache):
         return self.get_seq_length()
 
     def resident_bytes(self) -> int:
-        """Bytes of every tensor the cache holds, read from their storage."""
-        return _storage_bytes([t for layer in self.layers for t in layer.tensors()])
+        """Bytes of every tensor the cache holds (KV, positions and the O(B + H) bookkeeping), read from storage."""
+        return _storage_bytes([self.full_heads, *(t for layer in self.layers for t in layer.tensors())])
 
     def full_resident_bytes(self) -> int:
         """Bytes a full (DynamicCache) KV cache would hold for the same batch and length."""
