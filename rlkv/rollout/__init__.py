@@ -1,5 +1,7 @@
-"""Generation engines for training data and rollouts (transformers in-process; vLLM where installed)."""
+"""Generation engines for training data and rollouts (transformers in-process; vLLM where installed),
+and the RL-rollout memory saver (compressed KV cache inside TRL GRPO rollouts)."""
 
+from rlkv.rollout.compressed import CompressedRolloutConfig, RolloutKVStats, with_compressed_rollouts
 from rlkv.rollout.engines import (
     GenerationEngine,
     TransformersEngine,
@@ -8,4 +10,13 @@ from rlkv.rollout.engines import (
     make_engine,
 )
 
-__all__ = ["GenerationEngine", "TransformersEngine", "VLLMEngine", "load_model_and_tokenizer", "make_engine"]
+__all__ = [
+    "CompressedRolloutConfig",
+    "GenerationEngine",
+    "RolloutKVStats",
+    "TransformersEngine",
+    "VLLMEngine",
+    "load_model_and_tokenizer",
+    "make_engine",
+    "with_compressed_rollouts",
+]
