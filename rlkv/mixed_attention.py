@@ -44,72 +44,70 @@ def sink_local_attention(
     query [B, H, Q, D], key/value [B, H_kv, K, D] (GQA not repeated), valid BoolTensor[B, K] marks
     real keys (left padding = False). A query at position i (queries are positions K-Q..K-1) sees
     key j iff j <= i, valid[j], and (j is among the first `sink` valid keys of its row, or i - j < local).
-    Returns [B, Q, H, D]. Cost O(Q * (sink + C + local)) per head with query blocks of C <= local.
+    Returns [B, Q, H, D]. Queries are cut into blocks of C <= local; each block attends, in one
+    batched SDPA call, to the row's sink keys plus a window of C + local - 1 keys, so the cost is
+    O(Q * (sink + C + local)) per head and no score matrix is kept for the backward pass.
     """
     bsz, n_heads, q_len, dim = query.shape
-    n_kv, kv_len = key.shape[1], key.shape[2]
-    groups = n_heads // n_kv
+    kv_len = key.shape[2]
     device = query.device
     if valid is None:
         valid = torch.ones(bsz, kv_len, dtype=torch.bool, device=device)
-    q = query.view(bsz, n_kv, groups, q_len, dim)
     q_start = kv_len - q_len
-    neg = torch.finfo(query.dtype).min
-
-    # Sink keys: the first `sink` valid keys of each row (left padding shifts them right).
-    pad = (~valid).long().cumprod(dim=1).sum(dim=1)  # leading pad count per row, [B]
-    n_sink = min(sink, kv_len)
-    sink_pos = (pad[:, None] + torch.arange(n_sink, device=device)).clamp_max(kv_len - 1)  # [B, S]
-    gather = sink_pos[:, None, :, None].expand(bsz, n_kv, n_sink, dim)
-    k_sink, v_sink = key.gather(2, gather), value.gather(2, gather)
-    q_pos = q_start + torch.arange(q_len, device=device)  # [Q]
-    sink_ok = (
-        (sink_pos[:, None, :] <= q_pos[None, :, None])
-        & (
-            q_pos[None, :, None] - sink_pos[:, None, :] >= local
-        )  # inside the window: counted by the local part
-        & (pad[:, None, None] + torch.arange(n_sink, device=device) < kv_len)
-        & valid.gather(1, sink_pos)[:, None, :]
-    )  # [B, Q, S]
-    s_sink = torch.einsum("bkgqd,bksd->bkgqs", q, k_sink) * scaling
-    s_sink = s_sink.masked_fill(~sink_ok[:, None, None], neg)
-
-    # Local band: query block b (C queries) sees a window of C + local - 1 keys ending at its last query.
     block = max(1, min(local, q_len))
     n_blocks = -(-q_len // block)
     q_pad = n_blocks * block - q_len
     width = block + local - 1
-    # keys laid out so window b starts at padded index b * block; left pad local - 1, right pad q_pad
+
+    # Sink keys: the first `sink` valid keys of each row (left padding shifts them right).
+    lead_pad = (~valid).long().cumprod(dim=1).sum(dim=1)  # [B]
+    n_sink = min(sink, kv_len)
+    sink_idx = lead_pad[:, None] + torch.arange(n_sink, device=device)  # [B, S]
+    sink_exists = sink_idx < kv_len
+    sink_idx = sink_idx.clamp_max(kv_len - 1)
+    gather = sink_idx[:, None, :, None].expand(bsz, key.shape[1], n_sink, dim)
+    k_sink, v_sink = key.gather(2, gather), value.gather(2, gather)
+
+    # Window b covers keys [q_start + b*C - local + 1, q_start + (b+1)*C); pad so indices start at 0.
     lead = local - 1 - q_start
     k_src, v_src, valid_src = key, value, valid
-    if lead < 0:  # skip keys no query can reach through the band
+    if lead < 0:  # keys no query can reach through the band
         k_src, v_src, valid_src = key[:, :, -lead:], value[:, :, -lead:], valid[:, -lead:]
         lead = 0
-    k_band = torch.nn.functional.pad(k_src, (0, 0, lead, q_pad))
-    v_band = torch.nn.functional.pad(v_src, (0, 0, lead, q_pad))
-    valid_band = torch.nn.functional.pad(valid_src, (lead, q_pad), value=False)
-    k_win = k_band.unfold(2, width, block).transpose(-1, -2)  # [B, H_kv, NB, W, D]
-    v_win = v_band.unfold(2, width, block).transpose(-1, -2)
-    valid_win = valid_band.unfold(1, width, block)  # [B, NB, W]
-    q_blk = torch.nn.functional.pad(q, (0, 0, 0, q_pad)).view(bsz, n_kv, groups, n_blocks, block, dim)
-    s_band = torch.einsum("bkgncd,bknwd->bkgncw", q_blk, k_win) * scaling
-    # offset of key w relative to query c inside block: key index - query index = w - (local - 1) - c
+    pad = torch.nn.functional.pad
+    k_win = (
+        pad(k_src, (0, 0, lead, q_pad)).unfold(2, width, block).permute(0, 2, 1, 4, 3)
+    )  # [B, NB, H_kv, W, D]
+    v_win = pad(v_src, (0, 0, lead, q_pad)).unfold(2, width, block).permute(0, 2, 1, 4, 3)
+    valid_win = pad(valid_src, (lead, q_pad), value=False).unfold(1, width, block)  # [B, NB, W]
+
+    expand = (bsz, n_blocks) + k_sink.shape[1:]
+    k_all = torch.cat([k_sink[:, None].expand(expand), k_win], dim=3).flatten(0, 1)  # [B*NB, H_kv, S+W, D]
+    v_all = torch.cat([v_sink[:, None].expand(expand), v_win], dim=3).flatten(0, 1)
+
+    q_pos = (q_start + torch.arange(n_blocks * block, device=device)).view(n_blocks, block)  # [NB, C]
+    sink_ok = (
+        (sink_idx[:, None, None, :] <= q_pos[None, :, :, None])
+        & (q_pos[None, :, :, None] - sink_idx[:, None, None, :] >= local)  # else the window holds it
+        & (sink_exists & valid.gather(1, sink_idx))[:, None, None, :]
+    )  # [B, NB, C, S]
     rel = (
         torch.arange(width, device=device)[None, :]
         - (local - 1)
         - torch.arange(block, device=device)[:, None]
     )
     band_ok = ((rel <= 0) & (rel > -local))[None, None] & valid_win[:, :, None, :]  # [B, NB, C, W]
-    s_band = s_band.masked_fill(~band_ok[:, None, None], neg)
-    s_band = s_band.reshape(bsz, n_kv, groups, n_blocks * block, width)[:, :, :, :q_len]
-
-    probs = torch.softmax(torch.cat([s_sink, s_band], dim=-1), dim=-1)
-    p_sink, p_band = probs.split([n_sink, width], dim=-1)
-    p_band = torch.nn.functional.pad(p_band, (0, 0, 0, q_pad)).view(bsz, n_kv, groups, n_blocks, block, width)
-    out = torch.einsum("bkgqs,bksd->bkgqd", p_sink, v_sink)
-    out_band = torch.einsum("bkgncw,bknwd->bkgncd", p_band, v_win).reshape(bsz, n_kv, groups, -1, dim)
-    out = out + out_band[:, :, :, :q_len]
-    return out.reshape(bsz, n_heads, q_len, dim).transpose(1, 2)
+    allowed = torch.cat([sink_ok, band_ok], dim=-1).flatten(0, 1)[:, None]  # [B*NB, 1, C, S+W]
+    # additive mask: fully masked (padding) query rows get a uniform, finite softmax instead of NaN
+    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=device).masked_fill_(
+        ~allowed, torch.finfo(query.dtype).min
+    )
+    q_blk = pad(query, (0, 0, 0, q_pad)).view(bsz, n_heads, n_blocks, block, dim).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q_blk.flatten(0, 1), k_all, v_all, attn_mask=bias, scale=scaling, enable_gqa=True
+    )  # [B*NB, H, C, D]
+    out = out.view(bsz, n_blocks, n_heads, block, dim).permute(0, 1, 3, 2, 4).reshape(bsz, -1, n_heads, dim)
+    return out[:, :q_len]
 
 
 def mixed_attention_forward(
@@ -124,10 +122,13 @@ def mixed_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """AttentionInterface function: alpha-weighted mix of full SDPA and sink+local attention.
 
-    Reads the layer's gates from `module._rlkv_gates` (set by `attach_gates`). Returns ([B, Q, H, D], None).
+    Reads the layer's gates from `module._rlkv_gates` (set by `attach_gates`); a module without gates
+    (e.g. another model sharing the same config object) runs stock SDPA. Returns ([B, Q, H, D], None).
     """
-    gates = module._rlkv_gates
+    gates = getattr(module, "_rlkv_gates", None)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if gates is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     alpha = gates.alpha[module.layer_idx].clamp(0.0, 1.0)  # [H_kv]
     needs_grad = torch.is_grad_enabled() and alpha.requires_grad
     all_full = not needs_grad and bool((alpha == 1).all())
