@@ -291,15 +291,17 @@ def run_eval(
         problems[bench] = entries
 
     tasks = _tasks(cfg)
-    pending = {
-        id(t): [
-            e
-            for e in problems[t.benchmark]
-            if row_key(t.benchmark, e[0], t.method, t.sparsity, t.sample) not in done
-        ]
-        for t in tasks
-    }
-    total = sum(len(p) for p in pending.values())
+    # A fixed partition into length-sorted batches: a resumed run regenerates a partly written batch
+    # whole, so every row sees the same batch (padding, batch share of the cache) as without the kill.
+    batches = {}
+    for bench, entries in problems.items():
+        ordered = sorted(entries, key=lambda e: e[3])
+        batches[bench] = [ordered[i : i + cfg.batch_size] for i in range(0, len(ordered), cfg.batch_size)]
+
+    def key_of(task: _Task, entry: tuple) -> str:
+        return row_key(task.benchmark, entry[0], task.method, task.sparsity, task.sample)
+
+    total = sum(1 for t in tasks for e in problems[t.benchmark] if key_of(t, e) not in done)
     tally: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for r in done_rows:
         tally[r["method"]][0] += int(r["correct"])
@@ -308,7 +310,7 @@ def run_eval(
     sampling = cfg.temperature > 0
     with open(results_path, "a", encoding="utf-8") as sink:
         for task in tasks:
-            todo = sorted(pending[id(task)], key=lambda e: e[3])  # group by prompt length
+            todo = [c for c in batches[task.benchmark] if any(key_of(task, e) not in done for e in c)]
             if not todo:
                 continue
             compression = method_config(
@@ -319,8 +321,7 @@ def run_eval(
                 rule=rule,
                 policy_kwargs=cfg.policy_kwargs,
             )
-            for start in range(0, len(todo), cfg.batch_size):
-                chunk = todo[start : start + cfg.batch_size]
+            for chunk in todo:
                 stop = RepetitionStop(repetition) if cfg.early_stop_repetition else None
                 began = time.perf_counter()
                 outputs = generate(
@@ -339,6 +340,8 @@ def run_eval(
                 )
                 seconds = (time.perf_counter() - began) / len(chunk)
                 for row_idx, ((pid, example, _, _), output) in enumerate(zip(chunk, outputs)):
+                    if key_of(task, chunk[row_idx]) in done:
+                        continue
                     token_ids, finish = output.token_ids, output.finish_reason
                     if stop is not None and stop.stopped_rows[row_idx] and finish != "eos":
                         token_ids = _strip_padding(token_ids, tokenizer.pad_token_id)

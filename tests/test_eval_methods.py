@@ -1,0 +1,81 @@
+"""Method names -> CompressionConfig, and the matched-budget arithmetic."""
+
+import pytest
+
+from rlkv.eval.methods import (
+    BudgetRule,
+    MethodError,
+    baseline_sizing,
+    effective_sparsity,
+    matched_tokens_per_head,
+    method_config,
+    parse_method,
+)
+from rlkv.head_mask import HeadMask
+from rlkv.inference import CompressionConfig
+
+
+def test_parse_method_forms():
+    assert parse_method("full").is_full
+    assert (parse_method("rlkv").mask, parse_method("rlkv").policy) == ("rlkv", "streaming")
+    assert (parse_method("rlkv+h2o").mask, parse_method("rlkv+h2o").policy) == ("rlkv", "h2o")
+    assert (parse_method("h2o").mask, parse_method("h2o").policy) == (None, "h2o")
+    assert parse_method("streaming").policy == "sink-recent"
+    with pytest.raises(MethodError, match="registered policies"):
+        parse_method("nope")
+    with pytest.raises(MethodError):
+        parse_method("foo+h2o")
+
+
+@pytest.mark.parametrize("num_heads", [4, 7, 28 * 4, 32 * 8])
+@pytest.mark.parametrize("sparsity", [0.0, 0.2, 0.4, 0.5, 0.6, 0.8, 1.0])
+def test_matched_baseline_budget_equals_head_mask_kv_within_one_token(num_heads, sparsity):
+    rule = BudgetRule()
+    sizing = baseline_sizing(sparsity, num_heads, rule)
+    n_full = round((1 - sparsity) * num_heads)
+    for length in range(rule.overhead, 5000, 53):
+        # head-mask method: n_full heads hold every token, the others sink + window
+        mask_tokens = (n_full * length + (num_heads - n_full) * rule.overhead) / num_heads
+        budget = sizing["budget"]
+        # the cache's budget: round(ratio * length) + sink + window, or an int
+        per_head = (
+            budget if isinstance(budget, int) else round(budget * length) + sizing["sink"] + sizing["window"]
+        )
+        per_head = min(per_head, length)
+        assert abs(per_head - mask_tokens) <= 1.0
+        assert matched_tokens_per_head(sparsity, num_heads, length, rule.overhead) == pytest.approx(
+            mask_tokens
+        )
+
+
+def test_paper_and_fixed_rules():
+    paper = baseline_sizing(0.6, 40, BudgetRule(kind="paper"))
+    assert paper == {"budget": pytest.approx(0.4), "sink": 16, "window": 64}
+    fixed = baseline_sizing(0.6, 40, BudgetRule(kind="fixed", fixed_budget=1024))
+    assert fixed == {"budget": 1024, "sink": 16, "window": 64}
+    with pytest.raises(MethodError, match="fixed_budget"):
+        BudgetRule(kind="fixed")
+    with pytest.raises(MethodError, match="budget_rule"):
+        BudgetRule(kind="nope")
+    assert effective_sparsity(0.2, 4) == pytest.approx(0.25)
+
+
+def test_method_config_fields():
+    from rlkv.testing import tiny_model
+
+    model = tiny_model("llama")
+    mask = HeadMask.random(model, seed=1)
+    assert method_config("full", 0.5, model=model, masks={}) is None
+    rlkv = method_config("rlkv", 0.5, model=model, masks={"rlkv": mask})
+    assert isinstance(rlkv, CompressionConfig)
+    assert (rlkv.policy, rlkv.sink, rlkv.window, rlkv.protect_prompt) == ("streaming", 16, 64, False)
+    assert rlkv.full_heads(model).sum() == 2
+    combo = method_config(
+        "rlkv+h2o", 0.5, model=model, masks={"rlkv": mask}, policy_kwargs={"h2o": {"recent_ratio": 0.3}}
+    )
+    assert (combo.policy, combo.budget, combo.sink, combo.window) == ("h2o", 80, 16, 8)
+    assert combo.policy_kwargs == {"recent_ratio": 0.3}
+    base = method_config("h2o", 0.5, model=model, masks={})
+    assert base.head_mask is None and base.budget == pytest.approx(0.5) and base.sink + base.window == 40
+    with pytest.raises(MethodError, match="head_mask"):
+        method_config("rlkv", 0.5, model=model, masks={})

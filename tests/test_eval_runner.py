@@ -1,0 +1,153 @@
+"""The evaluation loop on a tiny model: identity at sparsity 0, matched KV from results.jsonl, resume, early stop."""
+
+import json
+
+import pytest
+
+from rlkv.eval import EvalConfig, read_results, run_eval
+from rlkv.eval.methods import matched_tokens_per_head
+from rlkv.head_mask import HeadMask
+from rlkv.testing import tiny_model, tiny_tokenizer
+
+METHODS = ["full", "rlkv", "random-mask", "streaming", "h2o", "rlkv+h2o"]
+NUM_HEADS = 4  # tiny model: 2 layers x 2 KV heads
+
+
+def _config(tmp_path, out, **overrides):
+    model = tiny_model("qwen2")
+    mask_path = tmp_path / "mask.json"
+    if not mask_path.exists():
+        HeadMask.random(model, seed=3).save(mask_path)
+    kwargs = dict(
+        model="tiny:qwen2",
+        out=str(tmp_path / out),
+        head_mask=str(mask_path),
+        benchmarks=["chain"],
+        methods=METHODS,
+        sparsities=[0.0, 0.5],
+        num_problems=3,
+        max_new_tokens=40,
+        batch_size=2,
+        progress=False,
+    )
+    kwargs.update(overrides)
+    return EvalConfig(**kwargs), model
+
+
+def _strip_timing(rows):
+    return {r["key"]: {k: v for k, v in r.items() if k != "seconds"} for r in rows}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("eval")
+    cfg, model = _config(tmp_path, "a")
+    out = run_eval(cfg, model=model, tokenizer=tiny_tokenizer())
+    return tmp_path, out, read_results(out / "results.jsonl")
+
+
+def test_rows_cover_every_key_once(uninterrupted):
+    _, _, rows = uninterrupted
+    keys = [r["key"] for r in rows]
+    assert len(keys) == len(set(keys)) == 3 * (1 + (len(METHODS) - 1) * 2)
+    for r in rows:
+        assert r["finish_reason"] in ("eos", "length", "repetition")
+        assert r["num_generated_tokens"] == (
+            40 if r["finish_reason"] == "length" else r["num_generated_tokens"]
+        )
+        assert r["correct"] is False and r["error_mode"] in ("repetitive", "overlength", "incorrect")
+
+
+def test_full_and_every_method_at_sparsity_zero_give_identical_predictions(uninterrupted):
+    _, _, rows = uninterrupted
+    full = {r["problem_id"]: r for r in rows if r["method"] == "full"}
+    for r in rows:
+        if r["sparsity"] == 0.0 and r["method"] != "full":
+            ref = full[r["problem_id"]]
+            assert r["completion"] == ref["completion"], r["method"]
+            assert r["num_generated_tokens"] == ref["num_generated_tokens"]
+            assert r["evictions"] == 0
+
+
+def test_resident_kv_is_matched_across_methods(uninterrupted):
+    _, _, rows = uninterrupted
+    half = [r for r in rows if r["sparsity"] == 0.5]
+    assert {r["method"] for r in half} == set(METHODS) - {"full"}
+    for r in half:
+        # KV entries per head from the cache stats vs the head-mask methods' (1 - s) T + s (16 + 64)
+        target = matched_tokens_per_head(0.5, NUM_HEADS, r["logical_length"], 80)
+        assert abs(r["kv_tokens_per_head"] - target) <= 1.0, (r["method"], r["kv_tokens_per_head"], target)
+        assert r["evictions"] > 0
+        assert r["kv_bytes"] == r["kv_tokens"] * 2 * 16 * 4  # K and V, head_dim 16, fp32
+    by_length = {}
+    for r in half:
+        by_length.setdefault((r["problem_id"], r["logical_length"]), []).append(r["kv_tokens_per_head"])
+    compared = [v for v in by_length.values() if len(v) > 1]
+    assert compared  # the same problem at the same length under several methods
+    for values in compared:
+        assert max(values) - min(values) <= 1.0
+
+
+def test_resume_after_kill_reproduces_results(uninterrupted):
+    tmp_path, _, reference = uninterrupted
+    cfg, model = _config(tmp_path, "b")
+    tok = tiny_tokenizer()
+
+    class Killed(Exception):
+        pass
+
+    written = []
+
+    def kill_after_seven(row):
+        written.append(row["key"])
+        if len(written) == 7:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_eval(cfg, model=model, tokenizer=tok, on_row=kill_after_seven)
+    results = tmp_path / "b" / "results.jsonl"
+    assert len(read_results(results)) == 7
+    with open(results, "a") as f:  # a row torn in the middle of its write
+        f.write('{"key": "chain|00002-')
+    resumed = []
+    run_eval(cfg, model=model, tokenizer=tok, on_row=lambda r: resumed.append(r["key"]))
+    assert not set(resumed) & set(written)  # finished rows were skipped
+    rows = read_results(results)
+    assert _strip_timing(rows) == _strip_timing(reference)
+    assert results.read_text().endswith("\n") and len(results.read_text().splitlines()) == len(reference)
+
+
+def test_resume_refuses_other_settings(uninterrupted):
+    tmp_path, out, _ = uninterrupted
+    cfg, model = _config(tmp_path, "a", max_new_tokens=41)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        run_eval(cfg, model=model, tokenizer=tiny_tokenizer())
+
+
+def test_early_stop_on_repetition(tmp_path):
+    # a rule that calls any repeated token in the last 8 a loop: rows stop at the first check after one
+    cfg, model = _config(
+        tmp_path,
+        "stop",
+        methods=["full"],
+        max_new_tokens=64,
+        repetition={"window": 8, "min_unique_ratio": 1.0, "max_period": 1, "min_loop_tokens": 1000},
+    )
+    out = run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+    rows = read_results(out / "results.jsonl")
+    stopped = [r for r in rows if r["finish_reason"] == "repetition"]
+    assert stopped
+    pad = tiny_tokenizer().pad_token
+    for r in stopped:
+        assert r["num_generated_tokens"] % 16 == 0 and r["num_generated_tokens"] < 64
+        assert r["error_mode"] == "repetitive" and pad not in r["completion"]
+
+
+def test_report_is_regenerated_from_results(uninterrupted):
+    _, out, rows = uninterrupted
+    report = (out / "report.md").read_text()
+    assert "| rlkv+h2o |" in report and "s=0.5" in report
+    for name in ("accuracy_vs_sparsity.png", "error_modes.png", "common_length.png", "gate_heatmap.png"):
+        assert (out / name).stat().st_size > 1000
+    config = json.loads((out / "eval_config.json").read_text())
+    assert config["max_new_tokens"] == 40
