@@ -155,6 +155,19 @@ def test_resume_after_cut_shards_equals_uninterrupted(engine, reference_run, tmp
         assert (out / "shards" / shard.name).read_bytes() == data[:cut]
 
 
+def test_rebucketing_a_finished_run_generates_nothing(engine, reference_run, tmp_path):
+    out = tmp_path / "rebucket"
+    shutil.copytree(reference_run.out_dir, out)
+    config = CurriculumConfig(
+        buckets="0-30:1,30-40:2", max_new_tokens=MAX_NEW, template="plain", chunk_size=4
+    )
+    result = build_curriculum(engine, _pool(24), out, config)
+    assert result.stats["throughput"]["problems_generated"] == 0
+    assert result.stats["solved"] == reference_run.stats["solved"]
+    assert [b["selected"] for b in result.stats["buckets"]] == [1, 2]
+    assert result.dataset["bucket"] == ["0-30", "30-40", "30-40"]
+
+
 KILL_SCRIPT = textwrap.dedent(
     """
     import sys, zlib
