@@ -9,14 +9,17 @@ from rlkv.rollout.engines import (
     load_model_and_tokenizer,
     make_engine,
 )
+from rlkv.rollout.memory import RolloutMemoryReport, measure_rollout_memory
 
 __all__ = [
     "CompressedRolloutConfig",
     "GenerationEngine",
     "RolloutKVStats",
+    "RolloutMemoryReport",
     "TransformersEngine",
     "VLLMEngine",
     "load_model_and_tokenizer",
     "make_engine",
+    "measure_rollout_memory",
     "with_compressed_rollouts",
 ]

@@ -1,0 +1,242 @@
+"""Rollout KV memory report: compressed vs full cache, measured in the same run.
+
+`measure_rollout_memory(model, tokenizer, prompts, compression, max_new_tokens=..., kv_cap_bytes=...)`
+samples rollouts the way GRPO does (`generate_rollouts`, temperature sampling, left padding) once
+with a stock `DynamicCache` ("full") and once with the head-mixed compressed cache, and reports
+per cache kind:
+- the peak KV bytes of a rollout batch, read from tensor storage after every forward;
+- the largest rollout batch whose peak fits under `kv_cap_bytes`, found by real runs: an
+  estimate from the per-sequence peak, then probing batch sizes until batch b fits and b + 1
+  does not (every probe is kept in the report);
+- on CUDA, the peak allocator memory of the generate call above what was allocated before it
+  (KV + activations + logits), for context.
+Every rollout runs the full `max_new_tokens` (EOS is suppressed): memory caps must hold for the
+longest rollouts, and it makes both cache kinds see the same lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from rlkv._io import atomic_write_text
+from rlkv.inference import CompressionConfig
+from rlkv.rollout.compressed import generate_rollouts
+
+
+@dataclass
+class CacheMemory:
+    """One cache kind ("full" or "compressed") under the cap.
+
+    batch_size / peak_bytes / resident_bytes: the reference run (bytes of the whole batch);
+    peak_bytes_per_sequence: peak_bytes / batch_size; max_batch: largest batch with peak <= cap
+    (0 if not even one rollout fits); probes: batch size -> measured peak bytes;
+    peak_device_bytes: CUDA allocator peak of the reference generate call (None on CPU).
+    """
+
+    name: str
+    batch_size: int
+    peak_bytes: int
+    resident_bytes: int
+    peak_bytes_per_sequence: float
+    max_batch: int
+    probes: dict[int, int] = field(default_factory=dict)
+    peak_device_bytes: int | None = None
+
+
+@dataclass
+class RolloutMemoryReport:
+    """Full vs compressed rollout KV memory for one model, prompt set, length and cap."""
+
+    model: str
+    kv_cap_bytes: int
+    max_new_tokens: int
+    prompt_tokens: list[int]
+    compression: dict[str, Any]
+    full: CacheMemory
+    compressed: CacheMemory
+
+    @property
+    def peak_ratio(self) -> float:
+        """Compressed / full peak KV bytes at the reference batch size."""
+        return self.compressed.peak_bytes / self.full.peak_bytes
+
+    @property
+    def max_batch_ratio(self) -> float:
+        """Compressed / full largest batch under the cap (inf if no full-cache rollout fits)."""
+        return self.compressed.max_batch / self.full.max_batch if self.full.max_batch else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict, ratios included."""
+        return {**asdict(self), "peak_ratio": self.peak_ratio, "max_batch_ratio": self.max_batch_ratio}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the report as JSON atomically."""
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+
+    def to_markdown(self) -> str:
+        """A small table: peak KV bytes per sequence, max batch under the cap, and the ratios."""
+        mib = 2.0**20
+        lines = [
+            f"model {self.model}, {self.max_new_tokens} new tokens, prompts {min(self.prompt_tokens)}-"
+            f"{max(self.prompt_tokens)} tokens, KV cap {self.kv_cap_bytes / mib:.2f} MiB",
+            "",
+            "| cache | peak KV MiB (batch) | peak KV KiB / sequence | max batch under cap | device peak MiB |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for m in (self.full, self.compressed):
+            device = "-" if m.peak_device_bytes is None else f"{m.peak_device_bytes / mib:.1f}"
+            lines.append(
+                f"| {m.name} | {m.peak_bytes / mib:.3f} ({m.batch_size}) | {m.peak_bytes_per_sequence / 1024:.1f} "
+                f"| {m.max_batch} | {device} |"
+            )
+        lines += [
+            "",
+            f"peak ratio compressed/full {self.peak_ratio:.3f}; max-batch ratio {self.max_batch_ratio:.2f}",
+        ]
+        return "\n".join(lines)
+
+
+class _RolloutProbe:
+    """Runs rollout batches of a given size with one cache kind and remembers their peaks."""
+
+    def __init__(self, model, prompt_ids, generation_config, compression, temperature, eos, seed):
+        self.model, self.prompt_ids, self.generation_config = model, prompt_ids, generation_config
+        self.compression, self.temperature, self.eos, self.seed = compression, temperature, eos, seed
+        self.peaks: dict[int, int] = {}
+
+    def run(self, batch_size: int):
+        """(RolloutKVStats, CUDA peak bytes or None) of one batch of `batch_size` rollouts."""
+        from trl.trainer.utils import pad
+
+        device = next(self.model.parameters()).device
+        rows = [torch.tensor(self.prompt_ids[i % len(self.prompt_ids)]) for i in range(batch_size)]
+        input_ids = pad(rows, padding_value=self.generation_config.pad_token_id, padding_side="left").to(
+            device
+        )
+        attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left").to(
+            device
+        )
+        on_cuda = device.type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        torch.manual_seed(self.seed)
+        batch = generate_rollouts(
+            self.model,
+            input_ids,
+            attention_mask,
+            self.generation_config,
+            self.compression,
+            temperature=self.temperature,
+            eos_token_ids=self.eos,
+        )
+        device_peak = torch.cuda.max_memory_allocated(device) - before if on_cuda else None
+        self.peaks[batch_size] = batch.kv.peak_bytes
+        return batch.kv, device_peak
+
+    def peak(self, batch_size: int) -> int:
+        if batch_size not in self.peaks:
+            self.run(batch_size)
+        return self.peaks[batch_size]
+
+    def max_batch(self, cap: int, per_sequence: float, limit: int) -> int:
+        """Largest batch b <= limit with peak(b) <= cap, checked by running b and b + 1."""
+        b = max(1, min(limit, int(cap // per_sequence)))
+        if self.peak(b) <= cap:
+            while b < limit and self.peak(b + 1) <= cap:
+                b += 1
+            return b
+        while b > 0 and self.peak(b) > cap:
+            b -= 1
+        return b
+
+
+def _mask_name(mask: Any) -> str | None:
+    return None if mask is None else f"HeadMask of {mask.fingerprint.name_or_path}"
+
+
+def measure_rollout_memory(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: list[str],
+    compression: CompressionConfig,
+    *,
+    max_new_tokens: int,
+    kv_cap_bytes: int,
+    batch_size: int = 8,
+    temperature: float = 1.0,
+    seed: int = 0,
+    max_batch_limit: int = 4096,
+) -> RolloutMemoryReport:
+    """Measure rollout KV memory with a full and a compressed cache (see the module docstring).
+
+    prompts: user messages, rendered with the tokenizer's chat template and cycled to fill a
+    batch. batch_size: rollouts in the reference run. kv_cap_bytes: the KV memory cap.
+    max_batch_limit: stop probing above this batch size.
+    """
+    if kv_cap_bytes <= 0 or batch_size < 1 or max_new_tokens < 1 or not prompts:
+        raise ValueError(
+            f"need kv_cap_bytes > 0, batch_size >= 1, max_new_tokens >= 1 and prompts; got {kv_cap_bytes}, "
+            f"{batch_size}, {max_new_tokens}, {len(prompts)} prompts"
+        )
+    prompt_ids = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for p in prompts
+    ]
+    eos = tokenizer.eos_token_id
+    generation_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+        eos_token_id=eos,
+    )
+    results = {}
+    for name, cache_config in (("full", None), ("compressed", compression)):
+        probe = _RolloutProbe(model, prompt_ids, generation_config, cache_config, temperature, [eos], seed)
+        kv, device_peak = probe.run(batch_size)
+        per_sequence = kv.peak_bytes / batch_size
+        max_batch = probe.max_batch(kv_cap_bytes, per_sequence, max_batch_limit)
+        results[name] = CacheMemory(
+            name=name,
+            batch_size=batch_size,
+            peak_bytes=kv.peak_bytes,
+            resident_bytes=kv.resident_bytes,
+            peak_bytes_per_sequence=per_sequence,
+            max_batch=max_batch,
+            probes=dict(sorted(probe.peaks.items())),
+            peak_device_bytes=device_peak,
+        )
+    config = getattr(model, "config", None)
+    mask = compression.head_mask
+    return RolloutMemoryReport(
+        model=str(getattr(config, "name_or_path", "") or type(model).__name__),
+        kv_cap_bytes=int(kv_cap_bytes),
+        max_new_tokens=max_new_tokens,
+        prompt_tokens=[len(ids) for ids in prompt_ids],
+        compression={
+            "head_mask": str(mask) if isinstance(mask, (str, os.PathLike)) else _mask_name(mask),
+            "sparsity": compression.sparsity,
+            "policy": compression.policy,
+            "policy_kwargs": compression.policy_kwargs,
+            "budget": compression.budget,
+            "sink": compression.sink,
+            "window": compression.window,
+            "protect_prompt": compression.protect_prompt,
+        },
+        full=results["full"],
+        compressed=results["compressed"],
+    )
