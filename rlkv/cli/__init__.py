@@ -14,6 +14,8 @@ SUBCOMMANDS = [
     "rlkv.cli.generate",
     "rlkv.cli.data",
     "rlkv.cli.export_mask",
+    "rlkv.cli.steering",
+    "rlkv.cli.eval",
 ]
 
 

@@ -1,0 +1,278 @@
+"""SkipKV (seed 002): sentence-level eviction on top of R-KV's token score, optional adaptive steering.
+
+The generated text is split into sentences at newline delimiter tokens (`DELIMITERS`, consecutive
+delimiters merged into one sentence end). A sentence's embedding is the mean final-norm hidden
+state of its tokens. When an earlier finished sentence i has cosine similarity
+`lambda_ij > tau` with a later finished sentence j, sentence i is redundant and every one of its
+cached tokens gets `-max_j lambda_ij` added to its R-KV score, so whole redundant sentences go
+before any token-level eviction (R-KV's scores are ~0.1, the penalty ~1). Everything else, budget,
+buffer and observation window included, is R-KV (`rlkv.policies.rkv`).
+
+Sentence ranges. Sentences live in generation space: a sentence id for every generated position.
+The cache carries each slot's logical position through every eviction, so the cache-space range of
+a sentence in a (row, head) is the first and last slot holding one of its surviving tokens
+(`sentence_cache_ranges`), SkipKV's eq. (9)-(11) without incremental bookkeeping that could drift.
+
+The policy needs the tokenizer to recognise delimiter tokens: pass it (or its path) as
+`CompressionConfig(policy="skipkv", policy_kwargs={"tokenizer": tok})`.
+Adaptive steering: `policy_kwargs={"steering": "vector.json"}` (see `rlkv.policies.steering`).
+Batch grouping by prompt length: `rlkv.inference.generate(..., group_by_length=True)`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlkv.policies import register_policy
+from rlkv.policies.rkv import RKVPolicy
+
+if TYPE_CHECKING:
+    from rlkv.cache import CompressedStore
+    from rlkv.policies.steering import SteeringVector
+
+DELIMITERS = ("\n", ".\n", ")\n", "\n\n", ".\n\n", ")\n\n")
+NON_EXECUTION_KEYWORDS = ("Wait", "Alternatively", "again")
+
+
+def delimiter_token_mask(tokenizer: Any, delimiters: Sequence[str] = DELIMITERS) -> torch.Tensor:
+    """BoolTensor [len(tokenizer)]: token ids whose decoded text is exactly one of `delimiters`."""
+    wanted = set(delimiters)
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return torch.tensor([text in wanted for text in texts], dtype=torch.bool)
+
+
+def _grow(tensor: torch.Tensor, dim: int, size: int, fill: float | int) -> torch.Tensor:
+    """`tensor` padded with `fill` along `dim` to at least `size` (capacity doubles to amortise copies)."""
+    if tensor.shape[dim] >= size:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = max(size, 2 * tensor.shape[dim]) - tensor.shape[dim]
+    return torch.cat([tensor, torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)], dim=dim)
+
+
+@register_policy("skipkv")
+class SkipKVPolicy(RKVPolicy):
+    """R-KV scores minus a sentence redundancy penalty; optional adaptive steering at delimiters.
+
+    tokenizer: the model's tokenizer, or a path / hub id loadable by `AutoTokenizer` (required).
+    tau: sentence cosine similarity above which the earlier sentence is redundant (0.95).
+    delimiters: token texts that end a sentence (`DELIMITERS`).
+    steering: path of a steering-vector file (`rlkv steering compute`) or None.
+    steering_alpha0, steering_gamma: `alpha_t = alpha0 + gamma * N_nonexec` (1.0, 0.02).
+    keywords: non-execution keywords counted for `N_nonexec` (`NON_EXECUTION_KEYWORDS`).
+    Other arguments: as `rkv` (window 8, kernel 7, lam 0.1, threshold 0.5, buffer 128, ...).
+
+    State per sequence (reset by the cache): `sentence_of` LongTensor [B, T_gen] (sentence id of
+    every generated position), `open_sentence` [B] (id of the unfinished sentence), running sums
+    of hidden states per sentence, `non_execution` [B] (finished sentences with a keyword).
+    """
+
+    observe_tokens = True
+    observe_hidden_states = True
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        tau: float = 0.95,
+        delimiters: Sequence[str] = DELIMITERS,
+        steering: str | os.PathLike | SteeringVector | None = None,
+        steering_alpha0: float = 1.0,
+        steering_gamma: float = 0.02,
+        keywords: Sequence[str] = NON_EXECUTION_KEYWORDS,
+        **rkv_kwargs: Any,
+    ):
+        super().__init__(**rkv_kwargs)
+        if tokenizer is None:
+            raise ValueError(
+                "skipkv needs the tokenizer to find sentence delimiters: "
+                'CompressionConfig(policy="skipkv", policy_kwargs={"tokenizer": tokenizer_or_its_path})'
+            )
+        if isinstance(tokenizer, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        if not 0.0 < tau <= 1.0:
+            raise ValueError(f"skipkv: tau={tau} must be in (0, 1] (sentence cosine similarity threshold)")
+        if not delimiters:
+            raise ValueError("skipkv: delimiters must name at least one token text, e.g. '\\n'")
+        self.tokenizer = tokenizer
+        self.tau = float(tau)
+        self.is_delimiter = delimiter_token_mask(tokenizer, delimiters)
+        if not bool(self.is_delimiter.any()):
+            raise ValueError(
+                f"skipkv: no token of the tokenizer decodes to one of the delimiters {list(delimiters)}"
+            )
+        if steering is not None and not hasattr(steering, "vector"):
+            from rlkv.policies.steering import SteeringVector
+
+            steering = SteeringVector.load(steering)
+        self.steering = steering
+        self.steering_alpha0 = float(steering_alpha0)
+        self.steering_gamma = float(steering_gamma)
+        self.keywords = tuple(keywords)
+        self.reset()
+
+    # per-sequence state ----------------------------------------------------------------------
+    def reset(self) -> None:
+        self.prompt_length: int | None = None
+        self.sentence_of: torch.Tensor | None = None  # LongTensor [B, capacity]
+        self.token_ids: torch.Tensor | None = None  # LongTensor [B, capacity] (generated tokens)
+        self.num_generated = 0
+        self.open_sentence: torch.Tensor | None = None  # LongTensor [B]
+        self.after_delimiter: torch.Tensor | None = None  # BoolTensor [B]: last token was a delimiter
+        self.sentence_sum: torch.Tensor | None = None  # FloatTensor [B, S_capacity, hidden]
+        self.sentence_count: torch.Tensor | None = None  # FloatTensor [B, S_capacity]
+        self.non_execution: torch.Tensor | None = None  # LongTensor [B]
+        self.input_is_delimiter: torch.Tensor | None = None  # BoolTensor [B, Q] of the running forward
+        self._penalty_key: tuple[int, int] | None = None
+        self._penalty: torch.Tensor | None = None
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Install the steering hook on the model (only when a steering vector was given)."""
+        if self.steering is not None:
+            from rlkv.policies.steering import install_steering
+
+            install_steering(model, self.steering)
+
+    def on_tokens(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        batch, q_len = token_ids.shape
+        device = token_ids.device
+        if self.prompt_length is None:  # the first forward of a sequence is its prompt
+            self.prompt_length = int(positions[-1]) + 1
+            self.sentence_of = torch.zeros(batch, 0, dtype=torch.long, device=device)
+            self.token_ids = torch.zeros(batch, 0, dtype=torch.long, device=device)
+            self.open_sentence = torch.zeros(batch, dtype=torch.long, device=device)
+            self.after_delimiter = torch.zeros(batch, dtype=torch.bool, device=device)
+            self.non_execution = torch.zeros(batch, dtype=torch.long, device=device)
+            self.input_is_delimiter = torch.zeros(batch, q_len, dtype=torch.bool, device=device)
+            return
+        lookup = self.is_delimiter.to(device)
+        known = token_ids < lookup.numel()
+        is_delim = lookup[token_ids.clamp(max=lookup.numel() - 1)] & known  # [B, Q]
+        previous = torch.cat([self.after_delimiter[:, None], is_delim[:, :-1]], dim=1)
+        starts = previous & ~is_delim  # a non-delimiter after a delimiter opens a new sentence
+        ids = self.open_sentence[:, None] + starts.long().cumsum(dim=1)
+        closed_before = self.open_sentence.clone()
+        start, stop = self.num_generated, self.num_generated + q_len
+        self.sentence_of = _grow(self.sentence_of, 1, stop, -1)
+        self.token_ids = _grow(self.token_ids, 1, stop, 0)
+        self.sentence_of[:, start:stop] = ids
+        self.token_ids[:, start:stop] = token_ids
+        self.num_generated = stop
+        self.open_sentence = ids[:, -1]
+        self.after_delimiter = is_delim[:, -1]
+        self.input_is_delimiter = is_delim
+        if self.steering is not None:
+            self._count_non_execution(closed_before)
+
+    def _count_non_execution(self, first_new: torch.Tensor) -> None:
+        """Add the finished sentences (ids first_new[b] .. open_sentence[b] - 1) that hold a keyword."""
+        for row in torch.nonzero(self.open_sentence > first_new).flatten().tolist():
+            ids = self.sentence_of[row, : self.num_generated]
+            for sentence in range(int(first_new[row]), int(self.open_sentence[row])):
+                text = self.tokenizer.decode(
+                    self.token_ids[row, : self.num_generated][ids == sentence].tolist()
+                )
+                self.non_execution[row] += int(any(k in text for k in self.keywords))
+
+    def on_hidden_states(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.prompt_length is None:
+            return
+        generated = positions >= self.prompt_length
+        if not bool(generated.any()):
+            return
+        hidden = hidden_states[:, generated].detach().float()  # [B, Q', hidden]
+        ids = self.sentence_of[:, positions[generated] - self.prompt_length]  # [B, Q']
+        needed = int(ids.max()) + 1
+        if self.sentence_sum is None:
+            self.sentence_sum = hidden.new_zeros(hidden.shape[0], 0, hidden.shape[-1])
+            self.sentence_count = hidden.new_zeros(hidden.shape[0], 0)
+        self.sentence_sum = _grow(self.sentence_sum, 1, needed, 0.0)
+        self.sentence_count = _grow(self.sentence_count, 1, needed, 0.0)
+        self.sentence_sum.scatter_add_(1, ids[..., None].expand_as(hidden), hidden)
+        self.sentence_count.scatter_add_(1, ids, torch.ones_like(ids, dtype=hidden.dtype))
+
+    # scoring -----------------------------------------------------------------------------
+    def sentence_penalty(self) -> torch.Tensor:
+        """FloatTensor [B, S]: `max_j lambda_ij` over later finished sentences j with lambda_ij > tau, else 0.
+
+        lambda_ij is the cosine similarity of the mean hidden states of finished sentences i < j.
+        """
+        if self.sentence_sum is None:
+            batch = 0 if self.open_sentence is None else self.open_sentence.shape[0]
+            return torch.zeros(batch, 0)
+        key = (self.num_generated, int(self.sentence_count.sum()))
+        if self._penalty_key == key:
+            return self._penalty
+        count = self.sentence_count
+        num = count.shape[1]
+        finished = (torch.arange(num, device=count.device) < self.open_sentence[:, None]) & (count > 0)
+        mean = self.sentence_sum / count.clamp(min=1.0)[..., None]
+        unit = mean / (mean.norm(dim=-1, keepdim=True) + 1e-8)
+        sim = unit @ unit.transpose(1, 2)  # [B, S, S]
+        later = torch.ones(num, num, dtype=torch.bool, device=count.device).triu(diagonal=1)
+        pair = finished[:, :, None] & finished[:, None, :] & later & (sim > self.tau)
+        self._penalty = torch.where(pair, sim, torch.zeros_like(sim)).amax(dim=2)
+        self._penalty_key = key
+        return self._penalty
+
+    def slot_sentences(self, store: CompressedStore) -> torch.Tensor:
+        """LongTensor [B, H_c, K]: sentence id of each slot's token, -1 for prompt and empty slots."""
+        gen = store.positions - self.prompt_length
+        inside = store.valid() & (gen >= 0) & (gen < self.num_generated)
+        batch, heads, slots = gen.shape
+        table = self.sentence_of[:, None, :].expand(batch, heads, -1)
+        ids = table.gather(2, gen.clamp(min=0, max=max(self.num_generated - 1, 0)))
+        return torch.where(inside, ids, -1)
+
+    def sentence_cache_ranges(self, store: CompressedStore) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache-space ranges (begin, end) LongTensor [B, H_c, S] of every sentence (inclusive slot indices).
+
+        begin/end are the first/last slot holding a surviving token of the sentence in that
+        (row, head); -1 when none survives. S = sentences started so far (the open one included).
+        """
+        ids = self.slot_sentences(store)
+        num = int(self.open_sentence.max()) + 1
+        batch, heads, slots = ids.shape
+        slot_index = torch.arange(slots, device=ids.device).expand_as(ids)
+        target = torch.where(ids >= 0, ids, num)  # invalid slots go to a spill column
+        begin = torch.full((batch, heads, num + 1), slots, dtype=torch.long, device=ids.device)
+        end = torch.full((batch, heads, num + 1), -1, dtype=torch.long, device=ids.device)
+        begin.scatter_reduce_(2, target, slot_index, reduce="amin")
+        end.scatter_reduce_(2, target, slot_index, reduce="amax")
+        begin, end = begin[..., :num], end[..., :num]
+        return torch.where(end >= 0, begin, -1), end
+
+    def scores(self, store: CompressedStore) -> torch.Tensor:
+        """R-KV score minus the redundancy penalty of each slot's sentence: FloatTensor [B, H_c, K]."""
+        scores = super().scores(store)
+        if self.prompt_length is None or self.num_generated == 0:
+            return scores
+        penalty = self.sentence_penalty().to(scores.device)
+        if penalty.shape[1] == 0:
+            return scores
+        ids = self.slot_sentences(store)
+        batch, heads, _ = ids.shape
+        per_slot = penalty[:, None, :].expand(batch, heads, -1).gather(2, ids.clamp(0, penalty.shape[1] - 1))
+        known = (ids >= 0) & (ids < penalty.shape[1])
+        return scores - torch.where(known, per_slot, torch.zeros_like(per_slot))
+
+    # steering ----------------------------------------------------------------------------
+    def steering_strength(self) -> torch.Tensor:
+        """alpha_t per row: FloatTensor [B] = alpha0 + gamma * (finished non-execution sentences)."""
+        return self.steering_alpha0 + self.steering_gamma * self.non_execution.float()
+
+    def steering_delta(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """What to add to the steered layer's output [B, Q, hidden]: alpha_t * v at generated delimiter inputs."""
+        if self.steering is None or self.input_is_delimiter is None or self.num_generated == 0:
+            return None
+        at = self.input_is_delimiter
+        if at.shape != hidden.shape[:2] or not bool(at.any()):
+            return None
+        vector = self.steering.vector.to(hidden.device, hidden.dtype)
+        scale = (self.steering_strength()[:, None] * at.float()).to(hidden.dtype)
+        return scale[..., None] * vector
