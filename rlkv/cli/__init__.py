@@ -14,6 +14,7 @@ SUBCOMMANDS = [
     "rlkv.cli.generate",
     "rlkv.cli.data",
     "rlkv.cli.export_mask",
+    "rlkv.cli.eval",
     "rlkv.cli.steering",
     "rlkv.cli.eval",
 ]

@@ -22,7 +22,9 @@ A head-mask method then holds (1 - s_eff) * N * T + s_eff * N * o KV entries: on
 window as 16 : 64), so resident KV is equal within one token per head at every length T >= o.
 The RLKV appendix instead gives baselines ``(1 - s) * T + 16 + 64`` per head, i.e. (1 - s_eff) * o
 more than the head-mask methods: that is ``budget_rule="paper"``. ``budget_rule="fixed"`` gives
-baselines a fixed token budget per head (R-KV's setting; not matched). Matching assumes the prompt
+baselines a fixed token budget per head (R-KV's setting; not matched). Under the matched rule policies
+with a `buffer` get `buffer=0` (compress at every step, so a head never holds budget + buffer), and
+periodic policies (RPC) match only right after each compression. Matching assumes the prompt
 is evictable (``protect_prompt=False``, as in RLKV where compressed heads keep only sink + local):
 a protected prompt stays in every head and breaks the equality.
 """
@@ -169,6 +171,23 @@ def baseline_sizing(sparsity: float, num_heads: int, rule: BudgetRule) -> dict[s
     return {"budget": budget, "sink": sink, "window": window}
 
 
+def _policy_kwargs(policy: str, rule: BudgetRule, given: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """Constructor kwargs of `policy`: `given`, plus matched-rule and tokenizer defaults it accepts."""
+    import inspect
+
+    from rlkv.policies import get_policy_class
+
+    params = inspect.signature(get_policy_class(policy).__init__).parameters
+    kwargs: dict[str, Any] = {}
+    if rule.kind == "matched" and "buffer" in params:
+        # a buffer lets a head hold budget + buffer tokens between compressions: not matched
+        kwargs["buffer"] = 0
+    if tokenizer is not None and "tokenizer" in params:
+        kwargs["tokenizer"] = tokenizer  # SkipKV finds sentence delimiters with it
+    kwargs.update(given)
+    return kwargs
+
+
 def num_kv_heads_total(model: Any) -> int:
     """L * H_kv of a model (what sparsity fractions count)."""
     from rlkv.head_mask import ModelFingerprint
@@ -185,11 +204,13 @@ def method_config(
     masks: dict[str, HeadMask],
     rule: BudgetRule | None = None,
     policy_kwargs: dict[str, dict[str, Any]] | None = None,
+    tokenizer: Any = None,
 ) -> CompressionConfig | None:
     """The `CompressionConfig` of `method` at `sparsity` for `model` (None for `full`).
 
     masks: head masks by mask-method name ("rlkv", "random-mask", "duo"), as needed by `method`.
-    policy_kwargs: constructor arguments per policy name (e.g. {"rkv": {"buffer": 0}}).
+    policy_kwargs: constructor arguments per policy name (e.g. {"rkv": {"lam": 0.1}}); they win
+        over the defaults set here (`buffer=0` under the matched rule, the model's `tokenizer`).
     """
     from rlkv.inference.config import CompressionConfig
 
@@ -197,7 +218,7 @@ def method_config(
     rule = rule or BudgetRule()
     if method.is_full:
         return None
-    kwargs = dict((policy_kwargs or {}).get(method.policy, {}))
+    kwargs = _policy_kwargs(method.policy, rule, (policy_kwargs or {}).get(method.policy, {}), tokenizer)
     common = {"policy": method.policy, "policy_kwargs": kwargs, "protect_prompt": rule.protect_prompt}
     if method.mask is None:
         sizing = baseline_sizing(sparsity, num_kv_heads_total(model), rule)

@@ -40,10 +40,10 @@ def _cell(rows: list[Row], method: str, sparsity: float) -> list[Row]:
 
 
 def accuracy_table(rows: list[Row]) -> dict[str, dict[float, float]]:
-    """pass@1 (mean correctness over problems and samples) per method and sparsity."""
+    """pass@1 (mean correctness over problems and samples) per method and sparsity (`full` at 0 only)."""
     table: dict[str, dict[float, float]] = defaultdict(dict)
     for method in _methods(rows):
-        for s in _sparsities(rows) or [0.0]:
+        for s in [0.0] if method == "full" else _sparsities(rows):
             cell = _cell(rows, method, s)
             if cell:
                 table[method][s] = mean(float(r["correct"]) for r in cell)
@@ -330,6 +330,7 @@ def _save(fig: Any, path: Path) -> None:
 def write_report(out: str | os.PathLike, head_mask: Any = None, plots: bool = True) -> Path:
     """Regenerate report.md (and the PNGs) in `out` from its results.jsonl; returns the report path."""
     from rlkv.eval.runner import CONFIG_FILE, RESULTS_FILE, read_results
+    from rlkv.eval.sensitivity import ORDER_METHODS, plot_sensitivity
 
     out = Path(out)
     rows = read_results(out / RESULTS_FILE)
@@ -351,5 +352,8 @@ def write_report(out: str | os.PathLike, head_mask: Any = None, plots: bool = Tr
         if head_mask is not None:
             plot_gate_heatmap(head_mask.scores, out / "gate_heatmap.png")
             figures.append("gate_heatmap.png")
+        if sum(m in ORDER_METHODS for m in _methods(rows)) >= 2 and len(_sparsities(rows)) >= 3:
+            plot_sensitivity(rows, out / "sensitivity.png")
+            figures.append("sensitivity.png")
         text += "\n## Figures\n\n" + "\n".join(f"![{f[:-4]}]({f})" for f in figures) + "\n"
     return atomic_write_text(out / "report.md", text)

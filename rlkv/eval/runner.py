@@ -178,7 +178,8 @@ def problem_id(index: int, example: dict[str, Any]) -> str:
     return f"{index:05d}-{digest}"
 
 
-def _load_model(cfg: EvalConfig):
+def load_model(cfg: EvalConfig) -> tuple[Any, Any]:
+    """The model and tokenizer `cfg.model` names (tiny:<family> = a random tiny model and the test tokenizer)."""
     if cfg.model.startswith("tiny:"):
         from rlkv.testing import tiny_model, tiny_tokenizer
 
@@ -271,7 +272,7 @@ def run_eval(
     done_rows = read_results(results_path, repair=True)
     done = {r["key"] for r in done_rows}
     if model is None:
-        model, tokenizer = _load_model(cfg)
+        model, tokenizer = load_model(cfg)
     masks = build_masks(cfg, model)
     rule, repetition = cfg.budget(), cfg.repetition_rule()
     num_heads = num_kv_heads_total(model)
@@ -320,6 +321,7 @@ def run_eval(
                 masks=masks,
                 rule=rule,
                 policy_kwargs=cfg.policy_kwargs,
+                tokenizer=tokenizer,
             )
             for chunk in todo:
                 stop = RepetitionStop(repetition) if cfg.early_stop_repetition else None

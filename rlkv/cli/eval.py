@@ -1,0 +1,146 @@
+"""`rlkv eval --config recipes/eval/X.yaml` (or flags): methods x sparsities x benchmarks, resumable, with a report."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give comma-separated fractions, e.g. 0.2,0.4,0.6,0.8"
+        ) from None
+
+
+# flag dest -> EvalConfig field, for flags that override the recipe
+_OVERRIDES = (
+    "model",
+    "head_mask",
+    "duo_mask",
+    "benchmarks",
+    "split",
+    "methods",
+    "sparsities",
+    "num_problems",
+    "max_new_tokens",
+    "batch_size",
+    "num_samples",
+    "temperature",
+    "budget_rule",
+    "fixed_budget",
+    "seed",
+    "out",
+    "dtype",
+    "device",
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `eval` subcommand."""
+    parser = subparsers.add_parser(
+        "eval",
+        help="evaluate methods x sparsities x benchmarks at matched KV budgets (resumable)",
+        description="Writes OUT/results.jsonl (one row per problem x method x sparsity; a rerun skips finished "
+        "rows), OUT/report.md and PNG plots. Flags override the --config recipe's fields.",
+    )
+    parser.add_argument("--config", default=None, help="YAML recipe (see recipes/eval/)")
+    parser.add_argument("--model", help="model path / hub id, or tiny:<family> for a random tiny model")
+    parser.add_argument("--head-mask", dest="head_mask", help="trained head mask (JSON, or RLKV/Duo .tsv)")
+    parser.add_argument("--duo-mask", dest="duo_mask", help="DuoAttention TSV for the `duo` method")
+    parser.add_argument(
+        "--benchmarks", type=_csv, help="comma-separated problem sets (rlkv.data names or files)"
+    )
+    parser.add_argument("--split", help="dataset split (default test)")
+    parser.add_argument(
+        "--methods", type=_csv, help="comma-separated, e.g. full,rlkv,rlkv+rkv,rkv,h2o,random-mask"
+    )
+    parser.add_argument("--sparsities", type=_floats, help="comma-separated fractions of KV heads compressed")
+    parser.add_argument("--num-problems", dest="num_problems", type=int)
+    parser.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
+    parser.add_argument("--batch-size", dest="batch_size", type=int)
+    parser.add_argument(
+        "--num-samples", dest="num_samples", type=int, help="samples per problem (needs --temperature)"
+    )
+    parser.add_argument("--temperature", type=float, help="0 = greedy")
+    parser.add_argument("--budget-rule", dest="budget_rule", choices=("matched", "paper", "fixed"))
+    parser.add_argument(
+        "--fixed-budget", dest="fixed_budget", type=int, help="tokens per head for --budget-rule fixed"
+    )
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--out", help="output folder (default eval-out)")
+    parser.add_argument("--dtype", help="auto, bfloat16, float16 or float32")
+    parser.add_argument("--device", help="e.g. cuda, cpu")
+    parser.add_argument("--no-early-stop", action="store_true", help="do not stop generations that loop")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--sensitivity",
+        nargs="?",
+        type=int,
+        const=0,
+        default=None,
+        metavar="STEPS",
+        help="head-sensitivity sweep instead: full + rlkv/random-mask/duo at every k/N heads compressed "
+        "(or STEPS + 1 evenly spaced counts), written to OUT/sensitivity",
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="only regenerate report.md and plots from OUT"
+    )
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rlkv.eval.runner import EvalConfig, run_eval
+
+    base = {}
+    if args.config:
+        import yaml
+
+        base = yaml.safe_load(open(args.config)) or {}
+        if not isinstance(base, dict):
+            raise SystemExit(f"{args.config}: an eval recipe must be a YAML mapping of config fields")
+    for name in _OVERRIDES:
+        value = getattr(args, name)
+        if value is not None:
+            base[name] = value
+    if args.no_early_stop:
+        base["early_stop_repetition"] = False
+    if args.no_progress:
+        base["progress"] = False
+    try:
+        cfg = EvalConfig.from_dict(base)
+    except ValueError as e:
+        raise SystemExit(f"rlkv eval: {e}") from None
+    if args.report_only:
+        from rlkv.eval.report import write_report
+
+        print(write_report(cfg.out, head_mask=_mask_only(cfg)))
+        return 0
+    if args.sensitivity is not None:
+        from rlkv.eval.methods import num_kv_heads_total
+        from rlkv.eval.runner import load_model
+        from rlkv.eval.sensitivity import sensitivity_config
+
+        model, tokenizer = load_model(cfg)
+        cfg = sensitivity_config(cfg, num_kv_heads_total(model), steps=args.sensitivity or None)
+        out = run_eval(cfg, model=model, tokenizer=tokenizer)
+    else:
+        out = run_eval(cfg)
+    print(out / "report.md")
+    return 0
+
+
+def _mask_only(cfg):
+    """The trained head mask for the gate heatmap, without loading the model."""
+    from pathlib import Path
+
+    from rlkv.head_mask import HeadMask
+
+    if not cfg.head_mask or Path(cfg.head_mask).suffix == ".tsv":
+        return None
+    return HeadMask.load(cfg.head_mask)
