@@ -1,0 +1,121 @@
+"""The "chain" task: a synthetic chain of thought whose later steps need facts from far back.
+
+The prompt binds each of the 26 letters to a digit and to a successor letter (one cycle through
+all 26, bindings listed in random order), then names a start and a stop letter. The solution walks
+the chain from start to stop; each step looks the current letter up among the bindings (far back in
+the prompt) and adds its digit to a running sum mod 10 (from the previous step):
+
+    prompt:   chain : from start follow > to stop , add each = value mod 10 .
+              k = 7 > m ; q = 2 > c ; ... ; start k ; stop c .
+    solution: k = 7 > m , sum = 7 ; m = 4 > q , sum = 1 ; q = 2 > c , sum = 3 ;
+              c = 5 > z , sum = 8 ; \\boxed{8}
+
+The arithmetic is trivial on purpose: what is hard is the retrieval, which attention heads with a
+full KV cache can do and sink + local windows cannot, as soon as the sequence is longer than the
+window (prompt + solution are >= 300 words, one token each with the demo model's word-level
+tokenizer).
+
+Splits are disjoint by construction: a problem belongs to the split chosen by a hash of its text,
+and each split draws only problems from its own hash buckets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import string
+from dataclasses import dataclass
+
+from rlkv.data.verify import extract_boxed, strip_thinking
+
+SOURCE = "chain"
+LETTERS = tuple(string.ascii_lowercase)
+DIGITS = tuple(str(d) for d in range(10))
+HEADER = "chain : from start follow > to stop , add each = value mod 10 ."
+# Steps per problem: >= 13 keeps every problem (prompt + solution) >= 300 words.
+MIN_STEPS = 13
+MAX_STEPS = 18
+# Hash buckets (out of 10) each split draws from.
+SPLIT_BUCKETS = {"train": frozenset(range(2, 10)), "validation": frozenset({1}), "test": frozenset({0})}
+
+
+@dataclass(frozen=True)
+class ChainProblem:
+    """One problem: `problem` (prompt text), `solution` (reference chain of thought), `answer` (one digit)."""
+
+    problem: str
+    solution: str
+    answer: str
+
+
+def split_of(problem: str) -> str:
+    """The split a problem text belongs to (by a stable hash of the text)."""
+    bucket = int.from_bytes(hashlib.sha256(problem.encode()).digest()[:8], "little") % 10
+    return next(name for name, buckets in SPLIT_BUCKETS.items() if bucket in buckets)
+
+
+def make_problem(rng: random.Random, min_steps: int = MIN_STEPS, max_steps: int = MAX_STEPS) -> ChainProblem:
+    """Draw one problem from `rng` with a chain of `min_steps..max_steps` letters (any split)."""
+    if not 1 <= min_steps <= max_steps <= len(LETTERS):
+        raise ValueError(
+            f"need 1 <= min_steps <= max_steps <= 26, got min_steps={min_steps}, max_steps={max_steps}"
+        )
+    cycle = list(LETTERS)
+    rng.shuffle(cycle)
+    successor = {cycle[i]: cycle[(i + 1) % len(cycle)] for i in range(len(cycle))}
+    value = {letter: rng.randrange(10) for letter in LETTERS}
+    listed = list(LETTERS)
+    rng.shuffle(listed)
+    num_steps = rng.randint(min_steps, max_steps)
+    start = rng.choice(LETTERS)
+
+    path = [start]
+    while len(path) < num_steps:
+        path.append(successor[path[-1]])
+    bindings = " ; ".join(f"{v} = {value[v]} > {successor[v]}" for v in listed)
+    problem = f"{HEADER} {bindings} ; start {start} ; stop {path[-1]} ."
+
+    steps, total = [], 0
+    for v in path:
+        total = (total + value[v]) % 10
+        steps.append(f"{v} = {value[v]} > {successor[v]} , sum = {total} ;")
+    solution = " ".join(steps) + f" \\boxed{{{total}}}"
+    return ChainProblem(problem=problem, solution=solution, answer=str(total))
+
+
+def chain_problems(split: str = "train", num: int = 200, seed: int = 0) -> list[ChainProblem]:
+    """`num` distinct problems of `split` ("train", "validation" or "test"), deterministic in `seed`."""
+    if split not in SPLIT_BUCKETS:
+        raise ValueError(f"split={split!r}: choose one of {sorted(SPLIT_BUCKETS)}")
+    if num < 0:
+        raise ValueError(f"num={num}: must be >= 0")
+    rng = random.Random(f"rlkv-chain:{split}:{seed}")
+    problems: list[ChainProblem] = []
+    seen: set[str] = set()
+    while len(problems) < num:
+        candidate = make_problem(rng)
+        if split_of(candidate.problem) == split and candidate.problem not in seen:
+            seen.add(candidate.problem)
+            problems.append(candidate)
+    return problems
+
+
+def load_chain_task(split: str = "test", num: int = 200, seed: int = 0):
+    """The chain task as a `datasets.Dataset` with columns problem, answer, source ("chain"), solution."""
+    import datasets
+
+    problems = chain_problems(split, num, seed)
+    return datasets.Dataset.from_dict(
+        {
+            "problem": [p.problem for p in problems],
+            "answer": [p.answer for p in problems],
+            "source": [SOURCE] * len(problems),
+            "solution": [p.solution for p in problems],
+        }
+    )
+
+
+def verify_chain(completion: str, answer: str) -> bool:
+    """True when the last `\\boxed{...}` of `completion` (after any `</think>`) equals `answer`."""
+    boxed = extract_boxed(strip_thinking(completion))
+    return boxed is not None and boxed == str(answer).strip()
