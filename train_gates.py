@@ -106,9 +106,8 @@ def build_train_dataset(
     return ds.map(add_prompt, desc="prompts")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse the recipe, validate it, train, save the final gates and head mask."""
-    import torch
+def build_trainer(argv: list[str] | None = None):
+    """Parse and validate the recipe (exit status 2 with a message when it is bad); the ready GateGRPOTrainer."""
     from transformers import AutoTokenizer
     from trl import ModelConfig, TrlParser
 
@@ -124,12 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     if not model_args.model_name_or_path:
         parser.error("bad recipe: model_name_or_path is not set")
     try:
-        check_model_geometry(model_args.model_name_or_path, model_args.trust_remote_code)
+        check_model_geometry(model_args.model_name_or_path, training_args.trust_remote_code)
         reward_funcs = [get_reward(name) for name in script_args.rewards]
         tokenizer = AutoTokenizer.from_pretrained(
             model_args.model_name_or_path,
             revision=model_args.model_revision,
-            trust_remote_code=model_args.trust_remote_code,
+            trust_remote_code=training_args.trust_remote_code,
             padding_side="left",
         )
         train_dataset = build_train_dataset(
@@ -140,7 +139,6 @@ def main(argv: list[str] | None = None) -> None:
     training_args.model_init_kwargs = {
         **(training_args.model_init_kwargs or {}),
         "revision": model_args.model_revision,
-        "trust_remote_code": model_args.trust_remote_code,
         **({"dtype": model_args.dtype} if model_args.dtype else {}),
     }
     try:
@@ -153,6 +151,15 @@ def main(argv: list[str] | None = None) -> None:
         )
     except UnsupportedModelError as e:
         parser.error(f"bad recipe: {e}")
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train the gates of the recipe's model, then save the final gates and head mask into output_dir."""
+    import torch
+
+    trainer = build_trainer(argv)
+    training_args = trainer.args
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     if torch.distributed.is_available() and torch.distributed.is_initialized():

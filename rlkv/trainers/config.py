@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,8 @@ class GateGRPOConfig(GRPOConfig):
     Defaults that differ from TRL follow the paper (Table 3) and the authors' code: 4 generations,
     lr 1e-2 constant, weight decay 0.017, clip epsilon 0.4, no KL (beta 0), 7168 new tokens,
     per-sequence loss aggregation ("grpo"). bf16 defaults to on only when CUDA is available;
-    activation (gradient) checkpointing defaults to off.
+    activation (gradient) checkpointing defaults to off. Several ranks on a machine without accelerators
+    (`accelerate launch --multi_gpu --num_processes N` on CPU) get `use_cpu` so they run DDP over gloo.
     """
 
     l1_beta: float = field(
@@ -83,6 +85,14 @@ class GateGRPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = False
+        if (
+            not self.use_cpu
+            and int(os.environ.get("WORLD_SIZE", "1")) > 1
+            and not torch.accelerator.is_available()
+        ):
+            # several ranks on a machine without accelerators: without use_cpu transformers would not set up
+            # distributed training (each rank would train alone); with it, the ranks run DDP over gloo
+            self.use_cpu = True
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         _check_range("l1_beta", self.l1_beta, 0.0, math.inf, "a non-negative penalty weight such as 1e-3")

@@ -82,6 +82,7 @@ class GateGRPOTrainer(GRPOTrainer):
             if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
                 init_kwargs["device_map"] = None
             model = create_model_from_path(model, **init_kwargs)
+            args.model_init_kwargs = None  # consumed here; TRL would warn that they are ignored
         gates = getattr(model, "rlkv_gates", None)
         if gates is None:
             gates = attach_gates(model, sink=args.gate_sink, local=args.gate_local, init=args.gate_init)
