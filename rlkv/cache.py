@@ -82,6 +82,8 @@ class CompressedStore:
         self.is_prefill = False
         self.state: dict[str, Any] = {}
         self._slot_buffers: dict[str, tuple[torch.Tensor, float]] = {}
+        self._forced: torch.Tensor | None = None
+        self.all_valid = True  # no empty slot (lets attention skip building a mask)
 
     # what policies read ------------------------------------------------------------------
     @property
@@ -118,10 +120,13 @@ class CompressedStore:
         return self.evictable().sum(-1)
 
     def forced_keep(self) -> torch.Tensor:
-        pos = self.positions
-        in_sink = pos < (self.row_start[:, None, None] + self.sink)
-        in_window = pos >= self.logical_length - self.window
-        return self.protected() | (self.valid() & (in_sink | in_window))
+        # computed once per store state: should_compress, select and the cache all ask for it
+        if self._forced is None:
+            pos = self.positions
+            in_sink = pos < (self.row_start[:, None, None] + self.sink)
+            in_window = pos >= self.logical_length - self.window
+            self._forced = self.protected() | (self.valid() & (in_sink | in_window))
+        return self._forced
 
     def query_valid(self) -> torch.Tensor:
         return self.query_positions[None, :] >= self.row_start[:, None]
@@ -154,12 +159,15 @@ class CompressedStore:
             pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
             self._slot_buffers[name] = (torch.cat([buf, pad], dim=2), fill)
         self.logical_length += q_len
+        self._forced = None
 
     def mark_padding(self, new_valid: torch.Tensor) -> None:
         """Set the slots of this forward's tokens that are padding (new_valid BoolTensor[B, Q] False) empty."""
         q_len = new_valid.shape[1]
         tail = self.positions[:, :, -q_len:]
         self.positions[:, :, -q_len:] = torch.where(new_valid[:, None, :], tail, torch.full_like(tail, -1))
+        self.all_valid = False
+        self._forced = None
 
     def remember_queries(self, queries: torch.Tensor, limit: int) -> None:
         """Keep the last `limit` queries [B, H_c, G, Q, D] (and their positions) across steps."""
@@ -189,6 +197,8 @@ class CompressedStore:
         self.positions = torch.where(filled, self.positions.gather(2, order), -1)
         for name, (buf, fill) in self._slot_buffers.items():
             self._slot_buffers[name] = (buf.gather(2, order), fill)
+        self.all_valid = bool((counts == size).all())
+        self._forced = None
 
     def tensors(self) -> list[torch.Tensor | None]:
         """Every tensor the store holds (for resident-byte accounting)."""
@@ -229,6 +239,8 @@ class HeadMixedLayer(CacheLayerMixin):
         self.comp_idx = self.comp_idx.to(self.device)
         if self.store is not None:
             self.store.head_idx = self.comp_idx
+        self.full_q = self._query_heads(self.full_idx)
+        self.comp_q = self._query_heads(self.comp_idx)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -311,12 +323,11 @@ class HeadMixedLayer(CacheLayerMixin):
             )[0]
         store = self.store
         store.row_start = self.row_start
-        if not bool(new_valid.all()):
+        if attention_mask is not None and not bool(new_valid.all()):
             store.mark_padding(new_valid)
 
         out = query.new_empty(batch, q_len, num_q_heads, head_dim)
-        full_q = self._query_heads(self.full_idx)
-        comp_q = self._query_heads(self.comp_idx)
+        full_q, comp_q = self.full_q, self.comp_q
         if full_q.numel():
             q_full = query.index_select(1, full_q)
             out[:, :, full_q] = sdpa_attention_forward(
@@ -359,10 +370,10 @@ class HeadMixedLayer(CacheLayerMixin):
         """Bool mask [B, H_c * G, Q, K] over the store's slots, or None when plain causal attention is exact."""
         store = self.store
         positions = store.positions
-        valid = positions >= 0
         fresh = store.is_prefill and store.num_slots == q_len
-        if mask is None and bool(valid.all()) and (q_len == 1 or fresh):
+        if mask is None and store.all_valid and (q_len == 1 or fresh):
             return None
+        valid = positions >= 0
         batch, heads, slots = positions.shape
         if mask is None:
             q_pos = torch.arange(self.logical_length - q_len, self.logical_length, device=positions.device)
@@ -409,7 +420,7 @@ class HeadMixedLayer(CacheLayerMixin):
             store.remember_queries(queries, policy.observe_queries)
         if probs is not None:
             policy.on_attention(store, probs)
-        if store.is_prefill and not bool(store.valid().all()):
+        if store.is_prefill and not store.all_valid:
             store.compact(store.valid())  # padding never occupies memory or budget
         if policy.should_compress(store):
             keep = policy.select(store)
@@ -420,7 +431,8 @@ class HeadMixedLayer(CacheLayerMixin):
     # accounting ------------------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor | None]:
         extra = self.store.tensors() if self.store is not None else []
-        return [self.keys, self.values, *extra, self.row_start, self.full_idx, self.comp_idx]
+        indices = [self.full_idx, self.comp_idx, getattr(self, "full_q", None), getattr(self, "comp_q", None)]
+        return [self.keys, self.values, *extra, self.row_start, *indices]
 
 
 class HeadMixedCache(Cache):

@@ -180,9 +180,9 @@ def test_resident_bytes_match_formula_and_tensors_shrink(make_model, left_padded
         2 * batch * full_heads * length * head_dim * fp32
     )  # full heads: keys + values, padding included
     per_layer += batch * comp_heads * kept * (2 * head_dim * fp32 + int64)  # kept keys + values + positions
-    # bookkeeping: row starts + eviction counters (int64 [B]) and the full/compressed head indices per layer,
-    # plus the [L, H_kv] bool layout
-    per_layer += 2 * batch * int64 + cfg.num_key_value_heads * int64
+    # bookkeeping: row starts + eviction counters (int64 [B]), the full/compressed KV and query head indices
+    # per layer, plus the [L, H_kv] bool layout
+    per_layer += 2 * batch * int64 + (cfg.num_key_value_heads + cfg.num_attention_heads) * int64
     expected = cfg.num_hidden_layers * per_layer + cfg.num_hidden_layers * cfg.num_key_value_heads
     assert cache.resident_bytes() == expected
     assert _reachable_storage_bytes(cache) == expected

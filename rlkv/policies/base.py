@@ -59,6 +59,8 @@ What the policy sees: `CompressedStore` (one per layer; all tensors live on the 
   query heads of each compressed KV head (post-RoPE, as attention used them), oldest first;
   `query_positions` LongTensor[N]; `query_valid()` BoolTensor[B, N] (False for padding).
   N is smaller than requested until that many tokens were seen. Queries persist across steps.
+- Tensors returned by the store are the cache's own: never modify them in place (build new ones),
+  except `slot_buffer(...)` and `state`, which exist for that.
 - `state` dict: per-layer scratch space for the policy, cleared at each new sequence.
 - `slot_buffer(name, fill=0.0, dtype=torch.float32)` -> Tensor[B, H_c, K]: a per-slot value the
   cache keeps aligned with the slots (new slots get `fill`, evictions gather it). Update it in
