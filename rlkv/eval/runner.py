@@ -47,6 +47,7 @@ class EvalConfig:
     policy_kwargs: constructor arguments per policy name.
     early_stop_repetition: end a generation once `RepetitionRule` sees a loop (finish reason "repetition").
     repetition: `RepetitionRule` fields.
+    model_kwargs: extra `from_pretrained` arguments (e.g. {"gguf_file": "model.gguf"}).
     """
 
     model: str = ""
@@ -79,6 +80,7 @@ class EvalConfig:
     repetition: dict[str, Any] = field(default_factory=dict)
     dtype: str = "auto"
     device: str | None = None
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -186,9 +188,21 @@ def load_model(cfg: EvalConfig) -> tuple[Any, Any]:
         return tiny_model(cfg.model.split(":", 1)[1]), tiny_tokenizer()
     if not cfg.model:
         raise ValueError("EvalConfig.model is empty: give a model path, hub id, or tiny:<family>")
+    if "gguf_file" in cfg.model_kwargs:
+        # rlkv.inference.load reads the tokenizer from the folder; a GGUF file holds it inside
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=cfg.dtype, **cfg.model_kwargs).eval()
+        if cfg.device is not None:
+            model = model.to(cfg.device)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model, gguf_file=cfg.model_kwargs["gguf_file"])
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model, tokenizer
     from rlkv.inference import load
 
-    return load(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    return load(cfg.model, dtype=cfg.dtype, device=cfg.device, **cfg.model_kwargs)
 
 
 def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:

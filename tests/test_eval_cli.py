@@ -1,0 +1,86 @@
+"""`rlkv eval` from the command line: recipes parse, a SIGKILLed run resumes to the uninterrupted result."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlkv.cli import main
+from rlkv.eval import EvalConfig, read_results
+from rlkv.head_mask import HeadMask
+from rlkv.testing import tiny_model
+
+RECIPES = sorted((Path(__file__).parent.parent / "recipes" / "eval").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipes_are_valid_configs(recipe):
+    cfg = EvalConfig.from_yaml(recipe)
+    assert cfg.budget_rule == "matched" and "full" in cfg.methods
+
+
+def test_unknown_recipe_field_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: tiny:llama\nsparsity: 0.5\n")
+    with pytest.raises(ValueError, match="sparsity"):
+        EvalConfig.from_yaml(path)
+
+
+def _recipe(tmp_path, out):
+    mask = tmp_path / "mask.json"
+    HeadMask.random(tiny_model("llama"), seed=5).save(mask)
+    recipe = tmp_path / "recipe.yaml"
+    doc = {
+        "model": "tiny:llama",
+        "head_mask": str(mask),
+        "benchmarks": ["chain"],
+        "methods": ["full", "rlkv", "streaming"],
+        "sparsities": [0.5, 0.75],
+        "num_problems": 4,
+        "max_new_tokens": 24,
+        "batch_size": 1,
+    }
+    recipe.write_text(yaml.safe_dump(doc))
+    return ["eval", "--config", str(recipe), "--out", str(tmp_path / out), "--no-progress"]
+
+
+def _without_timing(rows):
+    return {r["key"]: {k: v for k, v in r.items() if k != "seconds"} for r in rows}
+
+
+def test_sigkilled_run_resumes_to_the_uninterrupted_result(tmp_path):
+    args = _recipe(tmp_path, "killed")
+    results = tmp_path / "killed" / "results.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from rlkv.cli import main; main(sys.argv[1:])", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if results.exists() and len(results.read_bytes().splitlines()) >= 6:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = read_results(results)
+    total = 4 * (1 + 2 * 2)
+    assert 6 <= len(partial) < total
+
+    assert main(args) == 0  # resume
+    resumed = read_results(results)
+    assert len(resumed) == total
+    assert main(_recipe(tmp_path, "reference")) == 0  # the same run, uninterrupted
+    assert _without_timing(resumed) == _without_timing(read_results(tmp_path / "reference" / "results.jsonl"))
+    assert "## chain: pass@1 (%)" in (tmp_path / "killed" / "report.md").read_text()
+
+    assert main(["eval", "--report-only", "--out", str(tmp_path / "killed")]) == 0
