@@ -3,6 +3,7 @@
 import copy
 
 import pytest
+from tokenizers.processors import TemplateProcessing
 
 from rlkv.data.prompts import MATH_PROMPT, build_prompt, format_problem, register_template
 
@@ -49,3 +50,25 @@ def test_template_errors(tokenizer):
         register_template("bad", "no placeholder")
     register_template("short", "Answer briefly: {problem}")
     assert format_problem("x", "short") == "Answer briefly: x"
+
+
+def test_prompt_encodes_to_one_bos_with_special_tokens(tokenizer):
+    bos = "<|endoftext|>"
+    bos_id = tokenizer.convert_tokens_to_ids(bos)
+    llama_like = copy.deepcopy(tokenizer)
+    llama_like.bos_token = bos
+    llama_like._tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, bos_id)]
+    )
+    llama_like.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    prompt = build_prompt("abc", llama_like, "plain")
+    templated = llama_like.apply_chat_template(
+        [{"role": "user", "content": "abc"}], tokenize=False, add_generation_prompt=True
+    )
+    assert templated.startswith(bos) and prompt == templated[len(bos) :]
+    assert llama_like(prompt)["input_ids"] == llama_like(templated, add_special_tokens=False)["input_ids"]
+    assert llama_like(prompt)["input_ids"].count(bos_id) == 1
+    # A tokenizer that does not add BOS keeps the template's BOS.
+    no_add = copy.deepcopy(llama_like)
+    no_add._tokenizer.post_processor = tokenizer._tokenizer.post_processor
+    assert build_prompt("abc", no_add, "plain") == templated

@@ -50,7 +50,8 @@ def test_no_double_bos_for_templated_prompts(tokenizer, make_model):
         single=f"{bos} $A", special_tokens=[(bos, bos_tok.convert_tokens_to_ids(bos))]
     )
     bos_tok.chat_template = "{{ bos_token }}" + tokenizer.chat_template
-    prompt = build_prompt("1 + 2 = ?", bos_tok, "plain")
+    messages = [{"role": "user", "content": "1 + 2 = ?"}]
+    prompt = bos_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert prompt.startswith(bos)
     engine = TransformersEngine(make_model("llama"), bos_tok, batch_size=2)
     (out,) = engine.generate([prompt], max_new_tokens=2)

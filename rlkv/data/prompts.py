@@ -70,6 +70,9 @@ def build_prompt(
 ) -> str:
     """The full prompt string: the formatted problem as a user turn of `tokenizer`'s chat template, assistant header added.
 
+    The string is meant to be encoded with special tokens (`tokenizer(prompt)`, TRL, vLLM): a BOS the
+    tokenizer adds itself is not repeated in it (see `strip_added_bos`).
+
     open_think: end the prompt inside an opened `<think>` block (no-op when the template already opens it).
     chat_template_kwargs: extra variables for the chat template (e.g. `enable_thinking`).
     """
@@ -86,4 +89,18 @@ def build_prompt(
     )
     if open_think and not prompt.rstrip().endswith("<think>"):
         prompt += THINK_OPEN
-    return prompt
+    return strip_added_bos(prompt, tokenizer)
+
+
+def strip_added_bos(prompt: str, tokenizer: Any) -> str:
+    """`prompt` without its leading BOS text when `tokenizer(prompt)` adds BOS itself.
+
+    Chat templates of Llama-style models write the BOS token, and tokenizers (and TRL, vLLM,
+    `rlkv.inference.generate` on strings) add it again when encoding with special tokens; without
+    this, the model would see two BOS tokens.
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or tokenizer.bos_token_id is None or not prompt.startswith(bos):
+        return prompt
+    adds_bos = tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    return prompt[len(bos) :] if adds_bos else prompt

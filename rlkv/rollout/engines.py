@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rlkv.data.prompts import strip_added_bos
+
 if TYPE_CHECKING:
     from rlkv.inference import GenerationOutput
 
@@ -52,15 +54,6 @@ def load_model_and_tokenizer(
     from rlkv.inference import load
 
     return load(model_path, dtype=dtype, device=device)
-
-
-def _strip_duplicate_bos(prompts: list[str], tokenizer: Any) -> list[str]:
-    """Drop a leading BOS text from templated prompts when the tokenizer adds BOS itself (no double BOS)."""
-    bos = getattr(tokenizer, "bos_token", None)
-    if not bos or tokenizer.bos_token_id is None:
-        return prompts
-    adds_bos = tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
-    return [p[len(bos) :] if adds_bos and p.startswith(bos) else p for p in prompts]
 
 
 class TransformersEngine:
@@ -109,7 +102,7 @@ class TransformersEngine:
             self.model,
             self.tokenizer,
             # Prompts come chat-templated; rlkv.inference.generate then tokenizes them with special tokens.
-            _strip_duplicate_bos(list(prompts), self.tokenizer),
+            [strip_added_bos(p, self.tokenizer) for p in prompts],
             max_new_tokens,
             compression=self.compression,
             batch_size=self.batch_size,
