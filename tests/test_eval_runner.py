@@ -9,7 +9,7 @@ from rlkv.eval.methods import matched_tokens_per_head
 from rlkv.head_mask import HeadMask
 from rlkv.testing import tiny_model, tiny_tokenizer
 
-METHODS = ["full", "rlkv", "random-mask", "streaming", "h2o", "rlkv+h2o"]
+METHODS = ["full", "rlkv", "random-mask", "streaming", "h2o", "rkv", "rlkv+h2o", "rlkv+rkv"]
 NUM_HEADS = 4  # tiny model: 2 layers x 2 KV heads
 
 
@@ -151,3 +151,23 @@ def test_report_is_regenerated_from_results(uninterrupted):
         assert (out / name).stat().st_size > 1000
     config = json.loads((out / "eval_config.json").read_text())
     assert config["max_new_tokens"] == 40
+
+
+def test_sampled_pass_at_one_is_seeded(tmp_path):
+    runs = []
+    for out in ("s1", "s2"):
+        cfg, model = _config(
+            tmp_path, out, methods=["full"], num_problems=2, num_samples=2, temperature=1.0, max_new_tokens=16
+        )
+        runs.append(
+            read_results(
+                run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False) / "results.jsonl"
+            )
+        )
+    first = _strip_timing(runs[0])
+    assert first == _strip_timing(runs[1])  # same seed, same samples
+    assert sorted(r["sample"] for r in runs[0]) == [0, 0, 1, 1]
+    by_problem = {}
+    for r in runs[0]:
+        by_problem.setdefault(r["problem_id"], []).append(r["completion"])
+    assert any(a != b for a, b in by_problem.values())  # samples differ
