@@ -117,12 +117,20 @@ def test_rollout_logprobs_equal_full_attention_logprobs_at_sparsity_zero(tmp_pat
     assert logged(trainer, "sampling/importance_sampling_ratio/mean")[0] == pytest.approx(1.0, abs=1e-5)
 
 
-def test_recorded_logprobs_are_tempered_full_distribution(make_model, tokenizer, left_padded_batch):
-    """Recorded log-probs = log_softmax(raw logits / T) of the sampled tokens; top-k does not change them."""
+def test_recorded_logprobs_are_tempered_raw_distribution(make_model, tokenizer, left_padded_batch):
+    """Recorded log-probs = log_softmax(raw logits / T) of the sampled tokens, as TRL's loss computes
+    them: logits processors (min_new_tokens, repetition penalty) and top-k do not change them."""
     model = make_model("llama")
     input_ids, attention_mask = left_padded_batch
     config = GenerationConfig(
-        max_new_tokens=12, do_sample=True, temperature=0.7, top_k=5, pad_token_id=tokenizer.pad_token_id
+        max_new_tokens=12,
+        min_new_tokens=12,
+        repetition_penalty=1.3,
+        do_sample=True,
+        temperature=0.7,
+        top_k=5,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(3)
     batch = generate_rollouts(

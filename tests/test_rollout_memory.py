@@ -8,34 +8,43 @@ from rlkv.head_mask import HeadMask
 from rlkv.rollout import CompressedRolloutConfig
 from rlkv.rollout.memory import measure_rollout_memory
 
-PROMPTS = ["let x be 3 then x + 4", "solve the following math problem", "wait"]
+# the longest prompt first: every batch (prompts are cycled) is padded to its length
+PROMPTS = ["solve the following math problem", "let x be 3 then x + 4", "wait"]
 
 
 def test_memory_report_max_batch_and_peaks_are_measured(tmp_path, make_model, tokenizer):
     model = make_model("llama")
     compression = CompressedRolloutConfig(head_mask=HeadMask.random(model), sparsity=0.75, sink=2, window=8)
     new_tokens = 96
-    # cap: what 3 full-cache rollouts need, measured by a first report run
-    probe = measure_rollout_memory(
-        model, tokenizer, PROMPTS, compression, max_new_tokens=new_tokens, kv_cap_bytes=1, batch_size=3
+    prompt_len = max(
+        len(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
+        for p in PROMPTS
     )
-    assert probe.full.max_batch == probe.compressed.max_batch == 0  # nothing fits in one byte
-    cap = probe.full.peak_bytes
+    # a full cache holds K and V of every layer (2) and KV head (2) for prompt + generated tokens
+    # (the last sampled token is never fed back), 16 fp32 dims: the cap fits exactly 3 such rollouts
+    full_per_sequence = 2 * 2 * 2 * (prompt_len + new_tokens - 1) * 16 * 4
+    cap = 3 * full_per_sequence
 
     report = measure_rollout_memory(
-        model, tokenizer, PROMPTS, compression, max_new_tokens=new_tokens, kv_cap_bytes=cap, batch_size=3
+        model, tokenizer, PROMPTS, compression, max_new_tokens=new_tokens, kv_cap_bytes=cap, batch_size=2
     )
+    assert report.full.peak_bytes == 2 * full_per_sequence
     for m in (report.full, report.compressed):
         b = m.max_batch
         assert m.probes[b] <= cap < m.probes[b + 1]  # b fits, b + 1 was run and does not
     assert report.full.max_batch == 3
     assert report.compressed.max_batch > report.full.max_batch
-    assert report.full.peak_bytes == probe.full.peak_bytes  # same run conditions, same bytes
-    # full-cache peak: every layer and KV head holds prompt + generated tokens (the last token is never fed)
-    prompt_len = max(report.prompt_tokens)
-    assert report.full.peak_bytes == 3 * 2 * 2 * 2 * (prompt_len + new_tokens - 1) * 16 * 4
     assert report.peak_ratio == report.compressed.peak_bytes / report.full.peak_bytes < 0.7
     assert report.max_batch_ratio == report.compressed.max_batch / report.full.max_batch
+
+    tiny = measure_rollout_memory(
+        model, tokenizer, PROMPTS, compression, max_new_tokens=new_tokens, kv_cap_bytes=1, batch_size=1
+    )
+    assert tiny.full.max_batch == tiny.compressed.max_batch == 0  # not even one rollout fits in one byte
 
     doc = json.loads(report.save(tmp_path / "report.json").read_text())
     assert doc["max_batch_ratio"] == pytest.approx(report.max_batch_ratio)

@@ -27,9 +27,10 @@ What changes, per rollout (TRL's transformers path, `use_vllm=False`)
   steps, the full-cache equivalent, kept tokens and evictions go to TRL's metrics as
   `rollout_kv/*`.
 - Rollout log-probs: `log_softmax(logits / temperature)` of each sampled token under the
-  compressed attention, recorded during generation (only one [B, vocab] row is held at a
-  time). It is the distribution TRL's loss evaluates (TRL also ignores top-k/top-p), so the
-  ratio measures exactly the compressed-vs-full attention mismatch.
+  compressed attention, from the model's raw logits (a forward hook; only one [B, vocab] row
+  is held at a time). That is the distribution TRL's loss evaluates (it too ignores logits
+  processors such as min_new_tokens or repetition_penalty and top-k/top-p), so the ratio
+  measures the compressed-vs-full attention mismatch alone.
 - Off-policy correction reuses TRL's vLLM importance-sampling code unchanged: TRL gates it on
   `use_vllm and vllm_importance_sampling_correction`; the trainer raises `use_vllm` only while
   `_generate_and_score_completions` / `_compute_loss` run (nothing there touches vLLM once
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig
 
 from rlkv.cache import HeadMixedCache, _storage_bytes
 from rlkv.inference import CompressionConfig, make_cache
@@ -94,7 +95,7 @@ class RolloutBatch:
     """Completions of one `generate_rollouts` call.
 
     completion_ids[i]: generated tokens of row i up to and including its first EOS (TRL's rule);
-    logprobs[i]: log-softmax(logits / temperature) of those tokens as sampled; kv: memory stats.
+    logprobs[i]: log-softmax(raw logits / temperature) of those tokens; kv: memory stats.
     """
 
     completion_ids: list[list[int]]
@@ -102,11 +103,12 @@ class RolloutBatch:
     kv: RolloutKVStats
 
 
-class SampledLogprobRecorder(LogitsProcessor):
-    """Records log p(sampled token) under `scores / temperature`, one [B] column per decode step.
+class SampledLogprobRecorder:
+    """Forward hook recording log p(sampled token) under `logits / temperature`, one [B] column per step.
 
-    generate calls it before sampling; the token sampled at step t is read from `input_ids` at
-    step t + 1 (the last one in `finish`), so only the current [B, vocab] distribution is kept.
+    It reads the model's raw last-position logits (before generate's logits processors and
+    warpers: what TRL's loss evaluates); the token sampled after forward t arrives as the
+    `input_ids` of forward t + 1 (the last one in `finish`), so only one [B, vocab] row is kept.
     """
 
     def __init__(self, temperature: float) -> None:
@@ -114,11 +116,11 @@ class SampledLogprobRecorder(LogitsProcessor):
         self.columns: list[torch.Tensor] = []
         self.pending: torch.Tensor | None = None
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         if self.pending is not None:
             self.columns.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
+        self.pending = torch.log_softmax(output.logits[:, -1].float() / self.temperature, dim=-1)
 
     def finish(self, completion_ids: torch.Tensor) -> torch.Tensor:
         """FloatTensor [B, N] for the N generated tokens `completion_ids` [B, N]."""
@@ -205,14 +207,17 @@ def generate_rollouts(
             cache = DynamicCache(config=base.config)
         else:
             cache = make_cache(base, compression, batch_size=input_ids.shape[0])
-        with track_peak_kv_bytes(base, cache) as peak:
-            sequences = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                generation_config=generation_config,
-                past_key_values=cache,
-                logits_processor=LogitsProcessorList([recorder]),
-            )
+        hook = base.register_forward_hook(recorder, with_kwargs=True)
+        try:
+            with track_peak_kv_bytes(base, cache) as peak:
+                sequences = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    generation_config=generation_config,
+                    past_key_values=cache,
+                )
+        finally:
+            hook.remove()
         stats = _kv_stats(cache, peak[0], input_ids.shape[0])
         del cache
     completion = sequences[:, input_ids.shape[1] :]
