@@ -257,9 +257,11 @@ class HeadMixedLayer(CacheLayerMixin):
                 self.values = torch.cat([self.values, v_full], dim=-2)
         if self.store is not None:
             k_comp, v_comp = self._select_heads(key_states, value_states, self.comp_idx)
-            if first:
-                self.store.prompt_length = key_states.shape[2]
-            self.store.is_prefill = first
+            # the prompt = every token before the first single-token step (chunked prefill included)
+            prefill = first or (key_states.shape[2] > 1 and self.store.prompt_length == self.logical_length)
+            if prefill:
+                self.store.prompt_length = self.logical_length + key_states.shape[2]
+            self.store.is_prefill = prefill
             self.store.append(k_comp.contiguous(), v_comp.contiguous())
         self.logical_length += key_states.shape[2]
         return self, self

@@ -249,3 +249,29 @@ def test_unsupported_cache_operations_fail_clearly(make_model, tokenizer):
     enc = tokenizer(["wait", "solve"], return_tensors="pt", padding=True)
     with pytest.raises(ValueError, match="batch_size=1"):
         model.generate(**enc, max_new_tokens=2, past_key_values=cache)
+
+
+def test_chunked_prefill_protects_the_whole_prompt(make_model, tokenizer):
+    model = make_model("llama")
+    enc = tokenizer(
+        ["1 + 2 = 3. 2 * 3 = 6. 4 + 5 = 9. therefore the final answer is boxed"], return_tensors="pt"
+    )
+    config = CompressionConfig(head_mask=_mixed_mask(model), sparsity=0.5, sink=2, window=8)
+    whole = model.generate(
+        **enc, max_new_tokens=20, do_sample=False, past_key_values=make_cache(model, config)
+    )
+    chunked_cache = make_cache(model, config)
+    chunked = model.generate(
+        **enc, max_new_tokens=20, do_sample=False, past_key_values=chunked_cache, prefill_chunk_size=8
+    )
+    assert torch.equal(whole, chunked)
+    assert chunked_cache.layers[0].store.prompt_length == enc["input_ids"].shape[1]
+
+
+def test_make_cache_refuses_a_gated_model(make_model):
+    from rlkv import attach_gates
+
+    model = make_model("llama")
+    attach_gates(model)
+    with pytest.raises(ValueError, match="detach_gates"):
+        make_cache(model, CompressionConfig(head_mask=None))

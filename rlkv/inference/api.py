@@ -47,6 +47,11 @@ def make_cache(
     Raises `CompressionConfigError` / `HeadMaskError` for an invalid config or a mask of another model.
     """
     compression.validate()
+    if hasattr(model, "rlkv_gates"):
+        raise ValueError(
+            "the model has RLKV gates attached (rlkv_mixed attention); a HeadMixedCache would replace that "
+            "attention: call rlkv.detach_gates(model) first and use the exported head mask"
+        )
     full_heads = compression.full_heads(model)
     policy = get_policy(compression.policy, **compression.policy_kwargs)
     policy.attach(model)

@@ -49,7 +49,7 @@ What the policy sees: `CompressedStore` (one per layer; all tensors live on the 
   `window` tokens of the row. The cache ORs this into every selection, so a policy never has to.
 - `logical_length` int T (tokens seen, padding included); `prompt_length` int (columns of the
   prompt, padding included); `num_generated` int = T - prompt_length; `valid_length`
-  LongTensor[B]: real tokens seen per row; `is_prefill` bool: this forward was the prompt.
+  LongTensor[B]: real tokens seen per row; `is_prefill` bool: this forward was (a chunk of) the prompt.
 - `budget`: LongTensor[B] or None: how many evictable (non-protected) tokens may stay per
   (row, head), sink and window included. From `CompressionConfig.budget`: an int is used as is;
   a float ratio r gives `round(r * valid_length) + sink + window` (RLKV's dynamic budget);
