@@ -50,11 +50,11 @@ class ScriptArguments:
     )
 
 
-def check_model_geometry(model_name_or_path: str, trust_remote_code: bool = False) -> None:
+def check_model_geometry(model_name_or_path: str, **load_kwargs) -> None:
     """Fail fast (before loading weights) when the model config lacks what per-KV-head gates need."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(model_name_or_path, **load_kwargs)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(text, a, None) is None]
     if missing:
@@ -122,14 +122,19 @@ def build_trainer(argv: list[str] | None = None):
         parser.error(f"bad recipe: {e}")
     if not model_args.model_name_or_path:
         parser.error("bad recipe: model_name_or_path is not set")
+    load_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+    }
+    if (training_args.model_init_kwargs or {}).get(
+        "gguf_file"
+    ):  # a GGUF checkpoint holds config and tokenizer
+        load_kwargs["gguf_file"] = training_args.model_init_kwargs["gguf_file"]
     try:
-        check_model_geometry(model_args.model_name_or_path, training_args.trust_remote_code)
+        check_model_geometry(model_args.model_name_or_path, **load_kwargs)
         reward_funcs = [get_reward(name) for name in script_args.rewards]
         tokenizer = AutoTokenizer.from_pretrained(
-            model_args.model_name_or_path,
-            revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code,
-            padding_side="left",
+            model_args.model_name_or_path, padding_side="left", **load_kwargs
         )
         train_dataset = build_train_dataset(
             script_args, tokenizer, training_args.chat_template_kwargs, seed=training_args.seed

@@ -306,3 +306,37 @@ def test_checkpoint_holds_gates_only_and_exports_a_valid_head_mask(tmp_path, tok
     bad = parser.parse_args(["export-mask", str(tmp_path), "--out", str(tmp_path / "x.json")])
     assert bad.func(bad) == 2
     assert "no gates.safetensors" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_identical_gate_gradients(reentrant):
+    """The paper recipes enable activation checkpointing: it must not change what reaches the gates."""
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+
+    def gate_grad(checkpointing: bool) -> torch.Tensor:
+        model = tiny_model("qwen3")
+        gates = attach_gates(model, sink=2, local=4, init=0.7)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model(ids, use_cache=False).logits.log_softmax(-1).mean().backward()
+        return gates.alpha.grad
+
+    plain = gate_grad(False)
+    assert plain.abs().min() > 0
+    assert torch.equal(gate_grad(True), plain)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("use_vllm", True, "no gates"),
+        ("target_sparsity", -0.1, "target_sparsity=-0.1"),
+        ("gate_init", 1.5, "gate_init=1.5"),
+        ("l1_beta", -1.0, "l1_beta=-1.0"),
+        ("gate_local", 0, "gate_local >= 1"),
+    ],
+)
+def test_config_rejects_bad_rlkv_settings(tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, **{field: value})

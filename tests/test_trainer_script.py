@@ -194,3 +194,28 @@ def test_two_gloo_processes_train_identical_gates(tmp_path, tiny_model_dir, prob
     assert torch.equal(ranks[0]["alpha"], ranks[1]["alpha"])
     assert not torch.equal(ranks[0]["alpha"], torch.ones_like(ranks[0]["alpha"])), "gates did not train"
     assert torch.equal(HeadMask.load(tmp_path / "run" / "head_mask.json").scores, ranks[0]["alpha"])
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
+def test_shipped_recipes_parse_into_valid_configs(recipe):
+    """Every recipe's fields exist and hold valid values (the paper recipes keep Table 3's numbers)."""
+    from trl import ModelConfig, TrlParser
+
+    from rlkv.trainers import GateGRPOConfig
+
+    parser = TrlParser((load_script().ScriptArguments, GateGRPOConfig, ModelConfig))
+    script_args, args, model_args = parser.parse_args_and_config(["--config", str(REPO / "recipes" / recipe)])
+    assert model_args.model_name_or_path and script_args.dataset_name
+    assert args.beta == 0.0 and args.num_generations == 4 and args.epsilon == 0.4 and not args.use_vllm
+    paper = {
+        "r1-distill-llama-8b.yaml": (1e-3, 0.5, 1.0),
+        "r1-distill-qwen-7b.yaml": (1e-3, 0.55, 1.0),
+        "qwen3-4b-thinking.yaml": (2.5e-3, 0.5, 0.95),
+    }
+    if recipe in paper:
+        assert (args.l1_beta, args.reward_threshold, args.top_p) == paper[recipe]
+        assert (
+            args.max_completion_length == 7168 and args.num_train_epochs == 2 and args.learning_rate == 1e-2
+        )
+        assert args.per_device_train_batch_size * 8 * args.gradient_accumulation_steps == 32 * 4
+        assert args.weight_decay == 0.017 and args.lr_scheduler_type == "constant" and args.temperature == 1.0

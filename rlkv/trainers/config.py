@@ -99,6 +99,11 @@ class GateGRPOConfig(GRPOConfig):
         _check_range("reward_threshold", self.reward_threshold, -math.inf, math.inf, "a finite reward level")
         _check_range("gate_init", self.gate_init, 0.0, 1.0, "a value in [0, 1]")
         _check_range("target_sparsity", self.target_sparsity, 0.0, 1.0, "a fraction of heads in [0, 1]")
+        if self.use_vllm:
+            raise ValueError(
+                "use_vllm=True samples rollouts from vLLM's copy of the model, which has no gates; RLKV's rollouts "
+                "must come from the gated model itself: set use_vllm to false"
+            )
         if self.gate_sink < 0 or self.gate_local < 1:
             raise ValueError(
                 f"gate_sink={self.gate_sink}, gate_local={self.gate_local}: need gate_sink >= 0 and gate_local >= 1 "
