@@ -84,3 +84,9 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert "## chain: pass@1 (%)" in (tmp_path / "killed" / "report.md").read_text()
 
     assert main(["eval", "--report-only", "--out", str(tmp_path / "killed")]) == 0
+
+
+def test_missing_head_mask_fails_before_any_work(tmp_path):
+    with pytest.raises(SystemExit, match="head_mask"):
+        main(["eval", "--model", "tiny:llama", "--methods", "full,rlkv", "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()

@@ -112,15 +112,15 @@ def _run(args: argparse.Namespace) -> int:
         base["early_stop_repetition"] = False
     if args.no_progress:
         base["progress"] = False
+    if args.report_only:
+        from rlkv.eval.report import write_report
+
+        print(write_report(base.get("out", "eval-out"), head_mask=_mask_only(base.get("head_mask"))))
+        return 0
     try:
         cfg = EvalConfig.from_dict(base)
     except ValueError as e:
         raise SystemExit(f"rlkv eval: {e}") from None
-    if args.report_only:
-        from rlkv.eval.report import write_report
-
-        print(write_report(cfg.out, head_mask=_mask_only(cfg)))
-        return 0
     if args.sensitivity is not None:
         from rlkv.eval.methods import num_kv_heads_total
         from rlkv.eval.runner import load_model
@@ -135,12 +135,12 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mask_only(cfg):
-    """The trained head mask for the gate heatmap, without loading the model."""
+def _mask_only(path: str | None):
+    """The trained head mask (JSON) for the gate heatmap, without loading the model; None for none / a TSV."""
     from pathlib import Path
 
     from rlkv.head_mask import HeadMask
 
-    if not cfg.head_mask or Path(cfg.head_mask).suffix == ".tsv":
+    if not path or Path(path).suffix == ".tsv":
         return None
-    return HeadMask.load(cfg.head_mask)
+    return HeadMask.load(path)

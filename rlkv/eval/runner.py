@@ -96,8 +96,11 @@ class EvalConfig:
             raise ValueError(
                 f"EvalConfig: num_samples={self.num_samples} needs temperature > 0 (greedy samples are identical)"
             )
-        for name in self.methods:
-            parse_method(name)
+        masks_needed = {parse_method(name).mask for name in self.methods}
+        if "rlkv" in masks_needed and not self.head_mask:
+            raise ValueError("EvalConfig.head_mask is not set, but rlkv* methods need the trained head mask")
+        if "duo" in masks_needed and not self.duo_mask:
+            raise ValueError("EvalConfig.duo_mask is not set, but duo* methods need a DuoAttention TSV")
         self.budget()  # validates the budget fields
         self.repetition_rule()
 
@@ -211,13 +214,15 @@ def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:
 
     needed = {parse_method(m).mask for m in cfg.methods} - {None}
     masks: dict[str, HeadMask] = {}
-    if "rlkv" in needed and cfg.head_mask:
+    if "rlkv" in needed:
         path = Path(cfg.head_mask)
         masks["rlkv"] = HeadMask.from_tsv(path, model) if path.suffix == ".tsv" else HeadMask.load(path)
     if "random-mask" in needed:
         masks["random-mask"] = HeadMask.random(model, seed=cfg.random_mask_seed)
-    if "duo" in needed and cfg.duo_mask:
+    if "duo" in needed:
         masks["duo"] = HeadMask.from_tsv(cfg.duo_mask, model, kind="duo")
+    for mask in masks.values():
+        mask.check_compatible(model)
     return masks
 
 
