@@ -102,11 +102,11 @@ def test_redundancy_matches_reference_with_recent_exemption(chunk):
     positions[1, 1, [2, 3]] = -1  # empty slots take no part
     valid = positions >= 0
     for exempt in (0, 1, 2):
-        got = key_redundancy(keys, positions, valid, threshold=0.5, recent_exempt=exempt, chunk=chunk)
+        got = key_redundancy(keys, valid, threshold=0.5, recent_exempt=exempt, chunk=chunk)
         want = reference_redundancy(keys, positions, valid, 0.5, exempt)
         torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=0)
     # the exemption matters: the most recent copy of the cluster is the least redundant of it
-    r = key_redundancy(keys, positions, valid, 0.5, 1, chunk)[0, 0]
+    r = key_redundancy(keys, valid, 0.5, 1, chunk)[0, 0]
     assert r[9] < r[1] and r[9] < r[4]
     assert (got[1, 1, [2, 3]] == 0).all()
 

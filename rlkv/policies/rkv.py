@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 def key_redundancy(
     keys: torch.Tensor,
-    positions: torch.Tensor,
     valid: torch.Tensor,
     threshold: float = 0.5,
     recent_exempt: int = 1,
@@ -41,34 +40,38 @@ def key_redundancy(
 ) -> torch.Tensor:
     """R-KV's redundancy score of every slot: FloatTensor [B, H, K], softmax over the valid slots.
 
-    keys: [B, H, K, D]; positions: LongTensor [B, H, K] (decide which similar keys are the most
-    recent); valid: BoolTensor [B, H, K] (empty and padding slots take no part and score 0).
+    keys: [B, H, K, D]; valid: BoolTensor [B, H, K] (empty and padding slots take no part and
+    score 0). Valid slots are in increasing position order (the store's invariant), so the most
+    recent similar keys are the last ones in slot order.
     S[i, j] = cos(k_i, k_j) with S[i, i] = 0; for each row i the `recent_exempt` most recent keys j
-    with S[i, j] > threshold get S[i, j] = 0; R_j = softmax_j(mean_i S[i, j]) over valid i, j.
-    Rows of S are built `chunk` at a time.
+    with S[i, j] > threshold (>= 0) get S[i, j] = 0; R_j = softmax_j(mean_i S[i, j]) over valid i, j.
+    Rows of S are built `chunk` at a time: memory O(B * H * chunk * K).
     """
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1 (rows of the similarity matrix per step)")
+    if threshold < 0:
+        raise ValueError(
+            f"threshold={threshold} must be >= 0 (cosine similarity above which keys are similar)"
+        )
     normed = keys.float() / (keys.float().norm(dim=-1, keepdim=True) + 1e-8)
+    normed = normed * valid[..., None]  # empty slots: zero vectors, so S = 0 on their rows and columns
     slots = keys.shape[2]
-    column_sum = torch.zeros(valid.shape, dtype=torch.float32, device=keys.device)
-    col_positions = positions.masked_fill(~valid, -1)[:, :, None, :]  # [B, H, 1, K]
     exempt = min(int(recent_exempt), slots)
+    recency = torch.arange(1, slots + 1, device=keys.device, dtype=torch.float32)  # later slot = more recent
+    column_sum = torch.zeros(valid.shape, dtype=torch.float32, device=keys.device)
     for start in range(0, slots, chunk):
         stop = min(start + chunk, slots)
-        sim = torch.einsum("bhid,bhjd->bhij", normed[:, :, start:stop], normed)  # [B, H, C, K]
-        pair = valid[:, :, start:stop, None] & valid[:, :, None, :]
-        diagonal = torch.arange(start, stop, device=keys.device)[:, None] == torch.arange(
-            slots, device=keys.device
-        )
-        pair = pair & ~diagonal
-        sim = sim.masked_fill(~pair, 0.0)
-        if exempt > 0:
-            similar_positions = torch.where(pair & (sim > threshold), col_positions, -1)
-            recent_pos, recent_idx = similar_positions.topk(exempt, dim=-1)
-            drop = torch.zeros_like(pair).scatter_(-1, recent_idx, recent_pos >= 0)
-            sim = sim.masked_fill(drop, 0.0)
+        sim = normed[:, :, start:stop] @ normed.transpose(-1, -2)  # [B, H, C, K]
+        sim[:, :, :, start:stop].diagonal(dim1=-2, dim2=-1).zero_()
         column_sum += sim.sum(dim=2)
+        if exempt > 0:
+            similar_recency = (sim > threshold) * recency
+            if exempt == 1:
+                rank, index = similar_recency.max(dim=-1, keepdim=True)
+            else:
+                rank, index = similar_recency.topk(exempt, dim=-1)
+            exempted = sim.gather(-1, index) * (rank > 0)  # [B, H, C, exempt]
+            column_sum.scatter_add_(-1, index.flatten(2), -exempted.flatten(2))
     count = valid.sum(dim=-1, keepdim=True).clamp(min=1)
     mean = (column_sum / count).masked_fill(~valid, float("-inf"))
     return masked_softmax(mean)
@@ -106,6 +109,8 @@ class RKVPolicy(CompressionPolicy):
             raise ValueError(f"{self.name}: kernel={kernel} must be a positive odd number (max-pool window)")
         if not 0.0 <= lam <= 1.0:
             raise ValueError(f"{self.name}: lam={lam} must be in [0, 1] (importance weight)")
+        if threshold < 0:
+            raise ValueError(f"{self.name}: threshold={threshold} must be >= 0 (key cosine similarity)")
         if recent_exempt < 0:
             raise ValueError(f"{self.name}: recent_exempt={recent_exempt} must be >= 0")
         if buffer < 0:
@@ -138,7 +143,6 @@ class RKVPolicy(CompressionPolicy):
         """R: FloatTensor [B, H_c, K], a softmax over each (row, head)'s valid slots."""
         return key_redundancy(
             store.keys,
-            store.positions,
             store.valid(),
             self.threshold,
             self.recent_exempt,
