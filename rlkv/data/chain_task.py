@@ -1,19 +1,20 @@
 """The "chain" task: a synthetic chain of thought whose later steps need facts from far back.
 
-The prompt binds each of the 26 letters to a digit and to a successor letter (one cycle through
-all 26, bindings listed in random order), then names a start and a stop letter. The solution walks
-the chain from start to stop; each step looks the current letter up among the bindings (far back in
-the prompt) and adds its digit to a running sum mod 10 (from the previous step):
+The prompt binds each of the 26 letters to a digit (`k= 7`) and to a successor letter (`k> m`),
+one cycle through all 26 letters, bindings listed in random order, then names a start and a stop
+letter. The solution walks the chain from start to stop; each step looks the current letter's digit
+and successor up among the bindings (far back in the prompt) and adds the digit to a running sum
+mod 10 (from the previous step):
 
     prompt:   chain : from start follow > to stop , add each = value mod 10 .
-              k = 7 > m ; q = 2 > c ; ... ; start k ; stop c .
-    solution: k = 7 > m , sum = 7 ; m = 4 > q , sum = 1 ; q = 2 > c , sum = 3 ;
-              c = 5 > z , sum = 8 ; \\boxed{8}
+              k= 7 k> m ; q= 2 q> c ; ... ; start k ; stop c .
+    solution: k= 7 , k> m , sum = 7 ; m= 4 , m> q , sum = 1 ; q= 2 , q> c , sum = 3 ;
+              c= 5 , c> z , sum = 8 ; \\boxed{8}
 
-The arithmetic is trivial on purpose: what is hard is the retrieval, which attention heads with a
-full KV cache can do and sink + local windows cannot, as soon as the sequence is longer than the
-window (prompt + solution are >= 300 words, one token each with the demo model's word-level
-tokenizer).
+Each lookup is a one-token associative recall (`k=` is followed by k's digit in the prompt), and the
+arithmetic is trivial on purpose: what is hard is the retrieval, which attention heads with a full
+KV cache can do and sink + local windows cannot, as soon as the sequence is longer than the window
+(prompt + solution are >= 300 words, one token each with the demo model's word-level tokenizer).
 
 Splits are disjoint by construction: a problem belongs to the split chosen by a hash of its text,
 and each split draws only problems from its own hash buckets.
@@ -32,9 +33,9 @@ SOURCE = "chain"
 LETTERS = tuple(string.ascii_lowercase)
 DIGITS = tuple(str(d) for d in range(10))
 HEADER = "chain : from start follow > to stop , add each = value mod 10 ."
-# Steps per problem: >= 13 keeps every problem (prompt + solution) >= 300 words.
-MIN_STEPS = 13
-MAX_STEPS = 18
+# Steps per problem: >= 15 keeps every problem (prompt + solution) >= 300 words.
+MIN_STEPS = 15
+MAX_STEPS = 20
 # Hash buckets (out of 10) each split draws from.
 SPLIT_BUCKETS = {"train": frozenset(range(2, 10)), "validation": frozenset({1}), "test": frozenset({0})}
 
@@ -72,13 +73,13 @@ def make_problem(rng: random.Random, min_steps: int = MIN_STEPS, max_steps: int 
     path = [start]
     while len(path) < num_steps:
         path.append(successor[path[-1]])
-    bindings = " ; ".join(f"{v} = {value[v]} > {successor[v]}" for v in listed)
+    bindings = " ; ".join(f"{v}= {value[v]} {v}> {successor[v]}" for v in listed)
     problem = f"{HEADER} {bindings} ; start {start} ; stop {path[-1]} ."
 
     steps, total = [], 0
     for v in path:
         total = (total + value[v]) % 10
-        steps.append(f"{v} = {value[v]} > {successor[v]} , sum = {total} ;")
+        steps.append(f"{v}= {value[v]} , {v}> {successor[v]} , sum = {total} ;")
     solution = " ".join(steps) + f" \\boxed{{{total}}}"
     return ChainProblem(problem=problem, solution=solution, answer=str(total))
 
