@@ -85,7 +85,9 @@ def _kept_positions(cache: HeadMixedCache, layer_idx: int, num_kv: int, length: 
     return keep
 
 
-@pytest.mark.parametrize("protect_prompt", [False, True])
+@pytest.mark.parametrize(
+    "family, protect_prompt", [("llama", False), ("qwen2", False), ("qwen3", False), ("llama", True)]
+)
 def test_compressed_run_equals_explicit_keep_mask_reference(family, make_model, tokenizer, protect_prompt):
     sink, window, steps = 4, 16, 200
     model = make_model(family)
@@ -275,3 +277,19 @@ def test_make_cache_refuses_a_gated_model(make_model):
     attach_gates(model)
     with pytest.raises(ValueError, match="detach_gates"):
         make_cache(model, CompressionConfig(head_mask=None))
+
+
+def test_mistral_update_object_is_safe(make_model, left_padded_batch):
+    # Mistral's attention also passes update()'s return straight to the attention function
+    model = make_model("mistral")
+    input_ids, attention_mask = left_padded_batch
+    expected = _plain_generate(model, input_ids, attention_mask, 16)
+    cache = make_cache(model, CompressionConfig(head_mask=None, window=10_000))
+    got = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=16,
+        do_sample=False,
+        past_key_values=cache,
+    )
+    assert torch.equal(got, expected)
