@@ -8,6 +8,7 @@ from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from rlkv.head_mask import HeadMask, HeadMaskError
+from rlkv.inference import CompressionConfigError
 from rlkv.rollout import CompressedRolloutConfig, with_compressed_rollouts
 from rlkv.rollout.compressed import generate_rollouts
 
@@ -298,6 +299,8 @@ def test_unsupported_setups_are_refused(tmp_path, make_model, tokenizer):
             rollout_func=rollout_func,
             rollout_compression=CompressedRolloutConfig(sparsity=0.5),
         )
+    with pytest.raises(CompressionConfigError, match="importance_sampling_correction"):
+        CompressedRolloutConfig(sparsity=0.5, importance_sampling_correction="yes")
     with pytest.raises(TypeError, match="GRPOTrainer subclass"):
         with_compressed_rollouts(object)
     assert with_compressed_rollouts(GRPOTrainer) is with_compressed_rollouts(GRPOTrainer)

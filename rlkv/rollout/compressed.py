@@ -51,7 +51,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from rlkv.cache import HeadMixedCache, _storage_bytes
-from rlkv.inference import CompressionConfig, make_cache
+from rlkv.inference import CompressionConfig, CompressionConfigError, make_cache
 
 
 @dataclass
@@ -65,6 +65,14 @@ class CompressedRolloutConfig(CompressionConfig):
     """
 
     importance_sampling_correction: bool = True
+
+    def validate(self) -> None:
+        """`CompressionConfig.validate` plus the rollout fields."""
+        super().validate()
+        if not isinstance(self.importance_sampling_correction, bool):
+            raise CompressionConfigError(
+                f"importance_sampling_correction={self.importance_sampling_correction!r}: must be True or False"
+            )
 
 
 @dataclass
