@@ -316,9 +316,13 @@ class HeadMixedLayer(CacheLayerMixin):
         """
         batch, num_q_heads, q_len, head_dim = query.shape
         new_valid = self._new_token_validity(attention_mask, batch, q_len, query.device)
-        if self.row_start is None:
-            # left padding: each row's first real column
-            self.row_start = torch.where(new_valid.any(1), new_valid.int().argmax(1), q_len).long()
+        start = self.logical_length - q_len
+        if self.row_start is None or q_len > 1:
+            # left padding: each row's first real column; a row whose earlier prefill chunks were all
+            # padding (row_start = start) gets it from this chunk
+            first_real = torch.where(new_valid.any(1), start + new_valid.int().argmax(1), self.logical_length)
+            seen = self.row_start if self.row_start is not None else first_real
+            self.row_start = torch.where(seen >= start, first_real, seen).long()
         if self.store is None:
             return sdpa_attention_forward(
                 module, query, self.keys, self.values, attention_mask, scaling=scaling
