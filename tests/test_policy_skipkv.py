@@ -47,15 +47,19 @@ def reference_sentences(token_ids, delimiters):
 
 
 @torch.no_grad()
-def teacher_force(model, cache, prompt_ids, prompt_mask, continuation, on_step=None):
-    """Prefill the left-padded prompts, then feed `continuation` [B, T] one token per forward (like decoding)."""
+def teacher_force(model, cache, prompt_ids, prompt_mask, continuation, prefill_chunks=1):
+    """Prefill the left-padded prompts (in `prefill_chunks` forwards), then feed `continuation` [B, T]
+    one token per forward (like decoding)."""
     mask = prompt_mask
-    model(
-        input_ids=prompt_ids,
-        attention_mask=mask,
-        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-        past_key_values=cache,
-    )
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    bounds = torch.linspace(0, mask.shape[1], prefill_chunks + 1).long().tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        model(
+            input_ids=prompt_ids[:, lo:hi],
+            attention_mask=mask[:, :hi],
+            position_ids=positions[:, lo:hi],
+            past_key_values=cache,
+        )
     for t in range(continuation.shape[1]):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         model(
@@ -64,8 +68,6 @@ def teacher_force(model, cache, prompt_ids, prompt_mask, continuation, on_step=N
             position_ids=mask.sum(-1, keepdim=True) - 1,
             past_key_values=cache,
         )
-        if on_step is not None:
-            on_step(t)
 
 
 class RecordingSkipKV(SkipKVPolicy):
@@ -95,13 +97,13 @@ class RecordingSkipKV(SkipKVPolicy):
         return event["keep"]
 
 
-def forced_run(model, tokenizer, prompts, policy, **cache_kwargs):
+def forced_run(model, tokenizer, prompts, policy, prefill_chunks=1, **cache_kwargs):
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     continuation = torch.tensor([tokenizer(TRACE)["input_ids"]] * len(prompts))
     model.set_attn_implementation(register_attention())
     install_observers(model)
     cache = HeadMixedCache(model.config, None, policy, **cache_kwargs)
-    teacher_force(model, cache, enc["input_ids"], enc["attention_mask"], continuation)
+    teacher_force(model, cache, enc["input_ids"], enc["attention_mask"], continuation, prefill_chunks)
     return cache, enc, continuation[0].tolist()
 
 
@@ -190,8 +192,26 @@ def test_sentence_ranges_track_surviving_tokens_across_evictions(qwen2, tokenize
         assert int(store.evicted.sum()) > 0
 
 
+def test_chunked_prefill_is_all_prompt(qwen2, tokenizer):
+    prompts = ["solve the following math problem efficiently", "wait"]
+    whole = SkipKVPolicy(tokenizer=tokenizer, tau=TAU, buffer=8)
+    whole_cache, enc, trace = forced_run(qwen2, tokenizer, prompts, whole, **CACHE)
+    chunked = SkipKVPolicy(tokenizer=tokenizer, tau=TAU, buffer=8)
+    chunked_cache, _, _ = forced_run(qwen2, tokenizer, prompts, chunked, prefill_chunks=3, **CACHE)
+    assert chunked.prompt_length == whole.prompt_length == enc["input_ids"].shape[1]
+    assert chunked.sentence_of[:, : len(trace)].tolist() == whole.sentence_of[:, : len(trace)].tolist()
+    torch.testing.assert_close(chunked.sentence_penalty(), whole.sentence_penalty(), atol=1e-5, rtol=1e-5)
+    for row in range(len(prompts)):
+        assert kept_positions(chunked_cache, row) == kept_positions(whole_cache, row)
+
+
 def test_batch_rows_independent_with_sentences(qwen2, tokenizer):
-    prompts = ["solve the following math problem", "wait", "1 + 2 = 3. 2 * 3 = 6. therefore"]
+    prompts = [
+        "let x be 3 then x + 4 = 7",
+        "solve the following math problem",
+        "1 + 2 = 3. 2 * 3 = 6. 4 + 5 = 9. therefore the final answer is boxed",
+        "wait",
+    ]
     batch_policy = SkipKVPolicy(tokenizer=tokenizer, tau=TAU, buffer=8)
     batch_cache, _, _ = forced_run(qwen2, tokenizer, prompts, batch_policy, **CACHE)
     for row, prompt in enumerate(prompts):

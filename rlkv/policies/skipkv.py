@@ -141,13 +141,16 @@ class SkipKVPolicy(RKVPolicy):
     def on_tokens(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
         batch, q_len = token_ids.shape
         device = token_ids.device
-        if self.prompt_length is None:  # the first forward of a sequence is its prompt
+        # the prompt = every token before the first single-token step (chunked prefill too), as the cache counts it
+        prompt_chunk = self.num_generated == 0 and q_len > 1 and int(positions[0]) == self.prompt_length
+        if self.prompt_length is None or prompt_chunk:
             self.prompt_length = int(positions[-1]) + 1
-            self.sentence_of = torch.zeros(batch, 0, dtype=torch.long, device=device)
-            self.token_ids = torch.zeros(batch, 0, dtype=torch.long, device=device)
-            self.open_sentence = torch.zeros(batch, dtype=torch.long, device=device)
-            self.after_delimiter = torch.zeros(batch, dtype=torch.bool, device=device)
-            self.non_execution = torch.zeros(batch, dtype=torch.long, device=device)
+            if self.sentence_of is None:
+                self.sentence_of = torch.zeros(batch, 0, dtype=torch.long, device=device)
+                self.token_ids = torch.zeros(batch, 0, dtype=torch.long, device=device)
+                self.open_sentence = torch.zeros(batch, dtype=torch.long, device=device)
+                self.after_delimiter = torch.zeros(batch, dtype=torch.bool, device=device)
+                self.non_execution = torch.zeros(batch, dtype=torch.long, device=device)
             self.input_is_delimiter = torch.zeros(batch, q_len, dtype=torch.bool, device=device)
             return
         lookup = self.is_delimiter.to(device)
