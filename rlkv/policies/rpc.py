@@ -8,7 +8,9 @@ prompt is protected by default, as in the paper, which never evicts it).
 Score of a candidate j of a layer (one selection per layer, shared by all its compressed heads):
     s_j = avgpool_k( 1/(H G) * sum_{heads} sum_{i in selectors} softmax_{j in candidates}(q_i . k_j / sqrt(D)) )
 with the softmax over the candidate region only and the pooling over adjacent candidates (zero
-padding at the ends, divisor k, kernel 7), as in the authors' code.
+padding at the ends, divisor k, kernel 7), as in the authors' code. H G counts the query heads of
+the layer's compressed KV heads: all heads in the paper's setting; with a head mask, the full
+heads keep everything and take no part in the selection.
 
 Budget: RPC's own target after cycle n is `n * int(P / c)` kept candidates plus the R selectors
 (the paper's ratio c = 4 over the generated part; sink/window tokens spend the same target). A
