@@ -23,6 +23,7 @@ from typing import Any
 from rlkv._io import atomic_write_text
 from rlkv.eval.errors import RepetitionRule, RepetitionStop, classify_error
 from rlkv.eval.methods import BudgetRule, method_config, num_kv_heads_total, parse_method
+from rlkv.head_mask import ModelFingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +296,8 @@ def run_eval(
     masks = build_masks(cfg, model)
     rule, repetition = cfg.budget(), cfg.repetition_rule()
     num_heads = num_kv_heads_total(model)
-    bytes_per_entry = 2 * model.config.get_text_config().head_dim * next(model.parameters()).element_size()
+    # K and V of one token in one KV head (configs without head_dim derive it from hidden size / heads)
+    bytes_per_entry = 2 * ModelFingerprint.of(model).head_dim * next(model.parameters()).element_size()
 
     problems: dict[str, list[tuple[str, dict[str, Any], list[dict[str, str]], int]]] = {}
     for bench in cfg.benchmarks:
