@@ -344,11 +344,7 @@ class HeadMixedLayer(CacheLayerMixin):
         if policy.observe_attention:
             out_comp, probs = self._eager_compressed(q_comp, attention_mask, scaling)
         else:
-            mask = self._compressed_mask(attention_mask, q_len)
-            out_comp = sdpa_attention_forward(
-                module, q_comp, store.keys, store.values, mask, scaling=scaling
-            )[0]
-            probs = None
+            out_comp, probs = self._sdpa_compressed(module, q_comp, attention_mask, scaling), None
         if comp_q.numel() == num_q_heads:
             out = out_comp
         else:
@@ -373,27 +369,33 @@ class HeadMixedLayer(CacheLayerMixin):
         return cols.any(dim=1).any(dim=1).expand(batch, q_len)
 
     def _compressed_mask(self, mask: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
-        """Bool mask [B, H_c * G, Q, K] over the store's slots, or None when plain causal attention is exact."""
+        """Bool mask over the store's slots: [B, H_c, Q, K], or [B, 1, Q, K] shared by the heads, or None
+        when plain causal attention is exact."""
         store = self.store
-        positions = store.positions
-        fresh = store.is_prefill and store.num_slots == q_len
-        if mask is None and store.all_valid and (q_len == 1 or fresh):
+        if store.logical_length == q_len:
+            return mask  # first forward: slot k holds position k, and the model's mask already hides padding
+        if mask is None and store.all_valid and q_len == 1:
             return None
-        valid = positions >= 0
+        positions = store.positions
         batch, heads, slots = positions.shape
         if mask is None:
             q_pos = torch.arange(self.logical_length - q_len, self.logical_length, device=positions.device)
             allowed = positions[:, :, None, :] <= q_pos[None, None, :, None]
         else:
-            rows = mask[:, 0]  # [B, Q, T]: a mask shared by all heads
+            rows = mask[:, 0]  # [B, Q, T]: the model's mask is shared by all heads
             idx = positions.clamp(min=0)[:, :, None, :].expand(batch, heads, q_len, slots)
             allowed = rows[:, None].expand(batch, heads, q_len, rows.shape[-1]).gather(3, idx)
-        allowed = allowed & valid[:, :, None, :]
-        return (
-            allowed[:, :, None]
-            .expand(batch, heads, self.num_groups, q_len, slots)
-            .reshape(batch, -1, q_len, slots)
-        )
+        return allowed & (positions >= 0)[:, :, None, :]
+
+    def _sdpa_compressed(
+        self, module: torch.nn.Module, q_comp: torch.Tensor, mask: torch.Tensor | None, scaling
+    ):
+        """SDPA of the compressed heads' queries over the store: output [B, Q, H_c*G, D]."""
+        store = self.store
+        mask = self._compressed_mask(mask, q_comp.shape[2])
+        if mask is not None and mask.shape[1] > 1 and self.num_groups > 1:
+            mask = mask.repeat_interleave(self.num_groups, dim=1)  # query head h*G+g uses KV head h
+        return sdpa_attention_forward(module, q_comp, store.keys, store.values, mask, scaling=scaling)[0]
 
     def _eager_compressed(self, q_comp: torch.Tensor, mask: torch.Tensor | None, scaling: float):
         """Explicit softmax attention for the compressed heads: (output [B, Q, H_c*G, D], probs [B, H_c, G, Q, K])."""
@@ -401,17 +403,15 @@ class HeadMixedLayer(CacheLayerMixin):
         batch, _, q_len, head_dim = q_comp.shape
         heads = store.keys.shape[1]
         allowed = self._compressed_mask(mask, q_len)
-        q = q_comp.view(batch, heads, self.num_groups, q_len, head_dim)
+        q = q_comp.reshape(batch, heads, self.num_groups, q_len, head_dim)
         logits = torch.matmul(q, store.keys[:, :, None].transpose(-1, -2)).float() * scaling
         if allowed is None:
-            if q_len > 1:
-                allowed_q = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
-                logits = logits.masked_fill(~allowed_q, float("-inf"))
+            allowed = torch.ones(
+                q_len, q_len, dtype=torch.bool, device=q.device
+            ).tril()  # first forward, no padding
         else:
-            logits = logits.masked_fill(
-                ~allowed.view(batch, heads, self.num_groups, q_len, -1), float("-inf")
-            )
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+            allowed = allowed[:, :, None]  # broadcast over the GQA group
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
         out = torch.matmul(probs.to(store.values.dtype), store.values[:, :, None])
         out = out.reshape(batch, heads * self.num_groups, q_len, head_dim).transpose(1, 2).contiguous()
         return out, probs
@@ -422,7 +422,7 @@ class HeadMixedLayer(CacheLayerMixin):
         policy = self.settings.policy
         batch, _, q_len, head_dim = q_comp.shape
         if policy.observe_queries:
-            queries = q_comp.view(batch, -1, self.num_groups, q_len, head_dim)
+            queries = q_comp.reshape(batch, -1, self.num_groups, q_len, head_dim)
             store.remember_queries(queries, policy.observe_queries)
         if probs is not None:
             policy.on_attention(store, probs)
