@@ -157,9 +157,21 @@ def test_prompt_kept(qwen2, left_padded_batch):
                 assert prompt <= set(store.positions[b, h].tolist())
 
 
-def test_batch_rows_scored_independently(qwen2, left_padded_batch):
+@pytest.mark.parametrize(("budget", "protect_prompt"), [(12, True), (0.3, False)])
+def test_batch_rows_scored_independently(qwen2, left_padded_batch, budget, protect_prompt):
+    """Fixed budget, and a per-row ratio budget with the prompt evictable (the eval setting)."""
     ids, mask = left_padded_batch
-    assert_rows_independent(qwen2, lambda: H2OPolicy(), ids, mask, 30, budget=12, sink=2, window=4)
+    assert_rows_independent(
+        qwen2,
+        lambda: H2OPolicy(),
+        ids,
+        mask,
+        30,
+        budget=budget,
+        sink=2,
+        window=4,
+        protect_prompt=protect_prompt,
+    )
 
 
 def test_budget_above_sequence_is_plain_generation(family, make_model, left_padded_batch):

@@ -131,10 +131,20 @@ def test_config_budget_overrides_the_target(qwen2, left_padded_batch, budget):
         assert bool((layer.store.num_evictable() <= layer.store.budget[:, None] + P).all())
 
 
-def test_batch_rows_scored_independently(qwen2, left_padded_batch):
+@pytest.mark.parametrize(("budget", "protect_prompt"), [(None, True), (0.3, False)])
+def test_batch_rows_scored_independently(qwen2, left_padded_batch, budget, protect_prompt):
+    """RPC's own target, and a per-row ratio budget with the prompt evictable (the eval setting)."""
     ids, mask = left_padded_batch
     assert_rows_independent(
-        qwen2, lambda: RPCPolicy(interval=P, selector_window=R), ids, mask, 2 * P + R + 2, sink=2, window=6
+        qwen2,
+        lambda: RPCPolicy(interval=P, selector_window=R),
+        ids,
+        mask,
+        2 * P + R + 2,
+        sink=2,
+        window=6,
+        budget=budget,
+        protect_prompt=protect_prompt,
     )
 
 

@@ -140,9 +140,9 @@ def test_prompt_kept(qwen2, left_padded_batch):
                 assert prompt <= set(store.positions[b, h].tolist())
 
 
-@pytest.mark.parametrize("protect_prompt", [True, False])
-def test_batch_rows_scored_independently(qwen2, left_padded_batch, protect_prompt):
-    """Without prompt protection rows of different prompt lengths fill their buffers at different
+@pytest.mark.parametrize(("budget", "protect_prompt"), [(12, True), (12, False), (0.3, False)])
+def test_batch_rows_scored_independently(qwen2, left_padded_batch, budget, protect_prompt):
+    """Without prompt protection (or with per-row ratio budgets) rows fill their buffers at different
     steps: each row compresses on its own schedule, as it would alone."""
     ids, mask = left_padded_batch
     assert_rows_independent(
@@ -151,7 +151,7 @@ def test_batch_rows_scored_independently(qwen2, left_padded_batch, protect_promp
         ids,
         mask,
         30,
-        budget=12,
+        budget=budget,
         sink=1,
         window=2,
         protect_prompt=protect_prompt,
