@@ -58,10 +58,10 @@ from rlkv.inference import CompressionConfig, CompressionConfigError, make_cache
 class CompressedRolloutConfig(CompressionConfig):
     """`CompressionConfig` for GRPO rollouts (all its fields: head_mask, sparsity, policy, budget, ...).
 
-    importance_sampling_correction: correct the rollout/loss attention mismatch with TRL's
-        truncated importance sampling (mode and bounds from GRPOConfig's
-        `vllm_importance_sampling_mode` / `_clip_min` / `_clip_max`). Costs one extra no-grad
-        forward per generation batch, as with vLLM.
+    importance_sampling_correction: correct the rollout/loss attention mismatch with TRL's vLLM
+        importance-sampling code (truncated or masked, per token or sequence: GRPOConfig's
+        `vllm_importance_sampling_mode`, bounds `vllm_importance_sampling_clip_min/_clip_max`).
+        Costs one extra no-grad forward per generation batch, as with vLLM.
     """
 
     importance_sampling_correction: bool = True
