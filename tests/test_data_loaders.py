@@ -213,3 +213,14 @@ def test_bad_files_name_file_and_field(tmp_path):
         load_problems("deepscaler", data_files=empty)
     with pytest.raises(ProblemDataError, match="unknown problem set 'nope'"):
         load_problems("nope")
+
+
+def test_cli_show_prints_formatted_problems(capsys):
+    from rlkv.cli import main
+
+    assert main(["data", "show", "reasoning_gym:basic_arithmetic", "--num", "2", "--template", "plain"]) == 0
+    printed = capsys.readouterr().out
+    rows = load_problems("reasoning_gym:basic_arithmetic", num=2)
+    for row in rows:
+        assert f"--- source=reasoning_gym answer={row['answer']!r}" in printed
+        assert row["problem"] in printed
