@@ -126,10 +126,6 @@ def build_trainer(argv: list[str] | None = None):
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
     }
-    if (training_args.model_init_kwargs or {}).get(
-        "gguf_file"
-    ):  # a GGUF checkpoint holds config and tokenizer
-        load_kwargs["gguf_file"] = training_args.model_init_kwargs["gguf_file"]
     try:
         check_model_geometry(model_args.model_name_or_path, **load_kwargs)
         reward_funcs = [get_reward(name) for name in script_args.rewards]
