@@ -7,6 +7,7 @@ from peft import LoraConfig
 from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 
+from rlkv.gates import attach_gates
 from rlkv.head_mask import HeadMask, HeadMaskError
 from rlkv.inference import CompressionConfigError
 from rlkv.rollout import CompressedRolloutConfig, with_compressed_rollouts
@@ -297,6 +298,17 @@ def test_unsupported_setups_are_refused(tmp_path, make_model, tokenizer):
             train_dataset=dataset(),
             processing_class=tokenizer,
             rollout_func=rollout_func,
+            rollout_compression=CompressedRolloutConfig(sparsity=0.5),
+        )
+    gated = make_model("llama")
+    attach_gates(gated)
+    with pytest.raises(ValueError, match="rlkv gates"):
+        with_compressed_rollouts(GRPOTrainer)(
+            model=gated,
+            args=grpo_args(tmp_path),
+            reward_funcs=reward_len,
+            train_dataset=dataset(),
+            processing_class=tokenizer,
             rollout_compression=CompressedRolloutConfig(sparsity=0.5),
         )
     with pytest.raises(CompressionConfigError, match="importance_sampling_correction"):
