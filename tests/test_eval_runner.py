@@ -171,3 +171,11 @@ def test_sampled_pass_at_one_is_seeded(tmp_path):
     for r in runs[0]:
         by_problem.setdefault(r["problem_id"], []).append(r["completion"])
     assert any(a != b for a, b in by_problem.values())  # samples differ
+
+
+def test_resume_refuses_a_changed_mask_file(tmp_path):
+    cfg, model = _config(tmp_path, "m", methods=["rlkv"], sparsities=[0.5], num_problems=1, max_new_tokens=4)
+    run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+    HeadMask.random(model, seed=99).save(cfg.head_mask)  # retrained at the same path
+    with pytest.raises(ValueError, match="head_mask_sha1"):
+        run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)

@@ -39,7 +39,7 @@ class EvalConfig:
 
     model: a path / hub id for `rlkv.inference.load`, or "tiny:<family>" (random tiny model, smoke tests).
     head_mask: the trained head mask (JSON from `HeadMask.save`, or an RLKV/DuoAttention .tsv) for `rlkv*`.
-    duo_mask: a DuoAttention TSV for the `duo` method.
+    duo_mask: another head mask for the `duo` method: a DuoAttention TSV (or a HeadMask JSON).
     benchmarks: `rlkv.data.load_problems` names or files; `split` applies to each.
     methods: see `rlkv.eval.methods`; `full` always runs first (error modes are measured against it).
     sparsities: fractions of KV heads compressed; `full` runs once (recorded at sparsity 0).
@@ -221,7 +221,10 @@ def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:
     if "random-mask" in needed:
         masks["random-mask"] = HeadMask.random(model, seed=cfg.random_mask_seed)
     if "duo" in needed:
-        masks["duo"] = HeadMask.from_tsv(cfg.duo_mask, model, kind="duo")
+        path = Path(cfg.duo_mask)
+        masks["duo"] = (
+            HeadMask.from_tsv(path, model, kind="duo") if path.suffix == ".tsv" else HeadMask.load(path)
+        )
     for mask in masks.values():
         mask.check_compatible(model)
     return masks
@@ -230,6 +233,10 @@ def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:
 def _check_resume(out: Path, cfg: EvalConfig) -> None:
     path = out / CONFIG_FILE
     current = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE_FIELDS}
+    for name in ("head_mask", "duo_mask"):  # a retrained mask at the same path changes results too
+        mask_path = getattr(cfg, name)
+        if mask_path and Path(mask_path).is_file():
+            current[f"{name}_sha1"] = hashlib.sha1(Path(mask_path).read_bytes()).hexdigest()
     if path.exists():
         saved = json.loads(path.read_text())
         diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
