@@ -270,6 +270,10 @@ def plot_error_modes(rows: list[Row], path: Path) -> None:
     table = error_mode_table(rows)
     labels = [f"{m}\ns={_fmt_s(s)}" for m, s in table]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels) + 2), 4))
+    if not table:
+        ax.text(
+            0.5, 0.5, "no problem solved by the full model", ha="center", va="center", transform=ax.transAxes
+        )
     bottom = [0.0] * len(labels)
     for mode in ERROR_MODES:
         vals = [100.0 * c[mode] / c["n"] for c in table.values()]
