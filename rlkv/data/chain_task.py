@@ -1,17 +1,18 @@
 """The "chain" task: a synthetic chain of thought whose later steps need facts from far back.
 
-The prompt binds each of the 26 letters to a digit (`k= 7`) and to a successor letter (`k> m`),
+The prompt binds each of the 26 letters to a digit (`7 k=`) and to a successor letter (`m k>`),
 one cycle through all 26 letters, bindings listed in random order, then names a start and a stop
 letter. The solution walks the chain from start to stop; each step looks the current letter's digit
 and successor up among the bindings (far back in the prompt) and adds the digit to a running sum
 mod 10 (from the previous step):
 
     prompt:   chain : from start follow > to stop , add each = value mod 10 .
-              k= 7 k> m ; q= 2 q> c ; ... ; start k ; stop c .
+              7 k= m k> ; 2 q= c q> ; ... ; start k ; stop c .
     solution: k= 7 , k> m , sum = 7 ; m= 4 , m> q , sum = 1 ; q= 2 , q> c , sum = 3 ;
               c= 5 , c> z , sum = 8 ; \\boxed{8}
 
-Each lookup is a one-token associative recall (`k=` is followed by k's digit in the prompt), and the
+Each lookup is a one-token associative recall (in the prompt, `k=` comes right after k's digit, so
+a head matching the token `k=` can read the digit stored there), and the
 arithmetic is trivial on purpose: what is hard is the retrieval, which attention heads with a full
 KV cache can do and sink + local windows cannot, as soon as the sequence is longer than the window
 (prompt + solution are >= 300 words, one token each with the demo model's word-level tokenizer).
@@ -55,25 +56,35 @@ def split_of(problem: str) -> str:
     return next(name for name, buckets in SPLIT_BUCKETS.items() if bucket in buckets)
 
 
-def make_problem(rng: random.Random, min_steps: int = MIN_STEPS, max_steps: int = MAX_STEPS) -> ChainProblem:
-    """Draw one problem from `rng` with a chain of `min_steps..max_steps` letters (any split)."""
-    if not 1 <= min_steps <= max_steps <= len(LETTERS):
+def make_problem(
+    rng: random.Random,
+    min_steps: int = MIN_STEPS,
+    max_steps: int = MAX_STEPS,
+    num_letters: int = len(LETTERS),
+) -> ChainProblem:
+    """Draw one problem from `rng` with a chain of `min_steps..max_steps` letters (any split).
+
+    `num_letters` < 26 binds only a random subset of the letters (shorter problems, for a training
+    curriculum); the task's own problems (`chain_problems`, `load_chain_task`) always bind all 26.
+    """
+    if not 2 <= num_letters <= len(LETTERS):
+        raise ValueError(f"num_letters={num_letters}: must be in 2..26")
+    if not 1 <= min_steps <= max_steps <= num_letters:
         raise ValueError(
-            f"need 1 <= min_steps <= max_steps <= 26, got min_steps={min_steps}, max_steps={max_steps}"
+            f"need 1 <= min_steps <= max_steps <= num_letters={num_letters}, "
+            f"got min_steps={min_steps}, max_steps={max_steps}"
         )
-    cycle = list(LETTERS)
-    rng.shuffle(cycle)
+    cycle = rng.sample(LETTERS, num_letters)
     successor = {cycle[i]: cycle[(i + 1) % len(cycle)] for i in range(len(cycle))}
-    value = {letter: rng.randrange(10) for letter in LETTERS}
-    listed = list(LETTERS)
-    rng.shuffle(listed)
+    value = {letter: rng.randrange(10) for letter in cycle}
+    listed = rng.sample(cycle, num_letters)
     num_steps = rng.randint(min_steps, max_steps)
-    start = rng.choice(LETTERS)
+    start = rng.choice(cycle)
 
     path = [start]
     while len(path) < num_steps:
         path.append(successor[path[-1]])
-    bindings = " ; ".join(f"{v}= {value[v]} {v}> {successor[v]}" for v in listed)
+    bindings = " ; ".join(f"{value[v]} {v}= {successor[v]} {v}>" for v in listed)
     problem = f"{HEADER} {bindings} ; start {start} ; stop {path[-1]} ."
 
     steps, total = [], 0
