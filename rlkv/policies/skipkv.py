@@ -22,6 +22,7 @@ Batch grouping by prompt length: `rlkv.inference.generate(..., group_by_length=T
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,11 +39,23 @@ DELIMITERS = ("\n", ".\n", ")\n", "\n\n", ".\n\n", ")\n\n")
 NON_EXECUTION_KEYWORDS = ("Wait", "Alternatively", "again")
 
 
+_DELIMITER_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def delimiter_token_mask(tokenizer: Any, delimiters: Sequence[str] = DELIMITERS) -> torch.Tensor:
-    """BoolTensor [len(tokenizer)]: token ids whose decoded text is exactly one of `delimiters`."""
-    wanted = set(delimiters)
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    return torch.tensor([text in wanted for text in texts], dtype=torch.bool)
+    """BoolTensor [len(tokenizer)]: token ids whose decoded text is exactly one of `delimiters`.
+
+    Decoding a 150k vocabulary takes seconds, so the mask is remembered per tokenizer object.
+    """
+    wanted = frozenset(delimiters)
+    try:
+        known = _DELIMITER_MASKS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: no memo
+        known = {}
+    if wanted not in known:
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        known[wanted] = torch.tensor([text in wanted for text in texts], dtype=torch.bool)
+    return known[wanted]
 
 
 def _grow(tensor: torch.Tensor, dim: int, size: int, fill: float | int) -> torch.Tensor:
