@@ -9,7 +9,9 @@ commonly-correct samples (Figure 10).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +23,7 @@ from rlkv.eval.errors import ERROR_MODES
 from rlkv.eval.methods import matched_tokens_per_head
 
 Row = dict[str, Any]
+logger = logging.getLogger(__name__)
 
 
 def _methods(rows: list[Row]) -> list[str]:
@@ -348,6 +351,9 @@ def write_report(out: str | os.PathLike, head_mask: Any = None, plots: bool = Tr
     elif rows[0].get("kv_tokens") and rows[0].get("kv_tokens_per_head"):
         num_heads = round(rows[0]["kv_tokens"] / rows[0]["kv_tokens_per_head"])
     text = render_markdown(rows, config, num_heads)
+    if plots and importlib.util.find_spec("matplotlib") is None:
+        logger.warning("matplotlib is not installed: report.md without plots (pip install 'rlkv[plots]')")
+        plots = False
     if plots:
         plot_accuracy(rows, out / "accuracy_vs_sparsity.png")
         plot_error_modes(rows, out / "error_modes.png")
