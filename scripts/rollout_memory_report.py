@@ -4,7 +4,9 @@
         --sparsity 0.5 --max-new-tokens 512 --batch-size 8 --kv-cap-mib 4 --out report.json
 
 Without --head-mask a random mask is used: KV memory depends only on how many heads of each layer
-stay full (and on the policy's budget), not on which ones.
+stay full (and on the policy's budget), not on which ones. KV memory also depends only on the
+attention geometry, so `--geometry-of PATH` measures a random tiny Llama with the layers, KV
+heads and head dim of the model config at PATH (fast, at real rollout lengths, no weights needed).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import argparse
 
 import torch
+from transformers import AutoConfig
 
 from rlkv.head_mask import HeadMask
 from rlkv.rollout import CompressedRolloutConfig, measure_rollout_memory
 from rlkv.rollout.engines import load_model_and_tokenizer
+from rlkv.testing import tiny_model, tiny_tokenizer
 
 DEFAULT_PROMPTS = [
     "Solve: a farmer has 17 sheep and buys 3 times as many goats. How many animals does he have?",
@@ -32,9 +36,25 @@ def parse_budget(text: str | None) -> int | float | None:
     return float(text) if "." in text else int(text)
 
 
+def geometry_model(config_path: str) -> torch.nn.Module:
+    """Random tiny Llama (fp32) with the attention geometry of the model config at `config_path`."""
+    config = AutoConfig.from_pretrained(config_path).get_text_config()
+    heads = config.num_attention_heads
+    model = tiny_model(
+        "llama",
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+    )
+    model.config.name_or_path = f"random llama with the KV geometry of {config_path}"
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny:llama", help="local path, hub id, or tiny:<family>")
+    parser.add_argument("--geometry-of", default=None, help="config path: random model of that KV geometry")
     parser.add_argument("--head-mask", default=None, help="head-mask JSON (default: random mask)")
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--policy", default="streaming")
@@ -53,7 +73,11 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     args = parser.parse_args()
 
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device)
+    if args.geometry_of:
+        model, tokenizer = geometry_model(args.geometry_of), tiny_tokenizer()
+        model = model.to(args.device)
+    else:
+        model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device)
     mask = HeadMask.load(args.head_mask) if args.head_mask else HeadMask.random(model, seed=args.seed)
     compression = CompressedRolloutConfig(
         head_mask=mask,
