@@ -42,9 +42,9 @@ What changes, per rollout (TRL's transformers path, `use_vllm=False`)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ from rlkv.cache import HeadMixedCache, _storage_bytes
 from rlkv.inference import CompressionConfig, CompressionConfigError, make_cache
 
 
-@dataclass
+@dataclasses.dataclass
 class CompressedRolloutConfig(CompressionConfig):
     """`CompressionConfig` for GRPO rollouts (all its fields: head_mask, sparsity, policy, budget, ...).
 
@@ -75,7 +75,7 @@ class CompressedRolloutConfig(CompressionConfig):
             )
 
 
-@dataclass
+@dataclasses.dataclass
 class RolloutKVStats:
     """KV memory of one rollout batch (bytes of the whole batch, on this process).
 
@@ -98,7 +98,7 @@ class RolloutKVStats:
         return self.resident_bytes / self.full_bytes if self.full_bytes else 1.0
 
 
-@dataclass
+@dataclasses.dataclass
 class RolloutBatch:
     """Completions of one `generate_rollouts` call.
 
@@ -283,23 +283,13 @@ class CompressedRolloutTrainerMixin:
                 "rlkv.rollout.CompressedRolloutConfig"
             )
         self._refuse_unsupported_setup()
-        model = self.accelerator.unwrap_model(self.model)
-        mask = rollout_compression.resolve_head_mask()
-        if mask is not None:
-            mask.check_compatible(model)  # HeadMaskError naming the mismatching geometry
-        # resolved once: each rollout builds its cache without re-reading the mask file
-        self._rollout_cache_config = CompressionConfig(
-            head_mask=mask,
-            sparsity=rollout_compression.sparsity,
-            policy=rollout_compression.policy,
-            policy_kwargs=dict(rollout_compression.policy_kwargs),
-            budget=rollout_compression.budget,
-            sink=rollout_compression.sink,
-            window=rollout_compression.window,
-            protect_prompt=rollout_compression.protect_prompt,
-            min_full_per_layer=rollout_compression.min_full_per_layer,
+        # the mask file is read once; each rollout builds its cache from the loaded HeadMask
+        self._rollout_cache_config = dataclasses.replace(
+            rollout_compression, head_mask=rollout_compression.resolve_head_mask()
         )
-        self._rollout_cache_config.full_heads(model)  # fails now, not at the first rollout
+        # HeadMaskError now (naming the mismatch), not at the first rollout; a PEFT model's
+        # fingerprint is its base model's
+        self._rollout_cache_config.full_heads(self.accelerator.unwrap_model(self.model))
         self.vllm_importance_sampling_correction = rollout_compression.importance_sampling_correction
 
     def _refuse_unsupported_setup(self) -> None:
