@@ -81,8 +81,7 @@ def pool_query_groups(logits: torch.Tensor, mode: Literal["max", "mean"] = "max"
     """Pool the G query heads of each KV head: [B, H, G, N, K] -> [B, H, N, K].
 
     R-KV's convention is the max of the raw logits over the group, taken before the softmax.
-    `mean` ignores -inf (masked) entries only when the whole group is masked, which is how masks
-    arise here (they never differ inside a group).
+    Masked (-inf) entries stay -inf under both modes: masks never differ inside a group.
     """
     if mode == "max":
         return logits.amax(dim=2)
