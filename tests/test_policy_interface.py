@@ -161,3 +161,23 @@ def test_slot_buffers_follow_evictions_and_forced_set_is_kept(make_model, tokeni
                 assert prompt | set(range(length - window, length)) <= kept
                 assert len(kept - prompt) == budget  # the evictable tokens kept: exactly the budget
         assert int(store.evicted.sum()) > 0
+
+
+def test_ratio_budget_follows_each_rows_length(make_model, tokenizer):
+    ratio, window = 0.25, 4
+    model = make_model("llama")
+    enc = tokenizer(["wait", "1 + 2 = 3. 2 * 3 = 6. 4 + 5 = 9."], return_tensors="pt", padding=True)
+    config = CompressionConfig(
+        head_mask=None, policy="test_newest", budget=ratio, sink=0, window=window, protect_prompt=False
+    )
+    cache = make_cache(model, config)
+    model.generate(**enc, max_new_tokens=30, do_sample=False, eos_token_id=None, past_key_values=cache)
+    length = cache.get_seq_length()
+    real = enc["attention_mask"].sum(1) + length - enc["input_ids"].shape[1]  # real tokens seen per row
+    for layer in cache.layers:
+        valid = layer.store.valid()
+        for row in range(2):
+            budget = round(ratio * int(real[row])) + window
+            assert valid[row].sum(-1).tolist() == [budget] * valid.shape[1]
+            newest = list(range(length - budget, length))
+            assert layer.store.positions[row, 0][valid[row, 0]].tolist() == newest
