@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rlkv.cli import main
-from rlkv.eval import EvalConfig, read_results
+from rlkv.eval import EvalConfig, read_results, run_eval
 from rlkv.head_mask import HeadMask
 from rlkv.testing import tiny_model
 
@@ -90,3 +90,19 @@ def test_missing_head_mask_fails_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="head_mask"):
         main(["eval", "--model", "tiny:llama", "--methods", "full,rlkv", "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+def test_unusable_policy_settings_fail_before_generating(tmp_path):
+    # a policy kwarg that does not exist is caught before any generation
+    with pytest.raises(ValueError, match="rpc"):
+        run_eval(
+            EvalConfig(
+                model="tiny:llama",
+                out=str(tmp_path / "bad"),
+                methods=["full", "rpc"],
+                policy_kwargs={"rpc": {"no_such_arg": 1}},
+                num_problems=1,
+                progress=False,
+            )
+        )
+    assert not (tmp_path / "bad" / "results.jsonl").exists()

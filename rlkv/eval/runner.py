@@ -267,6 +267,33 @@ def _tasks(cfg: EvalConfig) -> list[_Task]:
     return tasks
 
 
+def _preflight(
+    cfg: EvalConfig, tasks: list[_Task], model: Any, tokenizer: Any, masks: dict, rule: BudgetRule
+) -> dict:
+    """Every (method, sparsity)'s CompressionConfig, each policy built once, so bad settings fail before generating."""
+    from rlkv.policies import get_policy
+
+    configs = {}
+    for task in tasks:
+        key = (task.method, task.sparsity)
+        if key not in configs:
+            configs[key] = method_config(
+                task.method,
+                task.sparsity,
+                model=model,
+                masks=masks,
+                rule=rule,
+                policy_kwargs=cfg.policy_kwargs,
+                tokenizer=tokenizer,
+            )
+            if configs[key] is not None:
+                try:
+                    get_policy(configs[key].policy, **configs[key].policy_kwargs)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"method {task.method!r}: {e}") from None
+    return configs
+
+
 def _seed_for(cfg: EvalConfig, *parts: Any) -> int:
     digest = hashlib.sha1("|".join(map(str, (cfg.seed, *parts))).encode()).hexdigest()
     return int(digest[:8], 16)
@@ -320,6 +347,7 @@ def run_eval(
         problems[bench] = entries
 
     tasks = _tasks(cfg)
+    configs = _preflight(cfg, tasks, model, tokenizer, masks, rule)
     # A fixed partition into length-sorted batches: a resumed run regenerates a partly written batch
     # whole, so every row sees the same batch (padding, batch share of the cache) as without the kill.
     batches = {}
@@ -342,15 +370,7 @@ def run_eval(
             todo = [c for c in batches[task.benchmark] if any(key_of(task, e) not in done for e in c)]
             if not todo:
                 continue
-            compression = method_config(
-                task.method,
-                task.sparsity,
-                model=model,
-                masks=masks,
-                rule=rule,
-                policy_kwargs=cfg.policy_kwargs,
-                tokenizer=tokenizer,
-            )
+            compression = configs[(task.method, task.sparsity)]
             for chunk in todo:
                 stop = RepetitionStop(repetition) if cfg.early_stop_repetition else None
                 began = time.perf_counter()
