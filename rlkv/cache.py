@@ -404,7 +404,8 @@ class HeadMixedLayer(CacheLayerMixin):
         heads = store.keys.shape[1]
         allowed = self._compressed_mask(mask, q_len)
         q = q_comp.reshape(batch, heads, self.num_groups, q_len, head_dim)
-        logits = torch.matmul(q, store.keys[:, :, None].transpose(-1, -2)).float() * scaling
+        # float32 throughout: the probabilities are also the policy's scores
+        logits = torch.matmul(q.float(), store.keys[:, :, None].float().transpose(-1, -2)) * scaling
         if allowed is None:
             allowed = torch.ones(
                 q_len, q_len, dtype=torch.bool, device=q.device
@@ -412,7 +413,7 @@ class HeadMixedLayer(CacheLayerMixin):
         else:
             allowed = allowed[:, :, None]  # broadcast over the GQA group
         probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
-        out = torch.matmul(probs.to(store.values.dtype), store.values[:, :, None])
+        out = torch.matmul(probs, store.values[:, :, None].float()).to(store.values.dtype)
         out = out.reshape(batch, heads * self.num_groups, q_len, head_dim).transpose(1, 2).contiguous()
         return out, probs
 
