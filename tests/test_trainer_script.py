@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -185,7 +186,10 @@ def test_two_gloo_processes_train_identical_gates(tmp_path, tiny_model_dir, prob
         "--config_file",
         str(REPO / "recipes/accelerate/multi_process_cpu.yaml"),
     ]
-    cmd += ["--main_process_port", "29533", str(tmp_path / "launcher.py"), str(REPO / "train_gates.py")]
+    with socket.socket() as sock:  # a free port: other test runs may launch at the same time
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd += ["--main_process_port", str(port), str(tmp_path / "launcher.py"), str(REPO / "train_gates.py")]
     cmd += ["--config", str(recipe)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
