@@ -1,6 +1,7 @@
 """SkipKV: sentence tracking and ranges across evictions, sentence penalty vs a plain reference,
 adaptive steering, steering-vector computation (API and CLI), and the policy properties."""
 
+import copy
 import json
 
 import pytest
@@ -16,7 +17,7 @@ from rlkv.cache import HeadMixedCache, install_observers
 from rlkv.cache_attention import register_attention
 from rlkv.inference import CompressionConfig, make_cache
 from rlkv.policies.rkv import RKVPolicy
-from rlkv.policies.skipkv import DELIMITERS, SkipKVPolicy
+from rlkv.policies.skipkv import DELIMITERS, SkipKVPolicy, delimiter_token_mask
 from rlkv.policies.steering import SteeringError, SteeringVector, compute_steering_vector
 
 TRACE = (
@@ -34,6 +35,16 @@ def qwen2(make_model):
 
 def delimiter_ids(tokenizer):
     return {i for i in range(len(tokenizer)) if tokenizer.decode([i]) in DELIMITERS}
+
+
+def test_delimiter_tokens(tokenizer):
+    assert delimiter_ids(tokenizer)  # "\n" and "\n\n" in the tiny vocabulary
+    extended = copy.deepcopy(tokenizer)
+    extended.add_tokens([" \n", "\n\n\n", ".\n", ")\n\n", ":\n", "\n    ", "x\n"])
+    mask = delimiter_token_mask(extended)
+    marked = {extended.decode([i]) for i in range(len(extended)) if mask[i]}
+    assert {" \n", "\n\n\n", ".\n", ")\n\n", "\n", "\n\n"} <= marked
+    assert not marked & {":\n", "\n    ", "x\n", "."}
 
 
 def reference_sentences(token_ids, delimiters):

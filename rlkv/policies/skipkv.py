@@ -42,8 +42,15 @@ NON_EXECUTION_KEYWORDS = ("Wait", "Alternatively", "again")
 _DELIMITER_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def is_delimiter_text(text: str, delimiters: frozenset[str]) -> bool:
+    """Whether a token's text ends a sentence: one of `delimiters` after dropping leading spaces/tabs
+    (" \n" is a newline too), or a run of newlines only ("\n\n\n": consecutive delimiters in one token).
+    Newline-plus-indentation tokens ("\n    ") and ":\n" do not end a sentence (code stays whole)."""
+    return text.lstrip(" \t") in delimiters or (text != "" and text.strip("\n") == "")
+
+
 def delimiter_token_mask(tokenizer: Any, delimiters: Sequence[str] = DELIMITERS) -> torch.Tensor:
-    """BoolTensor [len(tokenizer)]: token ids whose decoded text is exactly one of `delimiters`.
+    """BoolTensor [len(tokenizer)]: token ids whose decoded text ends a sentence (`is_delimiter_text`).
 
     Decoding a 150k vocabulary takes seconds, so the mask is remembered per tokenizer object.
     """
@@ -54,7 +61,7 @@ def delimiter_token_mask(tokenizer: Any, delimiters: Sequence[str] = DELIMITERS)
         known = {}
     if wanted not in known:
         texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-        known[wanted] = torch.tensor([text in wanted for text in texts], dtype=torch.bool)
+        known[wanted] = torch.tensor([is_delimiter_text(text, wanted) for text in texts], dtype=torch.bool)
     return known[wanted]
 
 
