@@ -1,21 +1,22 @@
 """The "chain" task: a synthetic chain of thought whose later steps need facts from far back.
 
 The prompt binds each of the 26 letters to a digit (`7 k=`) and to a successor letter (`m k>`),
-one cycle through all 26 letters, bindings listed in random order, then names a start and a stop
-letter. The solution walks the chain from start to stop; each step looks the current letter's digit
-and successor up among the bindings (far back in the prompt) and adds the digit to a running sum
-mod 10 (from the previous step):
+one cycle through all 26 letters, bindings listed in random order, then names a start letter and
+a number of steps N. The solution walks the chain from the start, one numbered step per letter,
+each looking the current letter's digit and successor up among the bindings (far back in the
+prompt), and answers the digit of the N-th letter:
 
-    prompt:   chain : from start follow > to stop , add each = value mod 10 .
-              7 k= m k> ; 2 q= c q> ; ... ; start k ; stop c .
-    solution: k= 7 , k> m , sum = 7 ; m= 4 , m> q , sum = 1 ; q= 2 , q> c , sum = 3 ;
-              c= 5 , c> z , sum = 8 ; \\boxed{8}
+    prompt:   chain : from start follow > for the given steps , answer the = value of the last .
+              7 k= m k> ; 2 q= c q> ; ... ; start k ; steps 17 .
+    solution: step 1 : k= 7 , k> m ; step 2 : m= 4 , m> q ; ... step 17 : c= 5 , c> z ; \\boxed{5}
 
 Each lookup is a one-token associative recall (in the prompt, `k=` comes right after k's digit, so
-a head matching the token `k=` can read the digit stored there), and the
-arithmetic is trivial on purpose: what is hard is the retrieval, which attention heads with a full
-KV cache can do and sink + local windows cannot, as soon as the sequence is longer than the window
-(prompt + solution are >= 300 words, one token each with the demo model's word-level tokenizer).
+a head matching the token `k=` can read the digit stored there). There is no arithmetic beyond
+counting steps (a running sum mod 10 was tried first: a 4-layer model learns modular addition far
+more slowly than retrieval). What is hard is the retrieval, which attention heads with a full KV
+cache can do and sink + local windows cannot, as soon as the sequence is longer than the window
+(prompt + solution are >= 300 words, one token each with the demo model's word-level tokenizer);
+the step count N is also only in the prompt.
 
 Splits are disjoint by construction: a problem belongs to the split chosen by a hash of its text,
 and each split draws only problems from its own hash buckets.
@@ -33,10 +34,10 @@ from rlkv.data.verify import extract_boxed, strip_thinking
 SOURCE = "chain"
 LETTERS = tuple(string.ascii_lowercase)
 DIGITS = tuple(str(d) for d in range(10))
-HEADER = "chain : from start follow > to stop , add each = value mod 10 ."
-# Steps per problem: >= 15 keeps every problem (prompt + solution) >= 300 words.
-MIN_STEPS = 15
-MAX_STEPS = 20
+HEADER = "chain : from start follow > for the given steps , answer the = value of the last ."
+# Steps per problem: >= 17 keeps every problem (prompt + solution) >= 300 words.
+MIN_STEPS = 17
+MAX_STEPS = 22
 # Hash buckets (out of 10) each split draws from.
 SPLIT_BUCKETS = {"train": frozenset(range(2, 10)), "validation": frozenset({1}), "test": frozenset({0})}
 
@@ -85,14 +86,11 @@ def make_problem(
     while len(path) < num_steps:
         path.append(successor[path[-1]])
     bindings = " ; ".join(f"{value[v]} {v}= {successor[v]} {v}>" for v in listed)
-    problem = f"{HEADER} {bindings} ; start {start} ; stop {path[-1]} ."
-
-    steps, total = [], 0
-    for v in path:
-        total = (total + value[v]) % 10
-        steps.append(f"{v}= {value[v]} , {v}> {successor[v]} , sum = {total} ;")
-    solution = " ".join(steps) + f" \\boxed{{{total}}}"
-    return ChainProblem(problem=problem, solution=solution, answer=str(total))
+    problem = f"{HEADER} {bindings} ; start {start} ; steps {num_steps} ."
+    steps = [f"step {i} : {v}= {value[v]} , {v}> {successor[v]} ;" for i, v in enumerate(path, start=1)]
+    answer = str(value[path[-1]])
+    solution = " ".join(steps) + f" \\boxed{{{answer}}}"
+    return ChainProblem(problem=problem, solution=solution, answer=answer)
 
 
 def chain_problems(split: str = "train", num: int = 200, seed: int = 0) -> list[ChainProblem]:
