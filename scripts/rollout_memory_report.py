@@ -46,6 +46,7 @@ def geometry_model(config_path: str) -> torch.nn.Module:
         num_attention_heads=heads,
         num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        hidden_size=8 * heads,  # small, but a multiple of the head count as transformers requires
     )
     model.config.name_or_path = f"random llama with the KV geometry of {config_path}"
     return model
