@@ -33,6 +33,32 @@ def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
+# Storage grows along the token axis by 1/GROWTH_DIVISOR of what it holds: at most 1/128 (0.8%) of
+# the bytes are spare capacity (none below 128 tokens), and each token is copied O(1) times amortised
+# instead of the whole history once per decode step.
+GROWTH_DIVISOR = 128
+
+
+def append_along_tokens(
+    capacity: torch.Tensor | None, current: torch.Tensor | None, new: torch.Tensor
+) -> torch.Tensor:
+    """Append `new` [B, H, Q, ...] after `current` [B, H, T, ...] along dim 2; returns the storage that holds both.
+
+    `capacity` is the storage `current` is a prefix view of (or None: `current` is exactly sized).
+    When it has no room, a new storage of `(T + Q) * (1 + 1/GROWTH_DIVISOR)` tokens (rounded down)
+    is allocated and `current` copied in once. Callers attend to / expose the prefix view
+    `result[:, :, :T + Q]`; `resident_bytes()` counts the whole storage.
+    """
+    used = 0 if current is None else current.shape[2]
+    needed = used + new.shape[2]
+    if capacity is None or needed > capacity.shape[2]:
+        capacity = new.new_empty((*new.shape[:2], needed + needed // GROWTH_DIVISOR, *new.shape[3:]))
+        if used:
+            capacity[:, :, :used] = current
+    capacity[:, :, used:needed] = new
+    return capacity
+
+
 class CompressionSettings:
     """What every layer of one cache shares: the policy and the budget definition."""
 
@@ -82,6 +108,8 @@ class CompressedStore:
         self.is_prefill = False
         self.state: dict[str, Any] = {}
         self._slot_buffers: dict[str, tuple[torch.Tensor, float]] = {}
+        # name -> storage that the tensor of that name is a prefix view of (see append_along_tokens)
+        self._capacity: dict[str, torch.Tensor] = {}
         self._forced: torch.Tensor | None = None
         self.all_valid = True  # no empty slot (lets attention skip building a mask)
 
@@ -149,17 +177,20 @@ class CompressedStore:
         new_pos = torch.arange(self.logical_length, self.logical_length + q_len, device=keys.device)
         new_pos = new_pos.expand(batch, heads, q_len)
         if self.keys is None:
-            self.keys, self.values, self.positions = keys, values, new_pos.contiguous()
             self.evicted = torch.zeros(batch, dtype=torch.long, device=keys.device)
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
-            self.positions = torch.cat([self.positions, new_pos], dim=2)
+        self.keys = self._append("keys", self.keys, keys)
+        self.values = self._append("values", self.values, values)
+        self.positions = self._append("positions", self.positions, new_pos)
         for name, (buf, fill) in self._slot_buffers.items():
             pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
-            self._slot_buffers[name] = (torch.cat([buf, pad], dim=2), fill)
+            self._slot_buffers[name] = (self._append(f"slot:{name}", buf, pad), fill)
         self.logical_length += q_len
         self._forced = None
+
+    def _append(self, name: str, current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        storage = append_along_tokens(self._capacity.get(name), current, new)
+        self._capacity[name] = storage
+        return storage[:, :, : new.shape[2] + (0 if current is None else current.shape[2])]
 
     def mark_padding(self, new_valid: torch.Tensor) -> None:
         """Set the slots of this forward's tokens that are padding (new_valid BoolTensor[B, Q] False) empty."""
@@ -197,6 +228,7 @@ class CompressedStore:
         self.positions = torch.where(filled, self.positions.gather(2, order), -1)
         for name, (buf, fill) in self._slot_buffers.items():
             self._slot_buffers[name] = (buf.gather(2, order), fill)
+        self._capacity.clear()  # the gathered tensors are exactly sized; the old storages are freed
         self.all_valid = bool((counts == size).all())
         self._forced = None
 
@@ -231,6 +263,8 @@ class HeadMixedLayer(CacheLayerMixin):
         )
         self.logical_length = 0
         self.row_start: torch.Tensor | None = None  # LongTensor[B]: first real column of each row
+        self._key_storage: torch.Tensor | None = None  # what `keys` / `values` are prefix views of
+        self._value_storage: torch.Tensor | None = None
 
     # CacheLayerMixin -----------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -251,10 +285,12 @@ class HeadMixedLayer(CacheLayerMixin):
         if self.full_idx.numel():
             k_full, v_full = self._select_heads(key_states, value_states, self.full_idx)
             if first:
-                self.keys, self.values = k_full.contiguous(), v_full.contiguous()
-            else:
-                self.keys = torch.cat([self.keys, k_full], dim=-2)
-                self.values = torch.cat([self.values, v_full], dim=-2)
+                self._key_storage = self._value_storage = self.keys = self.values = None
+            # keys/values are prefix views of storages with spare capacity: no O(T) copy per step
+            self._key_storage = append_along_tokens(self._key_storage, self.keys, k_full)
+            self._value_storage = append_along_tokens(self._value_storage, self.values, v_full)
+            length = self.logical_length + key_states.shape[2]
+            self.keys, self.values = self._key_storage[:, :, :length], self._value_storage[:, :, :length]
         if self.store is not None:
             k_comp, v_comp = self._select_heads(key_states, value_states, self.comp_idx)
             # the prompt = every token before the first single-token step (chunked prefill included)
@@ -281,7 +317,7 @@ class HeadMixedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.keys = self.values = self._key_storage = self._value_storage = None
         self.logical_length = 0
         self.row_start = None
         if self.store is not None:
