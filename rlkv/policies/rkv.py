@@ -45,7 +45,8 @@ def key_redundancy(
     recent similar keys are the last ones in slot order.
     S[i, j] = cos(k_i, k_j) with S[i, i] = 0; for each row i the `recent_exempt` most recent keys j
     with S[i, j] > threshold (>= 0) get S[i, j] = 0; R_j = softmax_j(mean_i S[i, j]) over valid i, j.
-    Rows of S are built `chunk` at a time: memory O(B * H * chunk * K).
+    The column sums of S come from the sum of the normalised keys (O(K * D)); only the exemption
+    needs S, built `chunk` rows at a time: memory O(B * H * chunk * K), none when recent_exempt = 0.
     """
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1 (rows of the similarity matrix per step)")
@@ -56,22 +57,27 @@ def key_redundancy(
     normed = keys.float() / (keys.float().norm(dim=-1, keepdim=True) + 1e-8)
     normed = normed * valid[..., None]  # empty slots: zero vectors, so S = 0 on their rows and columns
     slots = keys.shape[2]
+    # sum_i S[i, j] = k_j . sum_i k_i - k_j . k_j: the column sums need no K x K matrix
+    column_sum = (normed * normed.sum(dim=2, keepdim=True)).sum(-1) - (normed * normed).sum(-1)
     exempt = min(int(recent_exempt), slots)
-    recency = torch.arange(1, slots + 1, device=keys.device, dtype=torch.float32)  # later slot = more recent
-    column_sum = torch.zeros(valid.shape, dtype=torch.float32, device=keys.device)
-    for start in range(0, slots, chunk):
-        stop = min(start + chunk, slots)
-        sim = normed[:, :, start:stop] @ normed.transpose(-1, -2)  # [B, H, C, K]
-        sim[:, :, :, start:stop].diagonal(dim1=-2, dim2=-1).zero_()
-        column_sum += sim.sum(dim=2)
-        if exempt > 0:
-            similar_recency = (sim > threshold) * recency
+    if exempt > 0:
+        # columns newest first: the first similar column of a row is its most recent similar key
+        newest_first = normed.flip(2).transpose(-1, -2)
+        column_rank = torch.arange(slots, 0, -1, device=keys.device, dtype=torch.float32)
+        for start in range(0, slots, chunk):
+            stop = min(start + chunk, slots)
+            sim = normed[:, :, start:stop] @ newest_first  # [B, H, C, K]; column c is slot K - 1 - c
+            rows = torch.arange(stop - start, device=keys.device)
+            sim[:, :, rows, slots - 1 - start - rows] = 0.0  # a key is not similar to itself
+            similar = sim > threshold
             if exempt == 1:
-                rank, index = similar_recency.max(dim=-1, keepdim=True)
+                column = similar.view(torch.uint8).argmax(dim=-1, keepdim=True)  # first True (or 0)
+                hit = similar.gather(-1, column)
             else:
-                rank, index = similar_recency.topk(exempt, dim=-1)
-            exempted = sim.gather(-1, index) * (rank > 0)  # [B, H, C, exempt]
-            column_sum.scatter_add_(-1, index.flatten(2), -exempted.flatten(2))
+                rank, column = (similar * column_rank).topk(exempt, dim=-1)
+                hit = rank > 0
+            exempted = sim.gather(-1, column) * hit  # [B, H, C, exempt]
+            column_sum.scatter_add_(-1, (slots - 1 - column).flatten(2), -exempted.flatten(2))
     count = valid.sum(dim=-1, keepdim=True).clamp(min=1)
     mean = (column_sum / count).masked_fill(~valid, float("-inf"))
     return masked_softmax(mean)
