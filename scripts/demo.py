@@ -44,11 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/demo", help="output folder (curriculum/, gates/, eval/)")
     parser.add_argument("--smoke", action="store_true", help="tiny setting: a few problems and steps")
     parser.add_argument("--fresh", action="store_true", help="delete --out first instead of resuming")
+    parser.add_argument(
+        "--model", default=str(DEMO_MODEL), help="model folder (default: the shipped demo model)"
+    )
     args = parser.parse_args(argv)
-    if not (DEMO_MODEL / "config.json").exists():
+    model = Path(args.model).resolve()
+    if not (model / "config.json").exists():
         print(
-            f"demo: {DEMO_MODEL} is missing; build it with `python scripts/build_demo_model.py`",
-            file=sys.stderr,
+            f"demo: {model} is missing; build it with `python scripts/build_demo_model.py`", file=sys.stderr
         )
         return 2
     out = Path(args.out).resolve()
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             "data",
             "curriculum",
             "--model",
-            str(DEMO_MODEL),
+            str(model),
             "--problems",
             "chain",
             "--split",
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             "train_gates.py",
             "--config",
             "recipes/demo.yaml",
+            "--model_name_or_path",
+            str(model),
             "--dataset_name",
             str(curriculum / "dataset"),
             "--output_dir",
@@ -128,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             "eval",
             "--config",
             "recipes/eval/demo.yaml",
+            "--model",
+            str(model),
             "--head-mask",
             str(mask),
             "--methods",
