@@ -1,8 +1,9 @@
-"""Fast paths of the head-mixed cache: storage that grows in chunks instead of one copy per step.
+"""Fast paths: cache storage that grows in chunks instead of one copy per step; R-KV's blocked redundancy.
 
 Properties: decoding past 128 tokens writes new tokens into spare capacity (the history's storage
 stays in place), the spare capacity is at most 1/128 of the stored tokens and is counted in
-`resident_bytes()`, and the outputs equal a plain `DynamicCache` run exactly as before.
+`resident_bytes()`, and the outputs equal a plain `DynamicCache` run exactly as before. The
+redundancy computed in blocks (symmetric, newest-first) equals the dense K x K matrix.
 """
 
 import torch
@@ -11,6 +12,7 @@ from transformers import DynamicCache
 from rlkv import HeadMask
 from rlkv.cache import GROWTH_DIVISOR, append_along_tokens
 from rlkv.inference import CompressionConfig, make_cache
+from rlkv.policies.rkv import key_redundancy
 
 
 def test_append_along_tokens_grows_by_a_bounded_fraction_and_keeps_content():
@@ -76,3 +78,30 @@ def test_long_decode_writes_in_place_counts_capacity_and_matches_dynamic_cache(m
     assert used < stored <= used * (1 + 1 / GROWTH_DIVISOR)  # spare capacity is real and bounded
     indices = sum(t.numel() * 8 for layer in everything.layers for t in layer.tensors()[2:])
     assert everything.resident_bytes() == stored + indices + everything.full_heads.numel()
+
+
+def _dense_redundancy(keys, valid, threshold, exempt):
+    """R-KV redundancy from the full K x K similarity matrix (plain reference, float64)."""
+    normed = torch.nn.functional.normalize(keys.double(), dim=-1) * valid[..., None]
+    sim = normed @ normed.transpose(-1, -2)
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    slots = keys.shape[2]
+    recency = torch.arange(1, slots + 1, dtype=torch.float64)
+    rank, index = ((sim > threshold) * recency).topk(exempt, dim=-1)
+    sim.scatter_(-1, index, torch.where(rank > 0, 0.0, sim.gather(-1, index)))
+    mean = (sim.sum(dim=2) / valid.sum(-1, keepdim=True)).masked_fill(~valid, float("-inf"))
+    return torch.softmax(mean, dim=-1)
+
+
+def test_blocked_redundancy_equals_the_dense_matrix():
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 3, 300, 16, generator=gen)
+    keys[:, :, 40:120] = keys[:, :, 40:41] + 0.4 * torch.randn(2, 3, 80, 16, generator=gen)  # a cluster
+    keys[:, :, 200:210] = keys[:, :, 250:251] + 0.8 * torch.randn(2, 3, 10, 16, generator=gen)
+    valid = torch.ones(2, 3, 300, dtype=torch.bool)
+    valid[1, 2, :37] = False  # empty slots
+    for exempt in (1, 2):
+        want = _dense_redundancy(keys, valid, 0.5, exempt)
+        for chunk in (7, 64, 256, 1000):
+            got = key_redundancy(keys, valid, threshold=0.5, recent_exempt=exempt, chunk=chunk)
+            torch.testing.assert_close(got.double(), want, atol=1e-7, rtol=1e-5)

@@ -36,7 +36,7 @@ def key_redundancy(
     valid: torch.Tensor,
     threshold: float = 0.5,
     recent_exempt: int = 1,
-    chunk: int = 1024,
+    chunk: int = 256,
 ) -> torch.Tensor:
     """R-KV's redundancy score of every slot: FloatTensor [B, H, K], softmax over the valid slots.
 
@@ -46,7 +46,8 @@ def key_redundancy(
     S[i, j] = cos(k_i, k_j) with S[i, i] = 0; for each row i the `recent_exempt` most recent keys j
     with S[i, j] > threshold (>= 0) get S[i, j] = 0; R_j = softmax_j(mean_i S[i, j]) over valid i, j.
     The column sums of S come from the sum of the normalised keys (O(K * D)); only the exemption
-    needs S, built `chunk` rows at a time: memory O(B * H * chunk * K), none when recent_exempt = 0.
+    needs S: in `chunk` x `chunk` blocks above the diagonal for recent_exempt = 1 (memory
+    O(B * H * chunk^2)), `chunk` rows at a time otherwise (O(B * H * chunk * K)).
     """
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1 (rows of the similarity matrix per step)")
@@ -60,27 +61,67 @@ def key_redundancy(
     # sum_i S[i, j] = k_j . sum_i k_i - k_j . k_j: the column sums need no K x K matrix
     column_sum = (normed * normed.sum(dim=2, keepdim=True)).sum(-1) - (normed * normed).sum(-1)
     exempt = min(int(recent_exempt), slots)
-    if exempt > 0:
-        # columns newest first: the first similar column of a row is its most recent similar key
-        newest_first = normed.flip(2).transpose(-1, -2)
-        column_rank = torch.arange(slots, 0, -1, device=keys.device, dtype=torch.float32)
-        for start in range(0, slots, chunk):
-            stop = min(start + chunk, slots)
-            sim = normed[:, :, start:stop] @ newest_first  # [B, H, C, K]; column c is slot K - 1 - c
-            rows = torch.arange(stop - start, device=keys.device)
-            sim[:, :, rows, slots - 1 - start - rows] = 0.0  # a key is not similar to itself
-            similar = sim > threshold
-            if exempt == 1:
-                column = similar.view(torch.uint8).argmax(dim=-1, keepdim=True)  # first True (or 0)
-                hit = similar.gather(-1, column)
-            else:
-                rank, column = (similar * column_rank).topk(exempt, dim=-1)
-                hit = rank > 0
-            exempted = sim.gather(-1, column) * hit  # [B, H, C, exempt]
-            column_sum.scatter_add_(-1, (slots - 1 - column).flatten(2), -exempted.flatten(2))
+    if exempt == 1:
+        column_sum -= _most_recent_similar(normed, threshold, chunk)
+    elif exempt > 1:
+        column_sum -= _recent_similar(normed, threshold, exempt, chunk)
     count = valid.sum(dim=-1, keepdim=True).clamp(min=1)
     mean = (column_sum / count).masked_fill(~valid, float("-inf"))
     return masked_softmax(mean)
+
+
+def _most_recent_similar(normed: torch.Tensor, threshold: float, chunk: int) -> torch.Tensor:
+    """Per slot j, the sum of S[i, j] over the rows i whose most recent similar key is j: [B, H, K].
+
+    normed: unit keys [B, H, K, D] (zero for empty slots). S is symmetric, so only the blocks on and
+    above the diagonal are computed (`chunk` x `chunk` keys each); a block serves its rows and,
+    transposed, its columns. Keys are visited newest first, so a row's most recent similar key is
+    its first similar column (one argmax over the boolean block).
+    """
+    slots = normed.shape[2]
+    newest_first = normed.flip(2)  # index r is slot K - 1 - r
+    none = slots
+    first = torch.full(normed.shape[:3], none, dtype=torch.long, device=normed.device)
+    for a in range(0, slots, chunk):
+        a_end = min(a + chunk, slots)
+        for b in range(a, slots, chunk):
+            b_end = min(b + chunk, slots)
+            sim = newest_first[:, :, a:a_end] @ newest_first[:, :, b:b_end].transpose(-1, -2)
+            if a == b:
+                sim.diagonal(dim1=-2, dim2=-1).zero_()  # a key is not similar to itself
+            similar = sim > threshold
+            flags = similar.view(torch.uint8)  # argmax returns the first maximum: the first similar key
+            column = flags.argmax(-1, keepdim=True)
+            found = torch.where(similar.gather(-1, column), column + b, none)[..., 0]
+            first[:, :, a:a_end] = torch.minimum(first[:, :, a:a_end], found)
+            if a != b:
+                row = flags.argmax(-2, keepdim=True)
+                found = torch.where(similar.gather(-2, row), row + a, none)[..., 0, :]
+                first[:, :, b:b_end] = torch.minimum(first[:, :, b:b_end], found)
+    found = first < none
+    partner = first.clamp(max=slots - 1)
+    similarity = (newest_first * newest_first.gather(2, partner[..., None].expand_as(normed))).sum(-1)
+    exempted = torch.zeros(normed.shape[:3], dtype=torch.float32, device=normed.device)
+    # row r (slot K - 1 - r) exempts its partner, slot K - 1 - partner
+    return exempted.scatter_add_(-1, slots - 1 - partner, similarity * found)
+
+
+def _recent_similar(normed: torch.Tensor, threshold: float, exempt: int, chunk: int) -> torch.Tensor:
+    """Like `_most_recent_similar` for the `exempt` > 1 most recent similar keys of each row (rows of S
+    built `chunk` at a time, newest-first columns, top-`exempt` of the similar ones)."""
+    slots = normed.shape[2]
+    newest_first = normed.flip(2).transpose(-1, -2)  # column c is slot K - 1 - c
+    column_rank = torch.arange(slots, 0, -1, device=normed.device, dtype=torch.float32)
+    exempted = torch.zeros(normed.shape[:3], dtype=torch.float32, device=normed.device)
+    for start in range(0, slots, chunk):
+        stop = min(start + chunk, slots)
+        sim = normed[:, :, start:stop] @ newest_first  # [B, H, C, K]
+        rows = torch.arange(stop - start, device=normed.device)
+        sim[:, :, rows, slots - 1 - start - rows] = 0.0  # a key is not similar to itself
+        rank, column = ((sim > threshold) * column_rank).topk(exempt, dim=-1)
+        similarity = sim.gather(-1, column) * (rank > 0)  # [B, H, C, exempt]
+        exempted.scatter_add_(-1, (slots - 1 - column).flatten(2), similarity.flatten(2))
+    return exempted
 
 
 @register_policy("rkv")
@@ -93,7 +134,7 @@ class RKVPolicy(CompressionPolicy):
     threshold: cosine similarity above which keys count as similar (0.5).
     recent_exempt: most recent similar keys exempted per token (beta = 1).
     buffer: tokens added between compressions (128).
-    redundancy_chunk: rows of the similarity matrix computed at once (memory vs speed).
+    redundancy_chunk: keys per block of the similarity matrix (memory vs speed; 256 was fastest on CPU).
     Default budget (no `CompressionConfig.budget`): 1024 tokens per head.
     """
 
@@ -107,7 +148,7 @@ class RKVPolicy(CompressionPolicy):
         threshold: float = 0.5,
         recent_exempt: int = 1,
         buffer: int = 128,
-        redundancy_chunk: int = 1024,
+        redundancy_chunk: int = 256,
     ):
         if window < 1:
             raise ValueError(f"{self.name}: window={window} must be >= 1 (observation queries)")
