@@ -4,7 +4,8 @@ Per layer, the KV heads marked full (a row of `HeadMask.full_heads(sparsity)`) s
 `[B, H_full, T, D]`; the other heads live in a `CompressedStore` (`[B, H_c, K, D]` plus the logical
 position of every slot) that a compression policy (rlkv/policies) keeps bounded. Eviction gathers
 into new, exactly sized tensors, so freed entries really leave memory; `resident_bytes()` reads the
-tensors' storage sizes.
+tensors' storage sizes. Appends write into spare capacity (at most 1/128 of the stored tokens, see
+`append_along_tokens`), so a decode step copies no history.
 
 `update()` returns the layer itself instead of key/value tensors; the attention function registered
 by `rlkv.cache_attention` (activated by `rlkv.inference.make_cache`) attends over the split storage
