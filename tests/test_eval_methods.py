@@ -79,3 +79,17 @@ def test_method_config_fields():
     assert base.head_mask is None and base.budget == pytest.approx(0.5) and base.sink + base.window == 40
     with pytest.raises(MethodError, match="head_mask"):
         method_config("rlkv", 0.5, model=model, masks={})
+
+
+def test_matched_rule_turns_buffers_off_also_through_subclass_kwargs(tokenizer):
+    from rlkv.testing import tiny_model
+
+    model = tiny_model("llama")
+    rkv = method_config("rkv", 0.5, model=model, masks={})
+    assert rkv.policy_kwargs == {"buffer": 0}
+    skipkv = method_config("skipkv", 0.5, model=model, masks={}, tokenizer=tokenizer)  # SkipKV(**rkv_kwargs)
+    assert skipkv.policy_kwargs["buffer"] == 0 and skipkv.policy_kwargs["tokenizer"] is tokenizer
+    paper = method_config("rkv", 0.5, model=model, masks={}, rule=BudgetRule(kind="paper"))
+    assert paper.policy_kwargs == {}
+    mine = method_config("rkv", 0.5, model=model, masks={}, policy_kwargs={"rkv": {"buffer": 4}})
+    assert mine.policy_kwargs == {"buffer": 4}

@@ -9,7 +9,7 @@ from rlkv.eval.methods import matched_tokens_per_head
 from rlkv.head_mask import HeadMask
 from rlkv.testing import tiny_model, tiny_tokenizer
 
-METHODS = ["full", "rlkv", "random-mask", "streaming", "h2o", "rkv", "rlkv+h2o", "rlkv+rkv"]
+METHODS = ["full", "rlkv", "random-mask", "streaming", "h2o", "rkv", "skipkv", "rlkv+h2o", "rlkv+rkv"]
 NUM_HEADS = 4  # tiny model: 2 layers x 2 KV heads
 
 

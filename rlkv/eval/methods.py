@@ -177,7 +177,12 @@ def _policy_kwargs(policy: str, rule: BudgetRule, given: dict[str, Any], tokeniz
 
     from rlkv.policies import get_policy_class
 
-    params = inspect.signature(get_policy_class(policy).__init__).parameters
+    params: set[str] = set()
+    for klass in get_policy_class(policy).__mro__:  # a subclass forwarding **kwargs takes its base's too
+        signature = inspect.signature(klass.__init__).parameters
+        params |= {n for n, p in signature.items() if p.kind is not p.VAR_KEYWORD}
+        if not any(p.kind is p.VAR_KEYWORD for p in signature.values()):
+            break
     kwargs: dict[str, Any] = {}
     if rule.kind == "matched" and "buffer" in params:
         # a buffer lets a head hold budget + buffer tokens between compressions: not matched
