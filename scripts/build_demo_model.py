@@ -1,6 +1,6 @@
-"""Build the embedded demo model: a small Qwen2 (GQA) trained from scratch on the chain task.
+"""Build the embedded demo model: a small Llama (GQA) trained from scratch on the chain task.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/build_demo_model.py --out data/demo-model
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/build_demo_model.py --out data/demo-model
 
 Makes a word-level tokenizer offline, trains with AdamW on generated train-split problems (loss on
 the solution tokens only), then measures greedy accuracy on held-out test problems with the full KV
@@ -39,6 +39,8 @@ from rlkv.data.chain_task import (
 )
 
 PAD, BOS_TURN, EOS = "<|pad|>", "<|im_start|>", "<|im_end|>"
+# Issue 8: the demo model must solve >= 90% of held-out problems with the full KV cache.
+FULL_KV_TARGET = 0.9
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -56,23 +58,25 @@ class BuildConfig:
     hidden: int = 128
     heads: int = 8
     kv_heads: int = 2
-    head_dim: int = 16
-    rope_theta: float = 10000.0
-    intermediate: int = 512
-    steps: int = 2000
+    head_dim: int = 32
+    rope_theta: float = 1e6  # high base: more slowly rotating dims for content matching far back
+    intermediate: int = 256
+    steps: int = 1300
     batch: int = 16
-    lr: float = 2e-3
-    warmup: int = 100
-    short_letters: int = 8
-    short_steps: int = 300
-    ramp_steps: int = 300
-    init_std: float = 0.02
+    lr: float = 3e-3
+    warmup: int = 50
+    short_letters: int = 4
+    short_steps: int = 700
+    ramp_steps: int = 400
+    init_std: float = (
+        0.08  # 0.02 (the transformers default) left the model stuck before learning local copies
+    )
     weight_decay: float = 0.1
-    eval_every: int = 250
+    eval_every: int = 100
     eval_problems: int = 200
     sink: int = 16
     local: int = 64
-    threads: int = 2
+    threads: int = 1  # 2 threads ran 5x slower than 1 on the shared, oversubscribed 2-core machine
 
 
 def build_tokenizer():
@@ -102,10 +106,15 @@ def build_tokenizer():
 
 
 def build_model(cfg: BuildConfig, tok):
-    """A randomly initialised fp32 Qwen2 causal LM sized by `cfg`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A randomly initialised fp32 Llama causal LM sized by `cfg`.
 
-    config = Qwen2Config(
+    Llama, not Qwen2: transformers 5's AutoTokenizer forces Qwen2Tokenizer (byte-level) on any
+    checkpoint whose config says qwen2, which breaks this word-level tokenizer; for llama it keeps
+    the saved tokenizer.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=cfg.hidden,
         intermediate_size=cfg.intermediate,
@@ -122,7 +131,7 @@ def build_model(cfg: BuildConfig, tok):
         initializer_range=cfg.init_std,
     )
     torch.manual_seed(cfg.seed)
-    model = Qwen2ForCausalLM(config)
+    model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.do_sample = False
@@ -282,9 +291,9 @@ def model_card(report: dict) -> str:
     cfg = report["build"]
     n = report["test_problems"]
     lines = [
-        "# rlkv demo model: chain-task Qwen2",
+        "# rlkv demo model: chain-task Llama",
         "",
-        "A tiny Qwen2 causal LM trained from scratch by `scripts/build_demo_model.py` on the synthetic",
+        "A tiny Llama causal LM trained from scratch by `scripts/build_demo_model.py` on the synthetic",
         "`chain` task (`rlkv.data.chain_task`). Its reasoning depends on long-range KV: each solution step",
         "looks a letter up among 26 bindings far back in the prompt, so compressing the wrong KV heads",
         "to sink + local attention breaks it. It is the embedded default model of `make demo`.",
@@ -302,7 +311,7 @@ def model_card(report: dict) -> str:
         "",
         "## Architecture and tokenizer",
         "",
-        f"Qwen2, {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} query heads, {cfg['kv_heads']} KV heads (GQA),",
+        f"Llama, {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} query heads, {cfg['kv_heads']} KV heads (GQA),",
         f"head dim {cfg['head_dim']}, MLP {cfg['intermediate']}, tied embeddings, RoPE theta {cfg['rope_theta']:g},",
         f"max positions 1024, fp32, {report['parameters']:,} parameters. Word-level tokenizer ({report['vocab_size']} tokens,",
         "whitespace split), ChatML chat template, left padding, eos `<|im_end|>`, pad `<|pad|>`.",
@@ -341,6 +350,15 @@ def model_card(report: dict) -> str:
         lines += [
             "",
             f"Spread: min {lo[0]:.3f} (layer {lo[1]}, head {lo[2]}), max {hi[0]:.3f} (layer {hi[1]}, head {hi[2]}).",
+        ]
+    full = report["full_kv_accuracy"]
+    if full < FULL_KV_TARGET:
+        lines += [
+            "",
+            f"**Status: not fit for purpose.** Full-KV accuracy {full:.3f} is below the {FULL_KV_TARGET:.0%} target, so the",
+            "compressed-KV numbers above carry no signal about which heads matter. In this build's step budget",
+            "the model learned the solution format and the local copies but not yet the long-range lookup",
+            "(see the training log); it needs more training steps (see the rlkv issue 8 report).",
         ]
     lines += ["", "Training log (teacher-forced exact match of whole solutions):", "", "```"]
     lines += [json.dumps(entry) for entry in report["train_log"]]
