@@ -14,7 +14,6 @@ SUBCOMMANDS = [
     "rlkv.cli.generate",
     "rlkv.cli.data",
     "rlkv.cli.export_mask",
-    "rlkv.cli.eval",
     "rlkv.cli.steering",
     "rlkv.cli.eval",
 ]
