@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, keep_top_scores
-from rlkv.policies.scoring import masked_softmax, observation_attention, observation_window
+from rlkv.policies.scoring import WindowedBufferPolicy, masked_softmax, observation_attention
 
 if TYPE_CHECKING:
     from rlkv.cache import CompressedStore
@@ -125,7 +124,7 @@ def _recent_similar(normed: torch.Tensor, threshold: float, exempt: int, chunk: 
 
 
 @register_policy("rkv")
-class RKVPolicy(CompressionPolicy):
+class RKVPolicy(WindowedBufferPolicy):
     """R-KV: importance minus redundancy, compressing to `budget` every time `buffer` tokens accumulate.
 
     window: observation queries (a = 8), their tokens always kept.
@@ -173,13 +172,6 @@ class RKVPolicy(CompressionPolicy):
         self.redundancy_chunk = int(redundancy_chunk)
         self.observe_queries = self.window
 
-    def due(self, store: CompressedStore) -> torch.Tensor:
-        """BoolTensor [B, H_c]: (row, head) pairs whose buffer is full (budget + buffer evictable tokens)."""
-        return store.num_evictable() >= store.budget[:, None] + max(self.buffer, 1)
-
-    def should_compress(self, store: CompressedStore) -> bool:
-        return store.budget is not None and bool(self.due(store).any())
-
     def importance(self, store: CompressedStore) -> torch.Tensor:
         """I: FloatTensor [B, H_c, K], 0 on the observation window and empty slots."""
         return observation_attention(
@@ -199,9 +191,3 @@ class RKVPolicy(CompressionPolicy):
     def scores(self, store: CompressedStore) -> torch.Tensor:
         """`lam * I - (1 - lam) * R`: FloatTensor [B, H_c, K] (higher = keep)."""
         return self.lam * self.importance(store) - (1.0 - self.lam) * self.redundancy(store)
-
-    def select(self, store: CompressedStore) -> torch.Tensor:
-        scores = self.scores(store).masked_fill(observation_window(store), float("inf"))
-        keep = keep_top_scores(store, scores)
-        # (row, head) pairs whose buffer is not full keep everything, as they would running alone
-        return torch.where(self.due(store)[..., None], keep, store.valid())

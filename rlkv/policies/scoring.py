@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
+from rlkv.policies.base import CompressionPolicy, keep_top_scores
+
 if TYPE_CHECKING:
     from rlkv.cache import CompressedStore
 
@@ -190,3 +192,28 @@ def observation_window(store: CompressedStore) -> torch.Tensor:
     if store.query_positions is None or store.query_positions.numel() == 0:
         return torch.zeros_like(store.valid())
     return store.valid() & (store.positions >= store.query_positions.min())
+
+
+class WindowedBufferPolicy(CompressionPolicy):
+    """R-KV / SnapKV schedule: a (row, KV head) compresses once it holds budget + `buffer` evictable
+    tokens; it then keeps its observation window plus the top `scores(store)` up to the budget.
+    Rows and heads whose buffer is not full keep everything, as they would running alone.
+    Subclasses set `buffer` and implement `scores(store) -> FloatTensor [B, H_c, K]`.
+    """
+
+    buffer: int = 128
+
+    def due(self, store: CompressedStore) -> torch.Tensor:
+        """BoolTensor [B, H_c]: (row, head) pairs whose buffer is full (budget + buffer evictable tokens)."""
+        return store.num_evictable() >= store.budget[:, None] + max(self.buffer, 1)
+
+    def should_compress(self, store: CompressedStore) -> bool:
+        return store.budget is not None and bool(self.due(store).any())
+
+    def scores(self, store: CompressedStore) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement scores(store)")
+
+    def select(self, store: CompressedStore) -> torch.Tensor:
+        scores = self.scores(store).masked_fill(observation_window(store), float("inf"))
+        keep = keep_top_scores(store, scores)
+        return torch.where(self.due(store)[..., None], keep, store.valid())

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, keep_top_scores
 from rlkv.policies.scoring import (
+    WindowedBufferPolicy,
     masked_softmax,
     mean_over_queries,
     observation_logits,
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 
 @register_policy("snapkv")
-class SnapKVPolicy(CompressionPolicy):
+class SnapKVPolicy(WindowedBufferPolicy):
     """Observation-window attention importance, compressing every `buffer` steps once over budget.
 
     window: observation queries (8, R-KV's baseline; 32 in SnapKV's paper), their tokens kept.
@@ -75,13 +75,6 @@ class SnapKVPolicy(CompressionPolicy):
         self.buffer = int(buffer)
         self.observe_queries = self.window
 
-    def _due(self, store: CompressedStore) -> torch.Tensor:
-        """BoolTensor [B, H_c]: (row, head) pairs whose buffer is full."""
-        return store.num_evictable() >= store.budget[:, None] + max(self.buffer, 1)
-
-    def should_compress(self, store: CompressedStore) -> bool:
-        return store.budget is not None and bool(self._due(store).any())
-
     def scores(self, store: CompressedStore) -> torch.Tensor:
         """Importance FloatTensor [B, H_c, K]: 0 on the observation window and invalid slots."""
         logits = observation_logits(store, exclude_window=True)
@@ -92,9 +85,3 @@ class SnapKVPolicy(CompressionPolicy):
         domain = store.valid() & ~observation_window(store)
         pooled = pool_along_keys(probs, self.kernel, self.pooling, domain)
         return mean_over_queries(pooled, store.query_valid())
-
-    def select(self, store: CompressedStore) -> torch.Tensor:
-        scores = self.scores(store).masked_fill(observation_window(store), float("inf"))
-        keep = keep_top_scores(store, scores)
-        # rows/heads whose buffer is not full yet keep everything, as they would running alone
-        return torch.where(self._due(store)[..., None], keep, store.valid())
