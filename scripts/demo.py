@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         evaluation = ["--num-problems", "6", "--sparsities", "0.5", "--batch-size", "6"]
     else:
-        pool, buckets, train = "400", "0-160:60,160-220:60,220-320:80", []
-        evaluation = ["--num-problems", "100", "--sparsities", "0.25,0.5,0.75"]
+        # sized for <= 20 minutes on 2 cores: one generation batch per method and sparsity
+        pool, buckets, train = "240", "0-200:24,200-320:24", []
+        evaluation = ["--num-problems", "32", "--batch-size", "32", "--sparsities", "0.25,0.5,0.75"]
 
     times = {}
     curriculum = out / "curriculum"
