@@ -145,7 +145,12 @@ def analytic_bytes(cache) -> tuple[int, int]:
 
 
 def memory_worker(mode: str, lengths: list[int], device: str, chunk: int) -> dict:
-    """Feed random tokens in chunks up to each logical length; report resident/analytic bytes and peak memory."""
+    """Feed random tokens up to each logical length; report resident/analytic bytes and peak memory.
+
+    Multi-token forwards count as (chunked) prompt for the cache, so policies whose schedule counts
+    generated tokens (RPC) get a `chunk`-token prompt and then single-token decode steps.
+    """
+    decode_steps = MODES[mode][1] == "rpc"
     model = build_model(SMALL_SHAPE, 2, device, torch.float32)
     cache = make_cache(model, compression_for(model, mode))
     baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -157,7 +162,7 @@ def memory_worker(mode: str, lengths: list[int], device: str, chunk: int) -> dic
     with torch.no_grad():
         for target in sorted(lengths):
             while seen < target:
-                n = min(chunk, target - seen)
+                n = 1 if decode_steps and seen >= chunk else min(chunk, target - seen)
                 ids = torch.randint(0, 512, (1, n), generator=gen).to(device)
                 model(input_ids=ids, past_key_values=cache, use_cache=True)
                 seen += n
