@@ -34,15 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from rlkv.head_mask import HeadMask
 from rlkv.policies import available as available_policies
-from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, keep_top_scores
 
 if TYPE_CHECKING:
-    from rlkv.cache import CompressedStore
     from rlkv.inference.config import CompressionConfig
 
 MASK_METHODS = ("rlkv", "random-mask", "duo")
@@ -53,18 +48,6 @@ BASELINE_POLICY_ALIASES = {"streaming": "sink-recent"}
 
 class MethodError(ValueError):
     """An unknown or unusable evaluation method name / setting."""
-
-
-@register_policy("sink-recent")
-class SinkRecentPolicy(CompressionPolicy):
-    """StreamingLLM with a budget: keep the sink and the most recent tokens that fit the budget.
-
-    (The `streaming` policy keeps sink + window only and ignores budgets; the `streaming` baseline at
-    a dynamic budget needs the recent part to grow with the budget.)
-    """
-
-    def select(self, store: CompressedStore) -> torch.Tensor:
-        return keep_top_scores(store, store.positions.float())
 
 
 @dataclass(frozen=True)

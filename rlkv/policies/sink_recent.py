@@ -1,0 +1,26 @@
+"""Sink + most recent tokens up to a budget: StreamingLLM sized by the shared budget.
+
+`streaming` keeps exactly sink + window (RLKV's compressed heads) and ignores budgets; baselines
+at RLKV's dynamic budget `(1 - s) * length` need the recent part to grow with the budget, which is
+this policy (the eval harness's `streaming` baseline).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlkv.policies import register_policy
+from rlkv.policies.base import CompressionPolicy, keep_top_scores
+
+if TYPE_CHECKING:
+    from rlkv.cache import CompressedStore
+
+
+@register_policy("sink-recent")
+class SinkRecentPolicy(CompressionPolicy):
+    """Keep the sink and the most recent evictable tokens that fit `store.budget` (newest first)."""
+
+    def select(self, store: CompressedStore) -> torch.Tensor:
+        return keep_top_scores(store, store.positions.float())
