@@ -27,15 +27,15 @@ import torch
 from tqdm.auto import tqdm
 
 from rlkv.data.chain_task import (
-    DIGITS,
-    HEADER,
-    LETTERS,
+    BODY_WORDS,
     MAX_STEPS,
     MIN_STEPS,
+    NUM_LETTERS,
     chain_problems,
     make_problem,
     split_of,
     verify_chain,
+    vocabulary,
 )
 
 PAD, BOS_TURN, EOS = "<|pad|>", "<|im_start|>", "<|im_end|>"
@@ -61,13 +61,13 @@ class BuildConfig:
     head_dim: int = 32
     rope_theta: float = 1e6  # high base: more slowly rotating dims for content matching far back
     intermediate: int = 256
-    steps: int = 1300
+    steps: int = 2400
     batch: int = 16
     lr: float = 3e-3
     warmup: int = 50
-    short_letters: int = 4
-    short_steps: int = 700
-    ramp_steps: int = 400
+    short_body: int = 64  # document words (24 facts + filler) of the first training problems
+    short_steps: int = 600
+    ramp_steps: int = 600
     init_std: float = (
         0.08  # 0.02 (the transformers default) left the model stuck before learning local copies
     )
@@ -76,7 +76,7 @@ class BuildConfig:
     eval_problems: int = 200
     sink: int = 16
     local: int = 64
-    threads: int = 1  # 2 threads ran 5x slower than 1 on the shared, oversubscribed 2-core machine
+    threads: int = 2
 
 
 def build_tokenizer():
@@ -85,10 +85,7 @@ def build_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     words = [PAD, BOS_TURN, EOS, "[UNK]", "user", "assistant", "system"]
-    words += list(LETTERS) + list(DIGITS) + [f"{v}=" for v in LETTERS] + [f"{v}>" for v in LETTERS]
-    words += HEADER.split() + ["=", ">", ",", ";", ".", "start", "steps", "step"]
-    words += [str(n) for n in range(10, len(LETTERS) + 1)]
-    words += [f"\\boxed{{{d}}}" for d in DIGITS]
+    words += vocabulary()
     vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}  # dedupe, keep first-seen order
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -163,22 +160,17 @@ def encode_batch(tok, problems) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ids, mask, lab
 
 
-def curriculum_letters(cfg: BuildConfig, step: int) -> int:
-    """Letters bound per training problem at `step`: `short_letters` first, then a linear ramp to all 26."""
+def curriculum_body(cfg: BuildConfig, step: int) -> int:
+    """Document words per training problem at `step`: `short_body` first, then a linear ramp to the task's."""
     ramp = (step - cfg.short_steps) / max(1, cfg.ramp_steps)
-    return round(cfg.short_letters + (len(LETTERS) - cfg.short_letters) * min(1.0, max(0.0, ramp)))
+    return round(cfg.short_body + (BODY_WORDS - cfg.short_body) * min(1.0, max(0.0, ramp)))
 
 
-def train_problems(rng: random.Random, num: int, num_letters: int = len(LETTERS)):
-    """`num` fresh train-split problems drawn from `rng` (an endless stream, never a held-out problem).
-
-    Chains span the same fraction of the bound letters as the task's (15-20 of 26).
-    """
-    lo = max(1, round(MIN_STEPS * num_letters / len(LETTERS)))
-    hi = max(lo, round(MAX_STEPS * num_letters / len(LETTERS)))
+def train_problems(rng: random.Random, num: int, body_words: int = BODY_WORDS):
+    """`num` fresh train-split problems drawn from `rng` (an endless stream, never a held-out problem)."""
     out = []
     while len(out) < num:
-        p = make_problem(rng, lo, hi, num_letters)
+        p = make_problem(rng, body_words=body_words)
         if split_of(p.problem) == "train":
             out.append(p)
     return out
@@ -192,14 +184,23 @@ def exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_forced_accuracy(model, tok, problems, batch: int = 50) -> float:
-    """Fraction of `problems` whose whole reference solution is the model's greedy choice (a lower bound on greedy accuracy)."""
+def teacher_forced_accuracy(model, tok, problems, batch: int = 50) -> tuple[float, float]:
+    """(whole-solution, per-token) fraction of `problems` the model predicts under teacher forcing.
+
+    The first is the fraction whose whole reference solution is the greedy choice (a lower bound on
+    greedy accuracy); the second the fraction of solution tokens predicted right.
+    """
     model.eval()
-    hits = 0
+    hits = tokens = right = 0
     for i in range(0, len(problems), batch):
         ids, mask, labels = encode_batch(tok, problems[i : i + batch])
-        hits += int(exact_match(model(input_ids=ids, attention_mask=mask).logits, labels).sum())
-    return hits / max(1, len(problems))
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        hits += int(exact_match(logits, labels).sum())
+        target = labels[:, 1:]
+        scored = target != -100
+        tokens += int(scored.sum())
+        right += int(((logits[:, :-1].argmax(-1) == target) & scored).sum())
+    return hits / max(1, len(problems)), right / max(1, tokens)
 
 
 @torch.no_grad()
@@ -242,7 +243,7 @@ def train(model, tok, cfg: BuildConfig, val_problems) -> list[dict]:
     losses, matches = [], []
     for step in tqdm(range(cfg.steps), desc="train", mininterval=30):
         model.train()
-        ids, mask, labels = encode_batch(tok, train_problems(rng, cfg.batch, curriculum_letters(cfg, step)))
+        ids, mask, labels = encode_batch(tok, train_problems(rng, cfg.batch, curriculum_body(cfg, step)))
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
@@ -257,8 +258,10 @@ def train(model, tok, cfg: BuildConfig, val_problems) -> list[dict]:
                 "step": step + 1,
                 "train_loss": round(sum(losses) / len(losses), 5),
                 "train_exact_match": round(sum(matches) / len(matches), 4),
-                "val_exact_match": teacher_forced_accuracy(model, tok, val_problems),
             }
+            entry["val_exact_match"], entry["val_token_accuracy"] = teacher_forced_accuracy(
+                model, tok, val_problems
+            )
             losses, matches = [], []
             log.append(entry)
             tqdm.write(json.dumps(entry))
@@ -295,17 +298,19 @@ def model_card(report: dict) -> str:
         "",
         "A tiny Llama causal LM trained from scratch by `scripts/build_demo_model.py` on the synthetic",
         "`chain` task (`rlkv.data.chain_task`). Its reasoning depends on long-range KV: each solution step",
-        "looks a letter up among 26 bindings far back in the prompt, so compressing the wrong KV heads",
-        "to sink + local attention breaks it. It is the embedded default model of `make demo`.",
+        "copies a fact from far back in the prompt, so compressing the wrong KV heads to sink + local",
+        "attention breaks it. It is the embedded default model of `make demo`.",
         "",
         "## Data",
         "",
-        "Prompt: a header, 26 bindings `d v= w v> ;` (letter v has digit d and successor w; the successors",
-        "form one cycle through the alphabet; random order), `start X ; steps N .`. Solution: one step",
-        f"`step i : v= d , v> w ;` per letter from the start ({MIN_STEPS}-{MAX_STEPS} steps), then `\\\\boxed{{d}}` with the",
-        "digit of the N-th letter, and eos. Prompt + solution are 315-360 tokens, longer than sink 16 + local 64.",
-        "Curriculum: the first `short_steps` steps use problems binding only `short_letters` letters (chains",
-        "of the same relative length), then the number of letters ramps linearly to 26 over `ramp_steps`.",
+        f"Prompt: a header, then a document of filler words with {2 * NUM_LETTERS} one-word facts scattered through it:",
+        f"for each of {NUM_LETTERS} letters its digit (`k=7`) and its successor (`k>m`; the successors form one cycle",
+        "through the letters), then `; start X end Y .`. Solution: the start letter, then for each letter of the walk",
+        f"from start to end ({MIN_STEPS}-{MAX_STEPS} letters) its digit fact and successor fact copied from the document,",
+        "the end letter's digit fact, `\\boxed{d}` and eos. With the chat template, prompt + solution are 310-325",
+        "tokens; most facts the solution copies lie more than sink 16 + local 64 tokens back.",
+        f"Curriculum: the first `short_steps` steps use documents of `short_body` words (instead of {BODY_WORDS}), then",
+        "the document length ramps linearly to the task's over `ramp_steps`.",
         "Training problems are drawn fresh every step from the train split; evaluation uses",
         "`load_chain_task('test', num, seed)`; the splits are disjoint by a hash of the problem text.",
         "",

@@ -1,22 +1,22 @@
-"""The "chain" task: a synthetic chain of thought whose later steps need facts from far back.
+"""The "chain" task: a synthetic chain of thought whose every step needs a fact from far back.
 
-The prompt binds each of the 26 letters to a digit (`7 k=`) and to a successor letter (`m k>`),
-one cycle through all 26 letters, bindings listed in random order, then names a start letter and
-a number of steps N. The solution walks the chain from the start, one numbered step per letter,
-each looking the current letter's digit and successor up among the bindings (far back in the
-prompt), and answers the digit of the N-th letter:
+The prompt is a document of filler words with 24 facts scattered through it, one word each: for
+each of 12 letters (drawn from the alphabet) its digit (`k=7`) and its successor letter (`k>m`; the
+successors form one cycle through the 12 letters). The question at the end names a start and an
+end letter. The solution walks the cycle
+from the start to the end, writing each letter's digit fact and successor fact as it goes, and
+answers the end letter's digit:
 
-    prompt:   chain : from start follow > for the given steps , answer the = value of the last .
-              7 k= m k> ; 2 q= c q> ; ... ; start k ; steps 17 .
-    solution: step 1 : k= 7 , k> m ; step 2 : m= 4 , m> q ; ... step 17 : c= 5 , c> z ; \\boxed{5}
+    prompt:   chain : walk > from start to end , answer the = digit of end .
+              the so k>m in 7 ... c=5 of ... q>c ... ; start k end c .
+    solution: k k=7 k>m m=4 m>q q=1 q>c c=5 \\boxed{5}
 
-Each lookup is a one-token associative recall (in the prompt, `k=` comes right after k's digit, so
-a head matching the token `k=` can read the digit stored there). There is no arithmetic beyond
-counting steps (a running sum mod 10 was tried first: a 4-layer model learns modular addition far
-more slowly than retrieval). What is hard is the retrieval, which attention heads with a full KV
-cache can do and sink + local windows cannot, as soon as the sequence is longer than the window
-(prompt + solution are >= 300 words, one token each with the demo model's word-level tokenizer);
-the step count N is also only in the prompt.
+Every fact word the solution writes (6-9 letters visited) is a copy of a word of the prompt's
+document, found by its letter: a one-word associative recall over 300+ words, which an attention head with a full KV
+cache can do and a sink + local window cannot (the facts lie anywhere in the document, mostly far
+outside the last 64 words). Deciding where to stop needs the end letter, also only in the prompt.
+A fact is one word so that one attention head can match it (a fact spread over several words needs
+a two-layer induction circuit, which a tiny model trained from scratch on 2 CPU cores did not form).
 
 Splits are disjoint by construction: a problem belongs to the split chosen by a hash of its text,
 and each split draws only problems from its own hash buckets.
@@ -34,10 +34,14 @@ from rlkv.data.verify import extract_boxed, strip_thinking
 SOURCE = "chain"
 LETTERS = tuple(string.ascii_lowercase)
 DIGITS = tuple(str(d) for d in range(10))
-HEADER = "chain : from start follow > for the given steps , answer the = value of the last ."
-# Steps per problem: >= 17 keeps every problem (prompt + solution) >= 300 words.
-MIN_STEPS = 17
-MAX_STEPS = 22
+HEADER = "chain : walk > from start to end , answer the = digit of end ."
+FILLER = ("the", "of", "and", "is", "to", "in", "it", "so", "on", "at", "by", "as")
+# Letters per problem (drawn from the alphabet), and letters visited: start and end included.
+NUM_LETTERS = 12
+MIN_STEPS = 6
+MAX_STEPS = 9
+# Words in the document: 2 * NUM_LETTERS facts + filler. Keeps every problem (prompt + solution) >= 300 words.
+BODY_WORDS = 270
 # Hash buckets (out of 10) each split draws from.
 SPLIT_BUCKETS = {"train": frozenset(range(2, 10)), "validation": frozenset({1}), "test": frozenset({0})}
 
@@ -57,39 +61,65 @@ def split_of(problem: str) -> str:
     return next(name for name, buckets in SPLIT_BUCKETS.items() if bucket in buckets)
 
 
+def digit_fact(letter: str, digit: int | str) -> str:
+    """The one-word fact "letter has digit": `k=7`."""
+    return f"{letter}={digit}"
+
+
+def successor_fact(letter: str, successor: str) -> str:
+    """The one-word fact "letter's successor is": `k>m`."""
+    return f"{letter}>{successor}"
+
+
+def vocabulary() -> list[str]:
+    """Every word a chain problem or solution can contain (for a word-level tokenizer)."""
+    words = list(HEADER.split()) + list(FILLER) + [";", "start", "end"] + list(LETTERS)
+    words += [digit_fact(v, d) for v in LETTERS for d in DIGITS]
+    words += [successor_fact(v, w) for v in LETTERS for w in LETTERS if v != w]
+    words += [f"\\boxed{{{d}}}" for d in DIGITS]
+    return list(dict.fromkeys(words))
+
+
 def make_problem(
     rng: random.Random,
     min_steps: int = MIN_STEPS,
     max_steps: int = MAX_STEPS,
-    num_letters: int = len(LETTERS),
+    num_letters: int = NUM_LETTERS,
+    body_words: int = BODY_WORDS,
 ) -> ChainProblem:
-    """Draw one problem from `rng` with a chain of `min_steps..max_steps` letters (any split).
+    """Draw one problem from `rng` visiting `min_steps..max_steps` letters (any split).
 
-    `num_letters` < 26 binds only a random subset of the letters (shorter problems, for a training
-    curriculum); the task's own problems (`chain_problems`, `load_chain_task`) always bind all 26.
+    The problem uses `num_letters` letters drawn from the alphabet; `body_words` < BODY_WORDS shortens the
+    document (shorter problems, for a training curriculum). The task's own problems
+    (`chain_problems`, `load_chain_task`) always use the defaults.
     """
     if not 2 <= num_letters <= len(LETTERS):
         raise ValueError(f"num_letters={num_letters}: must be in 2..26")
-    if not 1 <= min_steps <= max_steps <= num_letters:
+    if not 2 <= min_steps <= max_steps <= num_letters:
         raise ValueError(
-            f"need 1 <= min_steps <= max_steps <= num_letters={num_letters}, "
+            f"need 2 <= min_steps <= max_steps <= num_letters={num_letters}, "
             f"got min_steps={min_steps}, max_steps={max_steps}"
         )
+    if body_words < 2 * num_letters:
+        raise ValueError(f"body_words={body_words}: must be >= 2 * num_letters = {2 * num_letters}")
     cycle = rng.sample(LETTERS, num_letters)
     successor = {cycle[i]: cycle[(i + 1) % len(cycle)] for i in range(len(cycle))}
     value = {letter: rng.randrange(10) for letter in cycle}
-    listed = rng.sample(cycle, num_letters)
     num_steps = rng.randint(min_steps, max_steps)
     start = rng.choice(cycle)
 
     path = [start]
     while len(path) < num_steps:
         path.append(successor[path[-1]])
-    bindings = " ; ".join(f"{value[v]} {v}= {successor[v]} {v}>" for v in listed)
-    problem = f"{HEADER} {bindings} ; start {start} ; steps {num_steps} ."
-    steps = [f"step {i} : {v}= {value[v]} , {v}> {successor[v]} ;" for i, v in enumerate(path, start=1)]
-    answer = str(value[path[-1]])
-    solution = " ".join(steps) + f" \\boxed{{{answer}}}"
+    end = path[-1]
+    facts = [digit_fact(v, value[v]) for v in cycle] + [successor_fact(v, successor[v]) for v in cycle]
+    body = [rng.choice(FILLER) for _ in range(body_words - len(facts))]
+    for fact in rng.sample(facts, len(facts)):
+        body.insert(rng.randrange(len(body) + 1), fact)
+    problem = f"{HEADER} {' '.join(body)} ; start {start} end {end} ."
+    walk = [f"{digit_fact(v, value[v])} {successor_fact(v, successor[v])}" for v in path[:-1]]
+    answer = str(value[end])
+    solution = " ".join([start, *walk, digit_fact(end, answer), f"\\boxed{{{answer}}}"])
     return ChainProblem(problem=problem, solution=solution, answer=answer)
 
 
