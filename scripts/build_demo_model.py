@@ -1,6 +1,6 @@
 """Build the embedded demo model: a small Llama (GQA) trained from scratch on the chain task.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/build_demo_model.py --out data/demo-model
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/build_demo_model.py --out data/demo-model
 
 Makes a word-level tokenizer offline, trains with AdamW on generated train-split problems (loss on
 the solution tokens only), then measures greedy accuracy on held-out test problems with the full KV
@@ -68,9 +68,7 @@ class BuildConfig:
     short_body: int = 64  # document words (24 facts + filler) of the first training problems
     short_steps: int = 600
     ramp_steps: int = 600
-    init_std: float = (
-        0.08  # 0.02 (the transformers default) left the model stuck before learning local copies
-    )
+    init_std: float = 0.08  # with the transformers default 0.02 an earlier version of the task stalled
     weight_decay: float = 0.1
     eval_every: int = 100
     eval_problems: int = 200
@@ -307,7 +305,7 @@ def model_card(report: dict) -> str:
         f"for each of {NUM_LETTERS} letters its digit (`k=7`) and its successor (`k>m`; the successors form one cycle",
         "through the letters), then `; start X end Y .`. Solution: the start letter, then for each letter of the walk",
         f"from start to end ({MIN_STEPS}-{MAX_STEPS} letters) its digit fact and successor fact copied from the document,",
-        "the end letter's digit fact, `\\boxed{d}` and eos. With the chat template, prompt + solution are 310-325",
+        "the end letter's digit fact, `\\boxed{d}` and eos. With the chat template, prompt + solution are 311-317",
         "tokens; most facts the solution copies lie more than sink 16 + local 64 tokens back.",
         f"Curriculum: the first `short_steps` steps use documents of `short_body` words (instead of {BODY_WORDS}), then",
         "the document length ramps linearly to the task's over `ramp_steps`.",
@@ -326,7 +324,7 @@ def model_card(report: dict) -> str:
         f"AdamW (betas 0.9/0.98, weight decay {cfg['weight_decay']}), lr {cfg['lr']} with {cfg['warmup']} warmup steps",
         f"and cosine decay to 5%, gradient clip 1.0, batch {cfg['batch']}, {cfg['steps']} steps, loss on solution +",
         f"eos tokens only, seed {cfg['seed']}, {cfg['threads']} CPU thread(s). Training took",
-        f"{report['train_wall_s'] / 60:.1f} min, the whole build {report['total_wall_s'] / 60:.1f} min (shared 2-core machine).",
+        f"{report['train_wall_s'] / 60:.1f} min, the whole build {report['total_wall_s'] / 60:.1f} min (2-core machine).",
         "",
         "## Measured accuracy",
         "",
@@ -365,12 +363,17 @@ def model_card(report: dict) -> str:
             "the model learned the solution format and the local copies but not yet the long-range lookup",
             "(see the training log); it needs more training steps (see the rlkv issue 8 report).",
         ]
-    lines += ["", "Training log (teacher-forced exact match of whole solutions):", "", "```"]
+    lines += [
+        "",
+        "Training log (teacher forcing on 100 validation problems: exact match of whole solutions, per-token accuracy):",
+        "",
+        "```",
+    ]
     lines += [json.dumps(entry) for entry in report["train_log"]]
     lines += [
         "```",
         "",
-        "Rebuild: `OMP_NUM_THREADS=1 .venv/bin/python scripts/build_demo_model.py --out data/demo-model`.",
+        "Rebuild: `OMP_NUM_THREADS=2 .venv/bin/python scripts/build_demo_model.py --out data/demo-model`.",
         "",
     ]
     return "\n".join(lines)
