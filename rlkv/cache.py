@@ -236,6 +236,7 @@ class CompressedStore:
     def tensors(self) -> list[torch.Tensor | None]:
         """Every tensor the store holds (for resident-byte accounting)."""
         extra = [buf for buf, _ in self._slot_buffers.values()]
+        extra += [t for t in self.state.values() if isinstance(t, torch.Tensor)]
         kv = [self.keys, self.values, self.positions, self.queries, self.query_positions, *extra]
         return [*kv, self.row_start, self.evicted]
 
@@ -579,8 +580,9 @@ class HeadMixedCache(Cache):
         return self.get_seq_length()
 
     def resident_bytes(self) -> int:
-        """Bytes of every tensor the cache holds (KV, positions and the O(B + H) bookkeeping), read from storage."""
-        return _storage_bytes([self.full_heads, *(t for layer in self.layers for t in layer.tensors())])
+        """Bytes of every tensor the cache and its policy hold (KV, positions, bookkeeping), read from storage."""
+        layers = (t for layer in self.layers for t in layer.tensors())
+        return _storage_bytes([self.full_heads, *layers, *self.settings.policy.state_tensors()])
 
     def full_resident_bytes(self) -> int:
         """Bytes a full (DynamicCache) KV cache would hold for the same batch and length."""

@@ -13,7 +13,7 @@ from policy_properties import (
 )
 from transformers import AutoTokenizer
 
-from rlkv.cache import HeadMixedCache, install_observers
+from rlkv.cache import HeadMixedCache, _storage_bytes, install_observers
 from rlkv.cache_attention import register_attention
 from rlkv.inference import CompressionConfig, make_cache
 from rlkv.policies.rkv import RKVPolicy
@@ -201,6 +201,24 @@ def test_sentence_ranges_track_surviving_tokens_across_evictions(qwen2, tokenize
                     inside = [k for k in range(lo, hi + 1) if pos[k] >= 0]
                     assert inside == surviving  # the range holds exactly that sentence's surviving tokens
         assert int(store.evicted.sum()) > 0
+
+
+def test_resident_bytes_count_the_sentence_bookkeeping(qwen2, tokenizer):
+    """The policy's per-row sentence state is memory the cache holds: resident_bytes includes it."""
+    policy = SkipKVPolicy(tokenizer=tokenizer, tau=TAU, buffer=8)
+    cache, enc, trace = forced_run(
+        qwen2, tokenizer, ["solve the following math problem", "wait"], policy, **CACHE
+    )
+    batch, generated = enc["input_ids"].shape[0], len(trace)
+    state = policy.state_tensors()
+    state_bytes = _storage_bytes(state)  # views share storage: count each once, as the cache does
+    cache_only = _storage_bytes([cache.full_heads, *(t for layer in cache.layers for t in layer.tensors())])
+    assert cache.resident_bytes() == cache_only + state_bytes
+    assert state_bytes >= 2 * 8 * batch * generated  # sentence id + token id (int64) per generated token
+    hidden = qwen2.config.hidden_size
+    assert policy.sentence_sum.shape[::2] == (batch, hidden)  # a float sum per sentence, counted too
+    policy.reset()
+    assert policy.state_tensors() == []
 
 
 def test_chunked_prefill_is_all_prompt(qwen2, tokenizer):

@@ -80,6 +80,8 @@ What a policy declares (class attributes) and the hooks it gets
   It arrives after the layers ran, so a compression sees hidden states up to the previous step.
 - `default_budget: int | float | None = None`: budget used when the config gives none.
 - `reset()`: a new sequence (batch) starts; clear state kept on `self`.
+- `state_tensors() -> list[Tensor]`: the tensors of that state, so that the cache's
+  `resident_bytes()` counts them (tensors in `store.state` and slot buffers are counted already).
 - `attach(model)`: called once by `rlkv.inference.make_cache` with the model the cache serves, for
   policies that act on the model itself (SkipKV's steering hook); install hooks idempotently.
 
@@ -117,6 +119,10 @@ class CompressionPolicy:
 
     def reset(self) -> None:
         """A new sequence starts: clear any state kept on the policy object."""
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Per-sequence tensors kept on the policy object (counted in the cache's `resident_bytes`)."""
+        return []
 
     def attach(self, model: torch.nn.Module) -> None:
         """The model this policy's cache serves (from `make_cache`): install model hooks here, idempotently."""

@@ -151,6 +151,21 @@ class SkipKVPolicy(RKVPolicy):
         self._penalty_key: tuple[int, int] | None = None
         self._penalty: torch.Tensor | None = None
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The sentence bookkeeping: ids and token ids per generated token, sums per sentence, row flags."""
+        state = [
+            self.sentence_of,
+            self.token_ids,
+            self.open_sentence,
+            self.after_delimiter,
+            self.sentence_sum,
+            self.sentence_count,
+            self.non_execution,
+            self.input_is_delimiter,
+            self._penalty,
+        ]
+        return [t for t in state if t is not None]
+
     def attach(self, model: torch.nn.Module) -> None:
         """Install the steering hook on the model (only when a steering vector was given)."""
         if self.steering is not None:
