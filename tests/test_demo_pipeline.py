@@ -12,7 +12,7 @@ from rlkv.eval.runner import read_results
 from rlkv.head_mask import HeadMask
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = {"full", "rlkv", "rlkv+rkv", "random-mask", "rkv", "streaming"}
+METHODS = {"full", "rlkv", "rlkv+rkv", "random-mask@0", "random-mask@1", "rkv", "streaming"}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_smoke_demo_runs_every_stage_and_prints_the_table(smoke_run):
     assert stats["selected"] > 0 and stats["pool_accuracy"] >= 0.9  # the demo model solves the task
     assert "| method |" in stdout and "timings: curriculum" in stdout
     report = (out / "eval" / "report.md").read_text()
-    for method in METHODS:
+    for method in [*METHODS, "random-mask (mean of 2 draws)"]:
         assert f"| {method} |" in report
 
 

@@ -10,6 +10,7 @@ from rlkv.eval.methods import (
     matched_tokens_per_head,
     method_config,
     parse_method,
+    random_mask_seed,
 )
 from rlkv.head_mask import HeadMask
 from rlkv.inference import CompressionConfig
@@ -25,6 +26,37 @@ def test_parse_method_forms():
         parse_method("nope")
     with pytest.raises(MethodError):
         parse_method("foo+h2o")
+
+
+def test_seeded_random_mask_methods():
+    assert (parse_method("random-mask@3").mask, parse_method("random-mask@3").policy) == (
+        "random-mask@3",
+        "streaming",
+    )
+    assert (parse_method("random-mask@12+rkv").mask, parse_method("random-mask@12+rkv").policy) == (
+        "random-mask@12",
+        "rkv",
+    )
+    assert random_mask_seed("random-mask@12") == 12 and random_mask_seed("random-mask") is None
+    for bad in ("random-mask@", "random-mask@x", "rlkv@1", "random-mask@-1"):
+        with pytest.raises(MethodError, match="random-mask@<seed>"):
+            parse_method(bad)
+
+
+def test_seeded_random_masks_are_built_per_seed(make_model):
+    from rlkv.eval.runner import EvalConfig, build_masks
+
+    model = make_model("qwen2")
+    cfg = EvalConfig(
+        model="tiny:qwen2",
+        methods=["full", "random-mask", "random-mask@1", "random-mask@2+rkv"],
+        random_mask_seed=1,
+    )
+    masks = build_masks(cfg, model)
+    assert set(masks) == {"random-mask", "random-mask@1", "random-mask@2"}
+    assert masks["random-mask@1"].scores.equal(HeadMask.random(model, seed=1).scores)
+    assert masks["random-mask@1"].scores.equal(masks["random-mask"].scores)  # random_mask_seed=1
+    assert not masks["random-mask@2"].scores.equal(masks["random-mask@1"].scores)
 
 
 @pytest.mark.parametrize("num_heads", [4, 7, 28 * 4, 32 * 8])

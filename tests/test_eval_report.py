@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from rlkv.eval.report import accuracy_table, common_length_table, error_mode_table, kv_table, write_report
+from rlkv.eval.report import (
+    accuracy_table,
+    common_length_table,
+    draw_means,
+    error_mode_table,
+    kv_table,
+    write_report,
+)
 from rlkv.eval.runner import CONFIG_FILE, RESULTS_FILE
 
 
@@ -68,6 +75,23 @@ def test_accuracy_error_modes_and_common_lengths():
 def test_pass_at_one_averages_samples():
     rows = [_row("p1", "full", 0.0, c, 50, sample=k) for k, c in enumerate([True, False, True, True])]
     assert accuracy_table(rows)["full"][0.0] == 0.75
+
+
+def test_seeded_random_mask_draws_are_averaged_in_the_report(tmp_path):
+    draws = {"random-mask@0": [True, False, False, False], "random-mask@1": [True, True, True, False]}
+    rows = ROWS + [
+        _row(f"p{i + 1}", method, 0.5, correct, 100)
+        for method, outcomes in draws.items()
+        for i, correct in enumerate(outcomes)
+    ]
+    rows += [_row(f"p{i + 1}", "random-mask@0+rkv", 0.5, True, 100) for i in range(4)]  # one draw: no mean
+    acc = accuracy_table(rows)
+    assert draw_means(acc) == {"random-mask (mean of 2 draws)": {0.5: pytest.approx(0.5)}}
+    (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({"model": "m", "max_new_tokens": 300}))
+    text = write_report(tmp_path).read_text()
+    assert "| random-mask@0 | 25.0 |" in text and "| random-mask@1 | 75.0 |" in text
+    assert "| random-mask (mean of 2 draws) | 50.0 |" in text
 
 
 def test_report_file_and_plots(tmp_path):

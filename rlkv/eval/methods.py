@@ -5,7 +5,8 @@ Method names
 - ``full``: no compression (a plain full KV cache).
 - ``rlkv``, ``random-mask``, ``duo``: a head mask (the trained one, seeded random scores, a
   DuoAttention TSV) keeps the top heads full at sparsity `s`; the other heads keep sink + window
-  (16 + 64) tokens (RLKV inference).
+  (16 + 64) tokens (RLKV inference). ``random-mask@K`` is the random mask of seed K
+  (``random-mask`` uses the config's `random_mask_seed`): list several to average over draws.
 - ``<mask>+<policy>`` (e.g. ``rlkv+rkv``, ``rlkv+rpc``): the same heads full, and the token-eviction
   `policy` runs on the compressed heads with the same per-head token count, sink + window (80): a
   smaller forced set (`combo_sink` + `combo_window`, default 16 + 8) leaves the policy real choices.
@@ -104,24 +105,36 @@ class Method:
         return self.mask is None and self.policy is None
 
 
+def random_mask_seed(mask: str) -> int | None:
+    """The seed K of a ``random-mask@K`` mask name (None for any other name)."""
+    base, at, seed = mask.partition("@")
+    if base == "random-mask" and at and seed.isdigit():
+        return int(seed)
+    return None
+
+
+def _is_mask(mask: str) -> bool:
+    return mask in MASK_METHODS or random_mask_seed(mask) is not None
+
+
 def parse_method(name: str) -> Method:
     """`Method` for a method name; `MethodError` lists the valid forms."""
     policies = available_policies()
     if name == "full":
         return Method(name, None, None)
-    if name in MASK_METHODS:
+    if _is_mask(name):
         return Method(name, name, "streaming")
     mask, plus, policy = name.partition("+")
     if plus:
-        if mask in MASK_METHODS and policy in policies:
+        if _is_mask(mask) and policy in policies:
             return Method(name, mask, policy)
     else:
         policy = BASELINE_POLICY_ALIASES.get(name, name)
         if policy in policies and policy != "full":
             return Method(name, None, policy)
     raise MethodError(
-        f"unknown method {name!r}: use 'full', a mask method {list(MASK_METHODS)}, '<mask>+<policy>' or a "
-        f"baseline policy; registered policies: {policies}"
+        f"unknown method {name!r}: use 'full', a mask method {list(MASK_METHODS)} or 'random-mask@<seed>', "
+        f"'<mask>+<policy>' or a baseline policy; registered policies: {policies}"
     )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from rlkv._io import atomic_write_text
 from rlkv.eval.errors import ERROR_MODES
-from rlkv.eval.methods import matched_tokens_per_head
+from rlkv.eval.methods import matched_tokens_per_head, random_mask_seed
 
 Row = dict[str, Any]
 logger = logging.getLogger(__name__)
@@ -51,6 +51,23 @@ def accuracy_table(rows: list[Row]) -> dict[str, dict[float, float]]:
             if cell:
                 table[method][s] = mean(float(r["correct"]) for r in cell)
     return table
+
+
+def draw_means(table: dict[str, dict[float, float]]) -> dict[str, dict[float, float]]:
+    """Mean over seeded draws: `random-mask@0`, `random-mask@1`, ... (and `+<policy>` variants) averaged
+    into one row named like `random-mask (mean of 2 draws)`, for every method with two or more draws."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for method in table:
+        mask, plus, policy = method.partition("+")
+        if random_mask_seed(mask) is not None:
+            groups["random-mask" + plus + policy].append(method)
+    means = {}
+    for group, members in groups.items():
+        if len(members) >= 2:
+            shared = set.intersection(*(set(table[m]) for m in members))
+            name = f"{group} (mean of {len(members)} draws)"
+            means[name] = {s: mean(table[m][s] for m in members) for s in sorted(shared)}
+    return means
 
 
 def _solved_by_full(rows: list[Row]) -> set[tuple[str, str, int]]:
@@ -170,7 +187,7 @@ def render_markdown(rows: list[Row], config: dict[str, Any], num_heads: int | No
         brows = [r for r in rows if r["benchmark"] == bench]
         acc = accuracy_table(brows)
         lines += [f"## {bench}: pass@1 (%)", "", header, rule]
-        for method, by_s in acc.items():
+        for method, by_s in {**acc, **draw_means(acc)}.items():
             cells = [
                 f"{100 * by_s.get(0.0 if method == 'full' else s, float('nan')):.1f}" for s in sparsities
             ]
@@ -250,7 +267,10 @@ def plot_accuracy(rows: list[Row], path: Path) -> None:
     fig, axes = plt.subplots(1, len(benches), figsize=(5 * len(benches), 3.8), squeeze=False)
     for ax, bench in zip(axes[0], benches):
         acc = accuracy_table([r for r in rows if r["benchmark"] == bench])
-        for method, by_s in acc.items():
+        means = draw_means(acc)
+        if means:  # one line per averaged group instead of one per draw
+            acc = {m: v for m, v in acc.items() if random_mask_seed(m.partition("+")[0]) is None}
+        for method, by_s in {**acc, **means}.items():
             if method == "full":
                 ax.axhline(100 * by_s[0.0], color="black", linestyle="--", label="full")
                 continue

@@ -22,7 +22,7 @@ from typing import Any
 
 from rlkv._io import atomic_write_text
 from rlkv.eval.errors import RepetitionRule, RepetitionStop, classify_error
-from rlkv.eval.methods import BudgetRule, method_config, num_kv_heads_total, parse_method
+from rlkv.eval.methods import BudgetRule, method_config, num_kv_heads_total, parse_method, random_mask_seed
 from rlkv.head_mask import ModelFingerprint
 
 logger = logging.getLogger(__name__)
@@ -220,6 +220,10 @@ def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:
         masks["rlkv"] = HeadMask.from_tsv(path, model) if path.suffix == ".tsv" else HeadMask.load(path)
     if "random-mask" in needed:
         masks["random-mask"] = HeadMask.random(model, seed=cfg.random_mask_seed)
+    for name in sorted(needed):
+        seed = random_mask_seed(name)
+        if seed is not None:
+            masks[name] = HeadMask.random(model, seed=seed)
     if "duo" in needed:
         path = Path(cfg.duo_mask)
         masks["duo"] = (
