@@ -38,6 +38,9 @@ def _storage_bytes(tensors: list[torch.Tensor | None]) -> int:
 # the bytes are spare capacity (none below 128 tokens), and each token is copied O(1) times amortised
 # instead of the whole history once per decode step.
 GROWTH_DIVISOR = 128
+# Float32 scores per query chunk of the explicit attention that policies observing attention (H2O)
+# need: 2**24 (64 MiB) bounds a long prefill's score matrix instead of B x H x Q x K at once.
+EAGER_CHUNK_ELEMENTS = 1 << 24
 
 
 def append_along_tokens(
@@ -375,15 +378,16 @@ class HeadMixedLayer(CacheLayerMixin):
             out[:, :, full_q] = self._sdpa(module, q_full, self.keys, self.values, attention_mask, scaling)
         q_comp = query if comp_q.numel() == num_q_heads else query.index_select(1, comp_q)
         policy = self.settings.policy
+        self._remember_queries(q_comp, policy)
         if policy.observe_attention:
-            out_comp, probs = self._eager_compressed(q_comp, attention_mask, scaling)
+            out_comp = self._eager_compressed(q_comp, attention_mask, scaling, policy)
         else:
-            out_comp, probs = self._sdpa_compressed(module, q_comp, attention_mask, scaling), None
+            out_comp = self._sdpa_compressed(module, q_comp, attention_mask, scaling)
         if comp_q.numel() == num_q_heads:
             out = out_comp
         else:
             out[:, :, comp_q] = out_comp
-        self._after_attention(q_comp, probs)
+        self._after_attention()
         return out
 
     def _query_heads(self, kv_idx: torch.Tensor) -> torch.Tensor:
@@ -457,36 +461,50 @@ class HeadMixedLayer(CacheLayerMixin):
             mask = mask.repeat_interleave(self.num_groups, dim=1)  # query head h*G+g uses KV head h
         return sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)[0]
 
-    def _eager_compressed(self, q_comp: torch.Tensor, mask: torch.Tensor | None, scaling: float):
-        """Explicit softmax attention for the compressed heads: (output [B, Q, H_c*G, D], probs [B, H_c, G, Q, K])."""
+    def _eager_compressed(
+        self, q_comp: torch.Tensor, mask: torch.Tensor | None, scaling: float, policy: CompressionPolicy
+    ) -> torch.Tensor:
+        """Explicit softmax attention for the compressed heads: output [B, Q, H_c*G, D].
+
+        Runs over query chunks of at most EAGER_CHUNK_ELEMENTS float32 scores each (a long prefill
+        never holds Q x K scores at once) and hands each chunk's probabilities [B, H_c, G, Q_chunk, K]
+        to `policy.on_attention`.
+        """
         store = self.store
         batch, _, q_len, head_dim = q_comp.shape
-        heads = store.keys.shape[1]
+        heads, slots = store.keys.shape[1], store.keys.shape[2]
+        groups = self.num_groups
         allowed = self._compressed_mask(mask, q_len)
-        q = q_comp.reshape(batch, heads, self.num_groups, q_len, head_dim)
+        q = q_comp.reshape(batch, heads, groups, q_len, head_dim)
         # float32 throughout: the probabilities are also the policy's scores
-        logits = torch.matmul(q.float(), store.keys[:, :, None].float().transpose(-1, -2)) * scaling
-        if allowed is None:
-            allowed = torch.ones(
-                q_len, q_len, dtype=torch.bool, device=q.device
-            ).tril()  # first forward, no padding
-        else:
-            allowed = allowed[:, :, None]  # broadcast over the GQA group
-        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
-        out = torch.matmul(probs, store.values[:, :, None].float()).to(store.values.dtype)
-        out = out.reshape(batch, heads * self.num_groups, q_len, head_dim).transpose(1, 2).contiguous()
-        return out, probs
+        keys_t = store.keys[:, :, None].float().transpose(-1, -2)
+        values = store.values[:, :, None].float()
+        out = store.values.new_empty(batch, heads, groups, q_len, head_dim)
+        step = max(1, EAGER_CHUNK_ELEMENTS // max(1, batch * heads * groups * slots))
+        for start in range(0, q_len, step):
+            stop = min(q_len, start + step)
+            logits = torch.matmul(q[:, :, :, start:stop].float(), keys_t) * scaling
+            if allowed is None:  # no padding, slots in order: causal, the new queries on the last slots
+                rows = torch.arange(slots - q_len + start, slots - q_len + stop, device=q.device)[:, None]
+                chunk_allowed = torch.arange(slots, device=q.device)[None, :] <= rows
+            else:
+                chunk_allowed = allowed[:, :, None, start:stop]  # broadcast over the GQA group
+            probs = torch.softmax(logits.masked_fill(~chunk_allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+            out[:, :, :, start:stop] = torch.matmul(probs, values).to(out.dtype)
+            policy.on_attention(store, probs)
+        return out.reshape(batch, heads * groups, q_len, head_dim).transpose(1, 2).contiguous()
 
-    def _after_attention(self, q_comp: torch.Tensor, probs: torch.Tensor | None) -> None:
-        """Let the policy observe this forward, then drop padding / compress as it decides."""
+    def _remember_queries(self, q_comp: torch.Tensor, policy: CompressionPolicy) -> None:
+        """Keep the policy's observation window of queries (before `on_attention`, which may read it)."""
+        if policy.observe_queries:
+            batch, _, q_len, head_dim = q_comp.shape
+            queries = q_comp.reshape(batch, -1, self.num_groups, q_len, head_dim)
+            self.store.remember_queries(queries, policy.observe_queries)
+
+    def _after_attention(self) -> None:
+        """Drop padding and compress as the policy decides, after this forward's attention."""
         store = self.store
         policy = self.settings.policy
-        batch, _, q_len, head_dim = q_comp.shape
-        if policy.observe_queries:
-            queries = q_comp.reshape(batch, -1, self.num_groups, q_len, head_dim)
-            store.remember_queries(queries, policy.observe_queries)
-        if probs is not None:
-            policy.on_attention(store, probs)
         if store.is_prefill and not store.all_valid:
             store.compact(store.valid())  # padding never occupies memory or budget
         if policy.should_compress(store):

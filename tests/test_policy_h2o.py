@@ -190,3 +190,36 @@ def test_kwargs_and_default_budget(qwen2):
     assert cache.settings.budget == 0.2  # the paper's 20% cache when the config gives no budget
     with pytest.raises(ValueError, match="recent_ratio"):
         get_policy("h2o", recent_ratio=1.5)
+
+
+class CountingH2O(H2OPolicy):
+    """H2O that records the query count of every `on_attention` call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.chunks = []
+
+    def on_attention(self, store, probs):
+        self.chunks.append(probs.shape[3])
+        super().on_attention(store, probs)
+
+
+def test_prefill_attention_in_query_chunks_equals_one_pass(qwen2, left_padded_batch, monkeypatch):
+    """A long prefill never holds Q x K float32 scores at once: chunked, the outputs and scores are the same."""
+    import rlkv.cache
+
+    ids, mask = left_padded_batch
+    whole = CountingH2O()
+    tokens, cache = generate_with(qwen2, whole, ids, mask, 20, budget=12, sink=2, window=4)
+    layers, width = len(cache.layers), ids.shape[1]
+    assert whole.chunks[:layers] == [width] * layers  # one pass per layer by default
+    monkeypatch.setattr(rlkv.cache, "EAGER_CHUNK_ELEMENTS", 1)  # one query per chunk
+    chunked = CountingH2O()
+    tokens_chunked, cache_chunked = generate_with(qwen2, chunked, ids, mask, 20, budget=12, sink=2, window=4)
+    assert chunked.chunks[: layers * width] == [1] * (layers * width)
+    assert tokens_chunked.tolist() == tokens.tolist()
+    for a, b in zip(cache.layers, cache_chunked.layers):
+        assert a.store.positions.equal(b.store.positions)
+        torch.testing.assert_close(
+            a.store.slot_buffer(ACCUMULATED), b.store.slot_buffer(ACCUMULATED), atol=1e-5, rtol=1e-5
+        )

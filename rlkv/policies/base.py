@@ -69,9 +69,10 @@ What the policy sees: `CompressedStore` (one per layer; all tensors live on the 
 What a policy declares (class attributes) and the hooks it gets
 ----------------------------------------------------------------
 - `observe_queries: int = 0` (above).
-- `observe_attention: bool = False`: after each forward, `on_attention(store, probs)` with
-  probs FloatTensor[B, H_c, G, Q, K] = softmax attention of the Q new queries over the store's
-  slots (0 on empty/masked slots). The cache then computes the compressed heads' attention eagerly.
+- `observe_attention: bool = False`: in each forward, `on_attention(store, probs)` with
+  probs FloatTensor[B, H_c, G, Q', K] = softmax attention of new queries over the store's slots
+  (0 on empty/masked slots). The cache then computes the compressed heads' attention eagerly, in
+  consecutive query chunks (Q' <= Q, bounded memory in a long prefill), one call per chunk.
 - `observe_tokens: bool = False`: `on_tokens(token_ids LongTensor[B, Q], positions LongTensor[Q])`
   once per forward, before the layers run (from a forward pre-hook on the model; padding
   included, positions are logical).
@@ -134,7 +135,7 @@ class CompressionPolicy:
         """Final-norm hidden states [B, Q, hidden] at logical `positions` [Q] (if `observe_hidden_states`)."""
 
     def on_attention(self, store: CompressedStore, probs: torch.Tensor) -> None:
-        """Attention probabilities [B, H_c, G, Q, K] of the new queries over the store (if `observe_attention`)."""
+        """Attention probabilities [B, H_c, G, Q', K] of a chunk of the new queries over the store (if `observe_attention`)."""
 
     def should_compress(self, store: CompressedStore) -> bool:
         """Whether to run `select` now; default: some (row, head) holds more evictable tokens than its budget."""
