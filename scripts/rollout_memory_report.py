@@ -17,8 +17,8 @@ import torch
 from transformers import AutoConfig
 
 from rlkv.head_mask import HeadMask
+from rlkv.inference import load
 from rlkv.rollout import CompressedRolloutConfig, measure_rollout_memory
-from rlkv.rollout.engines import load_model_and_tokenizer
 from rlkv.testing import tiny_model, tiny_tokenizer
 
 DEFAULT_PROMPTS = [
@@ -78,7 +78,7 @@ def main() -> None:
         model, tokenizer = geometry_model(args.geometry_of), tiny_tokenizer()
         model = model.to(args.device)
     else:
-        model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device)
+        model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     mask = HeadMask.load(args.head_mask) if args.head_mask else HeadMask.random(model, seed=args.seed)
     compression = CompressedRolloutConfig(
         head_mask=mask,

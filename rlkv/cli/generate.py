@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from rlkv.head_mask import HeadMaskError
-    from rlkv.inference import CompressionConfig, CompressionConfigError, generate, load, make_cache
+    from rlkv.inference import CompressionConfig, CompressionConfigError, generate, load
 
     try:
         compression = None
@@ -85,18 +85,10 @@ def run(args: argparse.Namespace) -> int:
                 window=args.window,
                 protect_prompt=not args.no_protect_prompt,
             )
-        if args.model.startswith("tiny:"):
-            from rlkv.testing import tiny_model, tiny_tokenizer
+        import torch
 
-            model, tokenizer = tiny_model(args.model.removeprefix("tiny:")), tiny_tokenizer()
-            if compression is not None:
-                make_cache(model, compression)
-                model.rlkv_compression = compression
-        else:
-            import torch
-
-            dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-            model, tokenizer = load(args.model, compression=compression, dtype=dtype, device=args.device)
+        dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+        model, tokenizer = load(args.model, compression=compression, dtype=dtype, device=args.device)
     except (CompressionConfigError, HeadMaskError, json.JSONDecodeError, ValueError, TypeError) as e:
         print(f"rlkv generate: error: {e}", file=sys.stderr)
         return 2

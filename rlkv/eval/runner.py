@@ -186,24 +186,8 @@ def problem_id(index: int, example: dict[str, Any]) -> str:
 
 def load_model(cfg: EvalConfig) -> tuple[Any, Any]:
     """The model and tokenizer `cfg.model` names (tiny:<family> = a random tiny model and the test tokenizer)."""
-    if cfg.model.startswith("tiny:"):
-        from rlkv.testing import tiny_model, tiny_tokenizer
-
-        return tiny_model(cfg.model.split(":", 1)[1]), tiny_tokenizer()
     if not cfg.model:
         raise ValueError("EvalConfig.model is empty: give a model path, hub id, or tiny:<family>")
-    if "gguf_file" in cfg.model_kwargs:
-        # rlkv.inference.load reads the tokenizer from the folder; a GGUF file holds it inside
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=cfg.dtype, **cfg.model_kwargs).eval()
-        if cfg.device is not None:
-            model = model.to(cfg.device)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model, gguf_file=cfg.model_kwargs["gguf_file"])
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return model, tokenizer
     from rlkv.inference import load
 
     return load(cfg.model, dtype=cfg.dtype, device=cfg.device, **cfg.model_kwargs)

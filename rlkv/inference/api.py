@@ -76,6 +76,9 @@ def make_cache(
     )
 
 
+TINY_MODEL_PREFIX = "tiny:"
+
+
 def load(
     model_id_or_path: str | os.PathLike,
     compression: CompressionConfig | None = None,
@@ -85,17 +88,31 @@ def load(
 ) -> tuple[PreTrainedModel, Any]:
     """Load a causal LM and its tokenizer (left padding) for inference.
 
+    `model_id_or_path` is a local folder, a hub id, or `tiny:<family>` (e.g. `tiny:llama`: the random
+    tiny test model and offline tokenizer of `rlkv.testing`, so tools run on a fresh clone without any
+    download). With `gguf_file=` in the kwargs the tokenizer is read from that GGUF file too.
     With `compression`, the config is checked against the model now (mask compatibility, policy),
     the model switches to "rlkv_cache" attention and `generate(model, ...)` uses the config by default.
     """
-    model = AutoModelForCausalLM.from_pretrained(model_id_or_path, dtype=dtype, **from_pretrained_kwargs)
+    name = str(model_id_or_path)
+    if name.startswith(TINY_MODEL_PREFIX):
+        from rlkv.testing import tiny_model, tiny_tokenizer
+
+        model, tokenizer = tiny_model(name[len(TINY_MODEL_PREFIX) :] or "llama"), tiny_tokenizer()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_id_or_path, dtype=dtype, **from_pretrained_kwargs)
+        gguf = (
+            {"gguf_file": from_pretrained_kwargs["gguf_file"]}
+            if "gguf_file" in from_pretrained_kwargs
+            else {}
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_id_or_path, **gguf)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
     if device is not None:
         model = model.to(device)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_id_or_path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     if compression is not None:
         make_cache(model, compression)  # validates against this model and activates the attention
         model.rlkv_compression = compression

@@ -6,7 +6,6 @@ from rlkv.rollout.engines import (
     GenerationEngine,
     TransformersEngine,
     VLLMEngine,
-    load_model_and_tokenizer,
     make_engine,
 )
 from rlkv.rollout.memory import RolloutMemoryReport, measure_rollout_memory
@@ -18,7 +17,6 @@ __all__ = [
     "RolloutMemoryReport",
     "TransformersEngine",
     "VLLMEngine",
-    "load_model_and_tokenizer",
     "make_engine",
     "measure_rollout_memory",
     "with_compressed_rollouts",

@@ -18,8 +18,6 @@ from rlkv.data.prompts import strip_added_bos
 if TYPE_CHECKING:
     from rlkv.inference import GenerationOutput
 
-TINY_MODEL_PREFIX = "tiny:"
-
 
 class GenerationEngine(Protocol):
     """What the curriculum builder and evaluators need from an engine."""
@@ -36,24 +34,6 @@ class GenerationEngine(Protocol):
     ) -> list[GenerationOutput]:
         """One output per prompt, in order."""
         ...
-
-
-def load_model_and_tokenizer(
-    model_path: str, dtype: str = "auto", device: str | None = None
-) -> tuple[Any, Any]:
-    """A causal LM (eval mode) and its left-padding tokenizer, via `rlkv.inference.load`.
-
-    `tiny:<family>` (e.g. `tiny:llama`) gives the random tiny test model and the offline tokenizer
-    of `rlkv.testing`, so the tools run on a fresh clone without any download.
-    """
-    if model_path.startswith(TINY_MODEL_PREFIX):
-        from rlkv.testing import tiny_model, tiny_tokenizer
-
-        model = tiny_model(model_path[len(TINY_MODEL_PREFIX) :] or "llama")
-        return (model if device is None else model.to(device)), tiny_tokenizer()
-    from rlkv.inference import load
-
-    return load(model_path, dtype=dtype, device=device)
 
 
 class TransformersEngine:
@@ -83,7 +63,9 @@ class TransformersEngine:
         cls, model_path: str, *, dtype: str = "auto", device: str | None = None, **kwargs: Any
     ) -> TransformersEngine:
         """Load `model_path` (local path, hub id or `tiny:<family>`) and wrap it."""
-        model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
+        from rlkv.inference import load
+
+        model, tokenizer = load(model_path, dtype=dtype, device=device)
         return cls(model, tokenizer, **kwargs)
 
     def generate(
