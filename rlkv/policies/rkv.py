@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.scoring import WindowedBufferPolicy, masked_softmax, observation_attention
+from rlkv.policies.scoring import (
+    WindowedBufferPolicy,
+    check_buffer,
+    check_window_and_kernel,
+    masked_softmax,
+    observation_attention,
+)
 
 if TYPE_CHECKING:
     from rlkv.cache import CompressedStore
@@ -149,18 +155,14 @@ class RKVPolicy(WindowedBufferPolicy):
         buffer: int = 128,
         redundancy_chunk: int = 256,
     ):
-        if window < 1:
-            raise ValueError(f"{self.name}: window={window} must be >= 1 (observation queries)")
-        if kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"{self.name}: kernel={kernel} must be a positive odd number (max-pool window)")
+        check_window_and_kernel(self.name, "window", window, kernel)
         if not 0.0 <= lam <= 1.0:
             raise ValueError(f"{self.name}: lam={lam} must be in [0, 1] (importance weight)")
         if threshold < 0:
             raise ValueError(f"{self.name}: threshold={threshold} must be >= 0 (key cosine similarity)")
         if recent_exempt < 0:
             raise ValueError(f"{self.name}: recent_exempt={recent_exempt} must be >= 0")
-        if buffer < 0:
-            raise ValueError(f"{self.name}: buffer={buffer} must be >= 0 (tokens added between compressions)")
+        check_buffer(self.name, buffer)
         if redundancy_chunk < 1:
             raise ValueError(f"{self.name}: redundancy_chunk={redundancy_chunk} must be >= 1")
         self.window = int(window)

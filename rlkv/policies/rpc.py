@@ -29,6 +29,7 @@ from rlkv.policies import register_policy
 from rlkv.policies.base import CompressionPolicy, keep_top_scores
 from rlkv.policies.scoring import (
     NEG_INF,
+    check_window_and_kernel,
     masked_softmax,
     observation_logits,
     observation_window,
@@ -61,14 +62,9 @@ class RPCPolicy(CompressionPolicy):
     ):
         if interval < 1:
             raise ValueError(f"rpc: interval={interval} must be >= 1 (generated tokens between compressions)")
-        if selector_window < 1:
-            raise ValueError(
-                f"rpc: selector_window={selector_window} must be >= 1 (recent queries used as selectors)"
-            )
+        check_window_and_kernel(self.name, "selector_window", selector_window, kernel)
         if ratio < 1:
             raise ValueError(f"rpc: ratio={ratio} must be >= 1 (compression ratio of the generated part)")
-        if kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"rpc: kernel={kernel} must be a positive odd number (pooling window)")
         if pooling not in ("avg", "max"):
             raise ValueError(f"rpc: pooling={pooling!r}: use 'avg' (paper) or 'max'")
         self.interval = int(interval)

@@ -29,6 +29,21 @@ if TYPE_CHECKING:
 NEG_INF = float("-inf")
 
 
+def check_window_and_kernel(policy: str, window_name: str, window: int, kernel: int) -> None:
+    """One clear ValueError, naming `policy` and the field, for a query window < 1 or a pooling
+    kernel that is not a positive odd number (the settings every observation-window policy has)."""
+    if window < 1:
+        raise ValueError(f"{policy}: {window_name}={window} must be >= 1 (observation queries)")
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"{policy}: kernel={kernel} must be a positive odd number (pooling window)")
+
+
+def check_buffer(policy: str, buffer: int) -> None:
+    """One clear ValueError, naming `policy`, for a negative compression buffer."""
+    if buffer < 0:
+        raise ValueError(f"{policy}: buffer={buffer} must be >= 0 (tokens added between compressions)")
+
+
 def raw_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
     """Scaled dot products of grouped queries with keys, in float32.
 

@@ -24,6 +24,8 @@ import torch
 from rlkv.policies import register_policy
 from rlkv.policies.scoring import (
     WindowedBufferPolicy,
+    check_buffer,
+    check_window_and_kernel,
     masked_softmax,
     mean_over_queries,
     observation_logits,
@@ -58,16 +60,12 @@ class SnapKVPolicy(WindowedBufferPolicy):
         group_pool: Literal["max", "mean"] = "max",
         buffer: int = 128,
     ):
-        if window < 1:
-            raise ValueError(f"snapkv: window={window} must be >= 1 (observation queries)")
-        if kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"snapkv: kernel={kernel} must be a positive odd number (pooling window)")
+        check_window_and_kernel(self.name, "window", window, kernel)
         if pooling not in ("max", "avg"):
             raise ValueError(f"snapkv: pooling={pooling!r}: use 'max' (R-KV's baseline) or 'avg' (SnapKV)")
         if group_pool not in ("max", "mean"):
             raise ValueError(f"snapkv: group_pool={group_pool!r}: use 'max' (R-KV) or 'mean' (SnapKV)")
-        if buffer < 0:
-            raise ValueError(f"snapkv: buffer={buffer} must be >= 0 (tokens added between compressions)")
+        check_buffer(self.name, buffer)
         self.window = int(window)
         self.kernel = int(kernel)
         self.pooling = pooling
