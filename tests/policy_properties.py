@@ -67,6 +67,25 @@ def plain_generate(
     return out[:, input_ids.shape[1] :]
 
 
+def store_snapshot(store) -> dict:
+    """Copies of what a policy sees in `select`: keys, positions, observation queries, masks, budget."""
+    return {
+        "layer": store.layer_idx,
+        "num_generated": store.num_generated,
+        "logical_length": store.logical_length,
+        "window": store.window,
+        "keys": store.keys.clone(),
+        "positions": store.positions.clone(),
+        "queries": None if store.queries is None else store.queries.clone(),
+        "query_positions": None if store.query_positions is None else store.query_positions.clone(),
+        "query_valid": None if store.queries is None else store.query_valid().clone(),
+        "evictable": store.evictable().clone(),
+        "forced": store.forced_keep().clone(),
+        "protected": store.protected().clone(),
+        "budget": None if store.budget is None else store.budget.clone(),
+    }
+
+
 def kept_positions(cache: HeadMixedCache, row: int) -> list[list[list[int]]]:
     """Per layer and compressed head: the row's kept positions, relative to its first real token."""
     result = []

@@ -9,6 +9,7 @@ from policy_properties import (
     assert_no_eviction_is_identity,
     assert_rows_independent,
     generate_with,
+    store_snapshot,
 )
 
 from rlkv.inference import CompressionConfig, make_cache
@@ -42,14 +43,8 @@ class RecordingH2O(H2OPolicy):
 
     def select(self, store):
         snapshot = {
-            "layer": store.layer_idx,
+            **store_snapshot(store),
             "accumulated": store.slot_buffer(ACCUMULATED).clone(),
-            "positions": store.positions.clone(),
-            "evictable": store.evictable().clone(),
-            "forced": store.forced_keep().clone(),
-            "budget": store.budget.clone(),
-            "logical_length": store.logical_length,
-            "window": store.window,
             "num_forwards": sum(f["layer"] == store.layer_idx for f in self.forwards),
         }
         keep = super().select(store)

@@ -9,6 +9,7 @@ from policy_properties import (
     assert_no_eviction_is_identity,
     assert_rows_independent,
     generate_with,
+    store_snapshot,
 )
 
 from rlkv.inference import CompressionConfig, make_cache
@@ -27,17 +28,7 @@ class RecordingRKV(RKVPolicy):
         self.events = []
 
     def select(self, store):
-        event = {
-            "keys": store.keys.clone(),
-            "positions": store.positions.clone(),
-            "queries": store.queries.clone(),
-            "query_positions": store.query_positions.clone(),
-            "query_valid": store.query_valid().clone(),
-            "evictable": store.evictable().clone(),
-            "forced": store.forced_keep().clone(),
-            "budget": store.budget.clone(),
-            "scores": self.scores(store).clone(),
-        }
+        event = {**store_snapshot(store), "scores": self.scores(store).clone()}
         event["keep"] = super().select(store).clone()
         self.events.append(event)
         return event["keep"]

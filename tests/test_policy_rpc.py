@@ -9,6 +9,7 @@ from policy_properties import (
     assert_no_eviction_is_identity,
     assert_rows_independent,
     generate_with,
+    store_snapshot,
 )
 
 from rlkv.inference import CompressionConfig, make_cache
@@ -27,17 +28,8 @@ class RecordingRPC(RPCPolicy):
 
     def select(self, store):
         snapshot = {
-            "layer": store.layer_idx,
+            **store_snapshot(store),
             "cycle": store.state.get(CYCLES, 0) + 1,
-            "num_generated": store.num_generated,
-            "keys": store.keys.clone(),
-            "positions": store.positions.clone(),
-            "queries": store.queries.clone(),
-            "query_positions": store.query_positions.clone(),
-            "query_valid": store.query_valid().clone(),
-            "evictable": store.evictable().clone(),
-            "protected": store.protected().clone(),
-            "budget": None if store.budget is None else store.budget.clone(),
             "scores": self.scores(store)[0].clone(),
         }
         keep = super().select(store)

@@ -9,6 +9,7 @@ from policy_properties import (
     assert_no_eviction_is_identity,
     assert_rows_independent,
     generate_with,
+    store_snapshot,
 )
 
 from rlkv.inference import CompressionConfig, make_cache
@@ -26,19 +27,7 @@ class RecordingSnapKV(SnapKVPolicy):
         self.events = []
 
     def select(self, store):
-        snapshot = {
-            "layer": store.layer_idx,
-            "num_generated": store.num_generated,
-            "keys": store.keys.clone(),
-            "positions": store.positions.clone(),
-            "queries": store.queries.clone(),
-            "query_positions": store.query_positions.clone(),
-            "query_valid": store.query_valid().clone(),
-            "evictable": store.evictable().clone(),
-            "forced": store.forced_keep().clone(),
-            "budget": store.budget.clone(),
-            "scores": self.scores(store).clone(),
-        }
+        snapshot = {**store_snapshot(store), "scores": self.scores(store).clone()}
         keep = super().select(store)
         snapshot["keep"] = keep.clone()
         self.events.append(snapshot)
