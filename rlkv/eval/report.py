@@ -53,20 +53,26 @@ def accuracy_table(rows: list[Row]) -> dict[str, dict[float, float]]:
     return table
 
 
-def draw_means(table: dict[str, dict[float, float]]) -> dict[str, dict[float, float]]:
-    """Mean over seeded draws: `random-mask@0`, `random-mask@1`, ... (and `+<policy>` variants) averaged
-    into one row named like `random-mask (mean of 2 draws)`, for every method with two or more draws."""
+def _draw_groups(methods) -> dict[str, list[str]]:
+    """Seeded random-mask draws by method without the seed (`random-mask@3+rkv` -> `random-mask+rkv`),
+    for the methods drawn two or more times."""
     groups: dict[str, list[str]] = defaultdict(list)
-    for method in table:
+    for method in methods:
         mask, plus, policy = method.partition("+")
         if random_mask_seed(mask) is not None:
             groups["random-mask" + plus + policy].append(method)
+    return {group: members for group, members in groups.items() if len(members) >= 2}
+
+
+def draw_means(table: dict[str, dict[float, float]]) -> dict[str, dict[float, float]]:
+    """Mean over seeded draws: `random-mask@0`, `random-mask@1`, ... (and `+<policy>` variants) averaged
+    into one row named like `random-mask (mean of 2 draws)`, for every method with two or more draws."""
     means = {}
-    for group, members in groups.items():
-        if len(members) >= 2:
-            shared = set.intersection(*(set(table[m]) for m in members))
-            name = f"{group} (mean of {len(members)} draws)"
-            means[name] = {s: mean(table[m][s] for m in members) for s in sorted(shared)}
+    for group, members in _draw_groups(table).items():
+        shared = set.intersection(*(set(table[m]) for m in members))
+        means[f"{group} (mean of {len(members)} draws)"] = {
+            s: mean(table[m][s] for m in members) for s in sorted(shared)
+        }
     return means
 
 
@@ -267,10 +273,9 @@ def plot_accuracy(rows: list[Row], path: Path) -> None:
     fig, axes = plt.subplots(1, len(benches), figsize=(5 * len(benches), 3.8), squeeze=False)
     for ax, bench in zip(axes[0], benches):
         acc = accuracy_table([r for r in rows if r["benchmark"] == bench])
-        means = draw_means(acc)
-        if means:  # one line per averaged group instead of one per draw
-            acc = {m: v for m, v in acc.items() if random_mask_seed(m.partition("+")[0]) is None}
-        for method, by_s in {**acc, **means}.items():
+        averaged = {m for members in _draw_groups(acc).values() for m in members}
+        shown = {m: v for m, v in acc.items() if m not in averaged}  # one line per averaged group
+        for method, by_s in {**shown, **draw_means(acc)}.items():
             if method == "full":
                 ax.axhline(100 * by_s[0.0], color="black", linestyle="--", label="full")
                 continue

@@ -202,10 +202,8 @@ def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:
     if "rlkv" in needed:
         path = Path(cfg.head_mask)
         masks["rlkv"] = HeadMask.from_tsv(path, model) if path.suffix == ".tsv" else HeadMask.load(path)
-    if "random-mask" in needed:
-        masks["random-mask"] = HeadMask.random(model, seed=cfg.random_mask_seed)
     for name in sorted(needed):
-        seed = random_mask_seed(name)
+        seed = cfg.random_mask_seed if name == "random-mask" else random_mask_seed(name)
         if seed is not None:
             masks[name] = HeadMask.random(model, seed=seed)
     if "duo" in needed:
