@@ -32,8 +32,7 @@ from rlkv.data.chain_task import (
     MIN_STEPS,
     NUM_LETTERS,
     chain_problems,
-    make_problem,
-    split_of,
+    draw_problem,
     verify_chain,
     vocabulary,
 )
@@ -166,12 +165,7 @@ def curriculum_body(cfg: BuildConfig, step: int) -> int:
 
 def train_problems(rng: random.Random, num: int, body_words: int = BODY_WORDS):
     """`num` fresh train-split problems drawn from `rng` (an endless stream, never a held-out problem)."""
-    out = []
-    while len(out) < num:
-        p = make_problem(rng, body_words=body_words)
-        if split_of(p.problem) == "train":
-            out.append(p)
-    return out
+    return [draw_problem(rng, "train", body_words=body_words) for _ in range(num)]
 
 
 def exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

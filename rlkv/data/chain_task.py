@@ -123,6 +123,14 @@ def make_problem(
     return ChainProblem(problem=problem, solution=solution, answer=answer)
 
 
+def draw_problem(rng: random.Random, split: str, **kwargs) -> ChainProblem:
+    """The next problem `rng` draws that belongs to `split` (`kwargs` go to `make_problem`)."""
+    while True:
+        problem = make_problem(rng, **kwargs)
+        if split_of(problem.problem) == split:
+            return problem
+
+
 def chain_problems(split: str = "train", num: int = 200, seed: int = 0) -> list[ChainProblem]:
     """`num` distinct problems of `split` ("train", "validation" or "test"), deterministic in `seed`."""
     if split not in SPLIT_BUCKETS:
@@ -133,8 +141,8 @@ def chain_problems(split: str = "train", num: int = 200, seed: int = 0) -> list[
     problems: list[ChainProblem] = []
     seen: set[str] = set()
     while len(problems) < num:
-        candidate = make_problem(rng)
-        if split_of(candidate.problem) == split and candidate.problem not in seen:
+        candidate = draw_problem(rng, split)
+        if candidate.problem not in seen:
             seen.add(candidate.problem)
             problems.append(candidate)
     return problems
