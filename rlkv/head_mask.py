@@ -22,6 +22,14 @@ from rlkv._io import atomic_write_text
 FORMAT_NAME = "rlkv-head-mask"
 FORMAT_VERSION = 1
 
+# file names of a mask folder: ours (`save_pretrained`), the RLKV authors' and DuoAttention's
+MASK_JSON = "head_mask.json"
+MASK_TSV = "head_mask.tsv"
+MODEL_CARD = "README.md"
+RLKV_AUTHORS_TSV = "adapter_weights.tsv"
+DUO_TSV = "full_attention_heads.tsv"
+DUO_CONFIG = "config.json"
+
 
 class HeadMaskError(ValueError):
     """A head mask that is malformed or does not belong to the model it is used with."""
@@ -115,6 +123,119 @@ class HeadMask:
         return cls(
             scores=scores.clamp(0.0, 1.0), fingerprint=fp, metadata={"source_tsv": str(path), **metadata}
         )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        source: str | os.PathLike,
+        model: Any = None,
+        *,
+        revision: str | None = None,
+        subfolder: str | None = None,
+        **hub_kwargs: Any,
+    ) -> HeadMask:
+        """Read a head mask from a file, a folder or a Hugging Face Hub repo, checked against `model`.
+
+        `source` is any of: a folder written by `save_pretrained` (or a `train_gates.py` checkpoint),
+        a `head_mask.json`, an RLKV-authors folder or file (`adapter_weights.tsv`), a DuoAttention
+        folder (`full_attention_heads.tsv` + `config.json`, whose `sink_size` / `recent_size` become
+        `train_sink` / `train_local`), any L x H_kv TSV, or a Hub repo id holding one of these
+        (`revision`, `subfolder`; `hub_kwargs` go to `huggingface_hub.snapshot_download`, e.g.
+        `cache_dir`, `local_files_only`, `token`). `model` is a model (a meta-device one is enough)
+        or its `PretrainedConfig`: required for a TSV, which carries no fingerprint, and when given
+        the mask is checked against it (`HeadMaskError` naming each mismatch).
+        """
+        path = Path(source).expanduser()
+        if not path.exists() and _looks_like_hub_id(str(source)):
+            path = _snapshot(str(source), revision, subfolder, hub_kwargs)
+        elif subfolder:
+            path = path / subfolder
+        if not path.exists():
+            raise HeadMaskError(
+                f"{path}: no such head-mask file or folder (give a folder written by HeadMask.save_pretrained, "
+                f"a head_mask.json, an {RLKV_AUTHORS_TSV} / {DUO_TSV} file or folder, or a Hub repo id)"
+            )
+        if path.is_dir():
+            path = _mask_file_in(path)
+        if path.suffix != ".tsv":
+            mask = cls.load(path)
+            if model is not None:
+                mask.check_compatible(model)
+            return mask
+        if model is None:
+            raise HeadMaskError(
+                f"{path}: a TSV head mask holds scores only; pass the model (or its config, or a meta-device "
+                "model) so its geometry can be checked and recorded"
+            )
+        fields: dict[str, Any] = {"format": "tsv"}
+        if path.name == RLKV_AUTHORS_TSV:
+            fields["format"] = "rlkv-authors"
+        elif path.name == DUO_TSV and (path.parent / DUO_CONFIG).exists():
+            fields = {**_duo_config(path.parent / DUO_CONFIG), "format": "duo-attention"}
+        mask = cls.from_tsv(path, model)
+        mask.train_sink = int(fields.pop("sink_size", mask.train_sink))
+        mask.train_local = int(fields.pop("recent_size", mask.train_local))
+        mask.metadata.update(fields)
+        return mask
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write a mask folder: `head_mask.json`, `head_mask.tsv` and a short model card (all atomic)."""
+        directory = Path(directory)
+        self.save(directory / MASK_JSON)
+        self.to_tsv(directory / MASK_TSV)
+        atomic_write_text(directory / MODEL_CARD, self._model_card())
+        return directory
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        commit_message: str = "Upload rlkv head mask",
+    ) -> Any:
+        """Upload the `save_pretrained` folder to a Hub model repo (created if missing); returns the commit info."""
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return api.upload_folder(
+                folder_path=tmp, repo_id=repo_id, revision=revision, commit_message=commit_message
+            )
+
+    def _model_card(self) -> str:
+        fp = self.fingerprint
+        base = fp.name_or_path if _looks_like_hub_id(fp.name_or_path) else ""
+        header = ["---", "library_name: rlkv", "tags:", "- rlkv", "- kv-cache", "- head-mask"]
+        header += [f"base_model: {base}"] if base else []
+        header += ["---", ""]
+        counts = ", ".join(f"s={s}: {self.num_full_heads(s)} full" for s in (0.25, 0.5, 0.75))
+        body = f"""# rlkv head mask for {fp.name_or_path or fp.model_type}
+
+One score per (layer, KV head) in [0, 1]: how much that head needs a full KV cache, learned by
+RLKV gates (or imported).
+
+- geometry: {fp.model_type}, {fp.num_hidden_layers} layers x {fp.num_key_value_heads} KV heads, head_dim {fp.head_dim}
+- trained with sink {self.train_sink} / local {self.train_local}; inference sink {self.inference_sink} / local {self.inference_local}
+- full KV heads by sparsity: {counts}
+
+```python
+from rlkv import HeadMask
+from rlkv.inference import CompressionConfig
+
+mask = HeadMask.from_pretrained("<this repo or folder>", model)  # model or its config: geometry check
+config = CompressionConfig(head_mask=mask, sparsity=0.5)
+```
+
+Files: `{MASK_JSON}` (scores, model fingerprint, sink/local, metadata), `{MASK_TSV}` (scores only,
+L rows x H_kv columns, the RLKV / DuoAttention layout).
+"""
+        return "\n".join(header) + body
 
     # persistence --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -269,6 +390,68 @@ class HeadMask:
         g = torch.Generator().manual_seed(seed)
         scores = torch.rand(fp.num_hidden_layers, fp.num_key_value_heads, generator=g)
         return HeadMask(scores=scores, fingerprint=fp, metadata={"kind": "random", "seed": seed})
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    """`owner/name`: two non-empty parts without path syntax (what a Hub repo id looks like)."""
+    parts = text.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not text.startswith((".", "~"))
+        and all(c.isalnum() or c in "-_." for c in text.replace("/", ""))
+    )
+
+
+def _snapshot(repo_id: str, revision: str | None, subfolder: str | None, hub_kwargs: dict[str, Any]) -> Path:
+    """Download (or find in the local Hub cache) the mask files of `repo_id`; the folder holding them."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    prefix = f"{subfolder.strip('/')}/" if subfolder else ""
+    patterns = [prefix + name for name in (MASK_JSON, MASK_TSV, RLKV_AUTHORS_TSV, DUO_TSV, DUO_CONFIG)]
+    try:
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=patterns, **hub_kwargs)
+    except (LocalEntryNotFoundError, RepositoryNotFoundError, HFValidationError, OSError) as e:
+        raise HeadMaskError(
+            f"{repo_id}: not a local path, and no head mask could be fetched from the Hugging Face Hub "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+    return Path(folder) / prefix
+
+
+def _mask_file_in(folder: Path) -> Path:
+    """The mask file a folder holds, in order of preference: ours, the RLKV authors', DuoAttention's."""
+    for name in (MASK_JSON, RLKV_AUTHORS_TSV):
+        if (folder / name).is_file():
+            return folder / name
+    if (folder / DUO_TSV).is_file():
+        if not (folder / DUO_CONFIG).is_file():
+            raise HeadMaskError(
+                f"{folder}: a DuoAttention folder needs {DUO_CONFIG} (sink_size, recent_size) next to {DUO_TSV}; "
+                f"give the {DUO_TSV} file itself to read the scores alone"
+            )
+        return folder / DUO_TSV
+    raise HeadMaskError(
+        f"{folder}: holds no head mask: expected {MASK_JSON}, {RLKV_AUTHORS_TSV} or {DUO_TSV} (+ {DUO_CONFIG})"
+    )
+
+
+def _duo_config(path: Path) -> dict[str, Any]:
+    """DuoAttention's training config.json: sink_size and recent_size (ints) plus its other settings."""
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise HeadMaskError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise HeadMaskError(f"{path}: expected a JSON object with sink_size and recent_size")
+    for name in ("sink_size", "recent_size"):
+        value = doc.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise HeadMaskError(
+                f"{path}: field {name!r} must be an integer >= 0 (DuoAttention's training {name}), got {value!r}"
+            )
+    return doc
 
 
 def _check_sparsity(sparsity: float) -> None:

@@ -286,6 +286,23 @@ def test_head_mask_of_another_model_is_refused_at_construction(tmp_path, make_mo
         )
 
 
+def test_rlkv_authors_tsv_folder_is_read_against_the_peft_base_model(tmp_path, make_model, tokenizer):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "adapter_weights.tsv").write_text("0.9\t-0.002\n0.1\t0.7\n")
+    trainer = with_compressed_rollouts(GRPOTrainer)(
+        model=make_model("llama"),
+        args=grpo_args(tmp_path),
+        reward_funcs=reward_len,
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+        rollout_compression=CompressedRolloutConfig(head_mask=str(tmp_path / "run"), sparsity=0.5),
+    )
+    mask = trainer._rollout_cache_config.head_mask
+    assert mask.metadata["format"] == "rlkv-authors"
+    assert mask.scores.tolist() == [[pytest.approx(0.9), 0.0], [pytest.approx(0.1), pytest.approx(0.7)]]
+
+
 def test_unsupported_setups_are_refused(tmp_path, make_model, tokenizer):
     def rollout_func(prompts, trainer):
         raise AssertionError("never called")

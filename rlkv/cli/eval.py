@@ -51,8 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--config", default=None, help="YAML recipe (see recipes/eval/)")
     parser.add_argument("--model", help="model path / hub id, or tiny:<family> for a random tiny model")
-    parser.add_argument("--head-mask", dest="head_mask", help="trained head mask (JSON, or RLKV/Duo .tsv)")
-    parser.add_argument("--duo-mask", dest="duo_mask", help="DuoAttention TSV for the `duo` method")
+    parser.add_argument(
+        "--head-mask",
+        dest="head_mask",
+        help="trained head mask (HeadMask.from_pretrained: folder, JSON, TSV, hub id)",
+    )
+    parser.add_argument("--duo-mask", dest="duo_mask", help="DuoAttention folder or TSV for the `duo` method")
     parser.add_argument(
         "--benchmarks", type=_csv, help="comma-separated problem sets (rlkv.data names or files)"
     )
@@ -136,11 +140,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _mask_only(path: str | None):
-    """The trained head mask (JSON) for the gate heatmap, without loading the model; None for none / a TSV."""
+    """The trained head mask for the gate heatmap, without loading the model.
+
+    None for no mask and for a scores-only TSV (file or RLKV/DuoAttention folder), which needs the model.
+    """
     from pathlib import Path
 
-    from rlkv.head_mask import HeadMask
+    from rlkv.head_mask import MASK_JSON, HeadMask
 
-    if not path or Path(path).suffix == ".tsv":
+    if (
+        not path
+        or Path(path).suffix == ".tsv"
+        or (Path(path).is_dir() and not (Path(path) / MASK_JSON).is_file())
+    ):
         return None
-    return HeadMask.load(path)
+    return HeadMask.from_pretrained(path)

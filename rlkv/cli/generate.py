@@ -31,7 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model", required=True, help="model path or hub id; 'tiny:llama' etc. for a random tiny model"
     )
     parser.add_argument(
-        "--head-mask", default=None, help="head-mask JSON written by HeadMask.save / rlkv export-mask"
+        "--head-mask",
+        default=None,
+        help="head mask: a mask folder or hub id, head_mask.json, an RLKV-authors adapter_weights.tsv, "
+        "or a DuoAttention folder (anything HeadMask.from_pretrained reads)",
     )
     parser.add_argument(
         "--sparsity", type=float, default=0.5, help="fraction of KV heads compressed (default 0.5)"

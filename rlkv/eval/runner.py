@@ -38,8 +38,9 @@ class EvalConfig:
     """One evaluation run (the fields of `recipes/eval/*.yaml`).
 
     model: a path / hub id for `rlkv.inference.load`, or "tiny:<family>" (random tiny model, smoke tests).
-    head_mask: the trained head mask (JSON from `HeadMask.save`, or an RLKV/DuoAttention .tsv) for `rlkv*`.
-    duo_mask: another head mask for the `duo` method: a DuoAttention TSV (or a HeadMask JSON).
+    head_mask: the trained head mask for `rlkv*`: anything `HeadMask.from_pretrained` reads (a mask
+        folder or Hub id, a head_mask.json, an RLKV-authors adapter_weights.tsv, a DuoAttention folder).
+    duo_mask: another head mask for the `duo` method (same forms; typically a DuoAttention folder).
     benchmarks: `rlkv.data.load_problems` names or files; `split` applies to each.
     methods: see `rlkv.eval.methods`; `full` always runs first (error modes are measured against it).
     sparsities: fractions of KV heads compressed; `full` runs once (recorded at sparsity 0).
@@ -200,17 +201,13 @@ def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:
     needed = {parse_method(m).mask for m in cfg.methods} - {None}
     masks: dict[str, HeadMask] = {}
     if "rlkv" in needed:
-        path = Path(cfg.head_mask)
-        masks["rlkv"] = HeadMask.from_tsv(path, model) if path.suffix == ".tsv" else HeadMask.load(path)
+        masks["rlkv"] = HeadMask.from_pretrained(cfg.head_mask, model)
     for name in sorted(needed):
         seed = cfg.random_mask_seed if name == "random-mask" else random_mask_seed(name)
         if seed is not None:
             masks[name] = HeadMask.random(model, seed=seed)
     if "duo" in needed:
-        path = Path(cfg.duo_mask)
-        masks["duo"] = (
-            HeadMask.from_tsv(path, model, kind="duo") if path.suffix == ".tsv" else HeadMask.load(path)
-        )
+        masks["duo"] = HeadMask.from_pretrained(cfg.duo_mask, model)
     for mask in masks.values():
         mask.check_compatible(model)
     return masks

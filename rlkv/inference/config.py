@@ -20,8 +20,9 @@ class CompressionConfigError(ValueError):
 class CompressionConfig:
     """How a `HeadMixedCache` is laid out and compressed.
 
-    head_mask: HeadMask, path to a head-mask JSON (`HeadMask.save`), or None (no mask: the policy
-        compresses every head, the baseline mode of R-KV / H2O / ...).
+    head_mask: HeadMask, anything `HeadMask.from_pretrained` reads (a mask folder or Hub repo id,
+        a head_mask.json, an RLKV-authors `adapter_weights.tsv` or DuoAttention folder), or None
+        (no mask: the policy compresses every head, the baseline mode of R-KV / H2O / ...).
     sparsity: fraction of KV heads compressed, in [0, 1]; the mask keeps the top
         round((1 - sparsity) * L * H) heads full. Ignored without a mask.
     policy: registered policy name for the compressed heads (`rlkv.policies.available()`).
@@ -84,21 +85,25 @@ class CompressionConfig:
             raise CompressionConfigError(f"policy={self.policy!r}: {e}") from None
         if self.head_mask is not None and not isinstance(self.head_mask, (HeadMask, str, os.PathLike)):
             raise CompressionConfigError(
-                f"head_mask has type {type(self.head_mask).__name__}: pass a HeadMask, a path to its JSON, or None"
+                f"head_mask has type {type(self.head_mask).__name__}: pass a HeadMask, a path or Hub id "
+                "(HeadMask.from_pretrained), or None"
             )
 
-    def resolve_head_mask(self) -> HeadMask | None:
-        """The head mask as a `HeadMask` (loaded from its path if needed), or None."""
+    def resolve_head_mask(self, model: Any = None) -> HeadMask | None:
+        """The head mask as a `HeadMask` (read by `HeadMask.from_pretrained` if a path or Hub id), or None.
+
+        `model` (a model, a meta-device model or a config) is needed to read a TSV mask.
+        """
         if self.head_mask is None or isinstance(self.head_mask, HeadMask):
             return self.head_mask
-        return HeadMask.load(self.head_mask)
+        return HeadMask.from_pretrained(self.head_mask, model)
 
     def full_heads(self, model: Any) -> torch.Tensor | None:
         """BoolTensor[L, H_kv] of full heads for `model`, or None (no mask: all heads compressed).
 
         Raises `HeadMaskError` when the mask was made for another model.
         """
-        mask = self.resolve_head_mask()
+        mask = self.resolve_head_mask(model)
         if mask is None:
             return None
         mask.check_compatible(model)

@@ -284,12 +284,13 @@ class CompressedRolloutTrainerMixin:
             )
         self._refuse_unsupported_setup()
         # the mask file is read once; each rollout builds its cache from the loaded HeadMask
-        self._rollout_cache_config = dataclasses.replace(
-            rollout_compression, head_mask=rollout_compression.resolve_head_mask()
-        )
         # HeadMaskError now (naming the mismatch), not at the first rollout; a PEFT model's
         # fingerprint is its base model's
-        self._rollout_cache_config.full_heads(self.accelerator.unwrap_model(self.model))
+        base = self.accelerator.unwrap_model(self.model)
+        self._rollout_cache_config = dataclasses.replace(
+            rollout_compression, head_mask=rollout_compression.resolve_head_mask(base)
+        )
+        self._rollout_cache_config.full_heads(base)
         self.vllm_importance_sampling_correction = rollout_compression.importance_sampling_correction
 
     def _refuse_unsupported_setup(self) -> None:
