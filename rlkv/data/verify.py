@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import subprocess
-import sys
-import tempfile
 import threading
 from collections.abc import Callable
+
+from rlkv.data.sandbox import run_program
 
 logger = logging.getLogger(__name__)
 
@@ -111,19 +109,6 @@ def verify_math(completion: str, answer: str, timeout_s: int = MATH_TIMEOUT_S) -
 
 _CODE_BLOCK_RE = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
 
-# Runs first in the test subprocess: caps memory and CPU time and disables sockets
-# (best effort: this is a guard against accidents, not a sandbox for hostile code).
-_CODE_PRELUDE = """\
-import resource as _r, socket as _s
-_r.setrlimit(_r.RLIMIT_AS, (2 << 30, 2 << 30))
-_r.setrlimit(_r.RLIMIT_CPU, ({cpu}, {cpu}))
-def _no_net(*a, **k):
-    raise OSError("network disabled in rlkv code verification")
-_s.socket = _no_net
-_s.create_connection = _no_net
-del _r, _s, _no_net
-"""
-
 
 def extract_code(completion: str) -> str:
     """The last fenced code block of a completion (after `</think>`); the whole answer if it has none."""
@@ -133,27 +118,12 @@ def extract_code(completion: str) -> str:
 
 
 def run_python_tests(program: str, test_code: str, timeout_s: float = CODE_TIMEOUT_S) -> bool:
-    """True when `program` followed by `test_code` exits 0 in a fresh isolated Python subprocess within `timeout_s`."""
-    source = _CODE_PRELUDE.format(cpu=max(1, int(timeout_s) + 1)) + "\n" + program + "\n\n" + test_code + "\n"
-    with tempfile.TemporaryDirectory(prefix="rlkv-code-") as tmp:
-        path = os.path.join(tmp, "solution_test.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(source)
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-I", path],
-                cwd=tmp,
-                env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"},
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                timeout=timeout_s,
-            )
-        except subprocess.TimeoutExpired:
-            return False
-        except OSError:
-            logger.debug("could not start the code verifier", exc_info=True)
-            return False
-    return proc.returncode == 0
+    """True when `program` followed by `test_code` exits 0 within `timeout_s`, contained by `rlkv.data.sandbox`.
+
+    The containment level follows `RLKV_CODE_SANDBOX` (guard by default, plus an OS sandbox
+    where `unshare` works); `SandboxError` when the required level is not available.
+    """
+    return run_program(program + "\n\n" + test_code + "\n", timeout_s).passed
 
 
 def example_metadata(example: dict) -> dict:
