@@ -112,10 +112,14 @@ def build_trainer(argv: list[str] | None = None):
     from trl import ModelConfig, TrlParser
 
     from rlkv.data import ProblemDataError
+    from rlkv.errors import OneLineErrors
     from rlkv.gates import UnsupportedModelError
     from rlkv.trainers import GateGRPOConfig, GateGRPOTrainer, get_reward
 
-    parser = TrlParser((ScriptArguments, GateGRPOConfig, ModelConfig))
+    class RecipeParser(OneLineErrors, TrlParser):
+        """TrlParser whose errors are one line, not buried under the usage text of every TRL field."""
+
+    parser = RecipeParser((ScriptArguments, GateGRPOConfig, ModelConfig))
     try:
         script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     except ValueError as e:  # unknown recipe fields and invalid values
@@ -155,7 +159,7 @@ def build_trainer(argv: list[str] | None = None):
     return trainer
 
 
-def main(argv: list[str] | None = None) -> None:
+def train(argv: list[str] | None = None) -> None:
     """Train the gates of the recipe's model, then save the final gates and head mask into output_dir."""
     import torch
 
@@ -165,6 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     trainer.save_model(training_args.output_dir)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`train(argv)`; exit status 2 with one `train_gates.py: error: ...` line for a bad recipe or input."""
+    from rlkv.errors import run_reporting_user_errors
+
+    return run_reporting_user_errors("train_gates.py", lambda: train(argv))
 
 
 if __name__ == "__main__":

@@ -86,9 +86,11 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert main(["eval", "--report-only", "--out", str(tmp_path / "killed")]) == 0
 
 
-def test_missing_head_mask_fails_before_any_work(tmp_path):
-    with pytest.raises(SystemExit, match="head_mask"):
-        main(["eval", "--model", "tiny:llama", "--methods", "full,rlkv", "--out", str(tmp_path / "x")])
+def test_missing_head_mask_fails_before_any_work(tmp_path, capsys):
+    assert (
+        main(["eval", "--model", "tiny:llama", "--methods", "full,rlkv", "--out", str(tmp_path / "x")]) == 2
+    )
+    assert "rlkv eval: error: " in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 

@@ -2,13 +2,18 @@
 
 Each subcommand module defines `register(subparsers)` which adds its parser and sets
 `func=` to a callable taking the parsed args; heavy imports happen inside that callable.
+User errors (`rlkv.errors.is_user_error`, and bad arguments) end as one `PROG: error: ...`
+line with exit status 2; anything else keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from rlkv.errors import OneLineErrors, run_reporting_user_errors
 
 SUBCOMMANDS = [
     "rlkv.cli.generate",
@@ -19,10 +24,30 @@ SUBCOMMANDS = [
 ]
 
 
+class OneLineErrorParser(OneLineErrors, argparse.ArgumentParser):
+    """The `rlkv` parser: usage errors are one line (see `rlkv.errors.OneLineErrors`)."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(
-        prog="rlkv", description="RL-learned head masks and compressed KV caches"
+    parser = OneLineErrorParser(prog="rlkv", description="RL-learned head masks and compressed KV caches")
+    parser.add_argument(
+        "--code-sandbox",
+        metavar="LEVEL",
+        default=None,
+        help="containment of model-generated code in verification (sets RLKV_CODE_SANDBOX): auto (default: "
+        "OS sandbox where available), guard, or namespace (require the OS sandbox)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
@@ -33,7 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `rlkv` console script."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    prog = " ".join(["rlkv", args.command, *(v for k, v in vars(args).items() if k.endswith("_command"))])
+
+    def run() -> int | None:
+        if args.code_sandbox:
+            from rlkv.data.sandbox import CONTAINMENT_ENV, active_containment
+
+            os.environ[CONTAINMENT_ENV] = args.code_sandbox
+            active_containment()  # a required sandbox that is missing fails here, before any work
+        return args.func(args)
+
+    return run_reporting_user_errors(prog, run)
 
 
 if __name__ == "__main__":

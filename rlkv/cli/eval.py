@@ -99,6 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from rlkv.errors import UserInputError
     from rlkv.eval.runner import EvalConfig, run_eval
 
     base = {}
@@ -107,7 +108,7 @@ def _run(args: argparse.Namespace) -> int:
 
         base = yaml.safe_load(open(args.config)) or {}
         if not isinstance(base, dict):
-            raise SystemExit(f"{args.config}: an eval recipe must be a YAML mapping of config fields")
+            raise UserInputError(f"{args.config}: an eval recipe must be a YAML mapping of config fields")
     for name in _OVERRIDES:
         value = getattr(args, name)
         if value is not None:
@@ -124,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         cfg = EvalConfig.from_dict(base)
     except ValueError as e:
-        raise SystemExit(f"rlkv eval: {e}") from None
+        raise UserInputError(str(e)) from None
     if args.sensitivity is not None:
         from rlkv.eval.methods import num_kv_heads_total
         from rlkv.eval.runner import load_model

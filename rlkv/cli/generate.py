@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlkv.cli import positive_int
+
 
 def _budget(text: str) -> int | float:
     """An int (tokens) or a float ratio (e.g. 0.25)."""
@@ -51,14 +53,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-protect-prompt", action="store_true", help="let the policy evict prompt tokens")
     parser.add_argument("--no-compression", action="store_true", help="plain full KV cache (reference run)")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompts as raw text")
-    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
     parser.add_argument(
         "--device", default=None, help="e.g. cuda, cpu (default: where from_pretrained puts it)"
     )
@@ -67,34 +69,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Generate and print; returns the exit status (2 for invalid input)."""
+    """Generate and print; invalid input raises the project's errors (one `error:` line from `rlkv.cli.main`)."""
     import dataclasses
     import json
-    import sys
 
-    from rlkv.head_mask import HeadMaskError
-    from rlkv.inference import CompressionConfig, CompressionConfigError, generate, load
+    import torch
+
+    from rlkv.errors import UserInputError
+    from rlkv.inference import CompressionConfig, generate, load
 
     try:
-        compression = None
-        if not args.no_compression:
-            compression = CompressionConfig(
-                head_mask=args.head_mask,
-                sparsity=args.sparsity,
-                policy=args.policy,
-                policy_kwargs=json.loads(args.policy_kwargs),
-                budget=args.budget,
-                sink=args.sink,
-                window=args.window,
-                protect_prompt=not args.no_protect_prompt,
-            )
-        import torch
-
-        dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-        model, tokenizer = load(args.model, compression=compression, dtype=dtype, device=args.device)
-    except (CompressionConfigError, HeadMaskError, json.JSONDecodeError, ValueError, TypeError) as e:
-        print(f"rlkv generate: error: {e}", file=sys.stderr)
-        return 2
+        policy_kwargs = json.loads(args.policy_kwargs)
+    except json.JSONDecodeError as e:
+        raise UserInputError(
+            f"--policy-kwargs is not valid JSON ({e}); give an object such as '{{\"lam\": 0.1}}'"
+        ) from None
+    if not isinstance(policy_kwargs, dict):
+        raise UserInputError(f"--policy-kwargs must be a JSON object, got {args.policy_kwargs!r}")
+    compression = None
+    if not args.no_compression:
+        compression = CompressionConfig(
+            head_mask=args.head_mask,
+            sparsity=args.sparsity,
+            policy=args.policy,
+            policy_kwargs=policy_kwargs,
+            budget=args.budget,
+            sink=args.sink,
+            window=args.window,
+            protect_prompt=not args.no_protect_prompt,
+        )
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    model, tokenizer = load(args.model, compression=compression, dtype=dtype, device=args.device)
     outputs = generate(
         model,
         tokenizer,

@@ -303,6 +303,12 @@ def run_eval(
     from rlkv.inference import generate
 
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        from rlkv.errors import UserInputError
+
+        raise UserInputError(
+            f"out (--out) {str(out)!r} is not a folder: give a new or an existing output folder"
+        )
     out.mkdir(parents=True, exist_ok=True)
     _check_resume(out, cfg)
     results_path = out / RESULTS_FILE

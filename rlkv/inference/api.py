@@ -79,6 +79,11 @@ def make_cache(
 TINY_MODEL_PREFIX = "tiny:"
 
 
+def _looks_like_path(name: str) -> bool:
+    """True for names that can only be local paths (a hub id is `name` or `org/name`)."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+
+
 def load(
     model_id_or_path: str | os.PathLike,
     compression: CompressionConfig | None = None,
@@ -100,6 +105,12 @@ def load(
 
         model, tokenizer = tiny_model(name[len(TINY_MODEL_PREFIX) :] or "llama"), tiny_tokenizer()
     else:
+        if _looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
+            from rlkv.errors import UserInputError
+
+            raise UserInputError(
+                f"model path {name!r} does not exist (give a model folder or a hub id org/name)"
+            )
         model = AutoModelForCausalLM.from_pretrained(model_id_or_path, dtype=dtype, **from_pretrained_kwargs)
         gguf = (
             {"gguf_file": from_pretrained_kwargs["gguf_file"]}
@@ -221,6 +232,8 @@ def generate(
             input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        if cache is not None:
+            cache.reset()  # explicit: never rely on generate's `_is_user_defined` reset alone
         batch_cache = cache if cache is not None else DynamicCache(config=model.config)
         with torch.inference_mode():
             sequences = model.generate(
