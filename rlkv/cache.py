@@ -63,6 +63,10 @@ def append_along_tokens(
     return capacity
 
 
+class StaleCacheError(RuntimeError):
+    """A new prefill reached a cache that still holds a previous request (it was not reset)."""
+
+
 class CompressionSettings:
     """What every layer of one cache shares: the policy and the budget definition."""
 
@@ -267,6 +271,7 @@ class HeadMixedLayer(CacheLayerMixin):
             else None
         )
         self.logical_length = 0
+        self.decoding = False  # a single-token step has run: a multi-token forward now is a new request
         self.row_start: torch.Tensor | None = None  # LongTensor[B]: first real column of each row
         self._key_storage: torch.Tensor | None = None  # what `keys` / `values` are prefix views of
         self._value_storage: torch.Tensor | None = None
@@ -305,6 +310,7 @@ class HeadMixedLayer(CacheLayerMixin):
             self.store.is_prefill = prefill
             self.store.append(k_comp.contiguous(), v_comp.contiguous())
         self.logical_length += key_states.shape[2]
+        self.decoding = self.decoding or key_states.shape[2] == 1
         return self, self
 
     def _select_heads(self, keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor):
@@ -324,6 +330,7 @@ class HeadMixedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self._key_storage = self._value_storage = None
         self.logical_length = 0
+        self.decoding = False
         self.row_start = None
         if self.store is not None:
             self.store.clear()
@@ -527,7 +534,9 @@ class HeadMixedCache(Cache):
     model to the "rlkv_cache" attention function; or directly with the model's config, a full-head
     layout `full_heads` BoolTensor[L, H_kv] (None = every head compressed) and a policy instance.
     `batch_size`, if given, is checked at every update (a clear error instead of a shape mismatch).
-    Each `model.generate(past_key_values=cache)` call starts from an empty cache.
+    Each `model.generate(past_key_values=cache)` call starts from an empty cache (transformers marks
+    the cache `_is_user_defined`, which resets it); a multi-token forward once decoding has started
+    raises `StaleCacheError` instead of attending to the previous request: call `reset()` first.
     """
 
     def __init__(
@@ -570,6 +579,14 @@ class HeadMixedCache(Cache):
             raise ValueError(
                 f"this HeadMixedCache was made for batch_size={self.expected_batch_size}, got a batch of "
                 f"{key_states.shape[0]}; make_cache(model, config, batch_size=None) accepts any batch size"
+            )
+        layer = self.layers[layer_idx]
+        if key_states.shape[2] > 1 and layer.decoding:
+            raise StaleCacheError(
+                f"HeadMixedCache got a {key_states.shape[2]}-token forward after decoding had started "
+                f"({layer.logical_length} tokens stored): a new request on a cache that still holds the last "
+                "one. Call cache.reset() before reusing it (transformers' generate resets it through "
+                "`cache._is_user_defined`; a transformers version that no longer does is not supported)"
             )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 

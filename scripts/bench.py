@@ -235,7 +235,9 @@ def filled_cache(model, mode: str | None, batch: int, length: int, device: str):
     gen = torch.Generator(device="cpu").manual_seed(1)
     for layer in range(cfg.num_hidden_layers):
         k = torch.randn(shape, generator=gen, dtype=model.dtype).to(device)
-        cache.update(k, torch.randn(shape, generator=gen, dtype=model.dtype).to(device), layer)
+        # a synthetic fill after the first step: the layer's own update (HeadMixedCache.update refuses a
+        # multi-token forward once decoding has started, as a new request on a stale cache)
+        cache.layers[layer].update(k, torch.randn(shape, generator=gen, dtype=model.dtype).to(device))
         store = getattr(cache.layers[layer], "store", None)
         if store is not None:
             budget = store.budget

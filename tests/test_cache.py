@@ -293,3 +293,61 @@ def test_mistral_update_object_is_safe(make_model, left_padded_batch):
         past_key_values=cache,
     )
     assert torch.equal(got, expected)
+
+
+# --- a new request on a non-empty cache fails loudly (issue 19.4) ----------------------------------
+
+
+def _no_generate_reset(monkeypatch):
+    """Simulate a transformers that no longer sets `cache._is_user_defined` at the start of `generate`."""
+    monkeypatch.setattr(HeadMixedCache, "_is_user_defined", property(lambda self: True, lambda self, v: None))
+
+
+def test_new_prefill_on_a_used_cache_is_refused_and_reset_clears_it(make_model, tokenizer):
+    from rlkv.cache import StaleCacheError
+
+    model = make_model("llama")
+    config = CompressionConfig(head_mask=_mixed_mask(model), sparsity=0.5, sink=2, window=6)
+    cache = make_cache(model, config)
+    ids = tokenizer(["1 + 2 = 3. 2 * 3 = 6. therefore"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        model(input_ids=ids[:, :6], past_key_values=cache)  # chunked prefill: two multi-token chunks
+        model(input_ids=ids[:, 6:], past_key_values=cache)
+        model(input_ids=ids[:, -1:], past_key_values=cache)  # a decode step
+        with pytest.raises(StaleCacheError, match="cache.reset\\(\\)"):
+            model(input_ids=ids, past_key_values=cache)  # the next request's prefill
+        cache.reset()
+        again = model(input_ids=ids, past_key_values=cache).logits
+        fresh = model(input_ids=ids, past_key_values=make_cache(model, config)).logits
+    assert torch.equal(again, fresh)
+
+
+def test_generate_without_transformers_reset_fails_loudly(make_model, tokenizer, monkeypatch):
+    from rlkv.cache import StaleCacheError
+
+    _no_generate_reset(monkeypatch)
+    model = make_model("qwen3")
+    cache = make_cache(model, CompressionConfig(head_mask=_mixed_mask(model), sparsity=0.5, sink=2, window=6))
+    enc = tokenizer(["1 + 2 = 3. 2 * 3 = 6. therefore the final answer is"], return_tensors="pt")
+    model.generate(**enc, max_new_tokens=8, do_sample=False, past_key_values=cache)
+    longer = tokenizer(["1 + 2 = 3. 2 * 3 = 6. therefore the final answer is 6, so 6 + 1 = 7 and"])
+    with pytest.raises(StaleCacheError):
+        model.generate(
+            input_ids=torch.tensor(longer["input_ids"]),
+            max_new_tokens=8,
+            do_sample=False,
+            past_key_values=cache,
+        )
+
+
+def test_inference_generate_resets_its_cache_itself(make_model, tokenizer, monkeypatch):
+    from rlkv.inference import generate
+
+    model = make_model("qwen3")
+    config = CompressionConfig(head_mask=_mixed_mask(model), sparsity=0.5, sink=2, window=6)
+    prompts = ["1 + 2 = 3. 2 * 3 = 6. therefore the final answer is", "wait", "solve 4 + 5 step by step"]
+    alone = [generate(model, tokenizer, [p], 12, compression=config, progress=False)[0] for p in prompts]
+    _no_generate_reset(monkeypatch)
+    batched = generate(model, tokenizer, prompts, 12, compression=config, batch_size=1, progress=False)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+    assert [o.cache_stats for o in batched] == [o.cache_stats for o in alone]

@@ -51,6 +51,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from rlkv.cache import HeadMixedCache, _storage_bytes
+from rlkv.compat import COMPRESSED_ROLLOUT_API, check_attributes, check_private_api
 from rlkv.inference import CompressionConfig, CompressionConfigError, make_cache
 
 
@@ -272,7 +273,9 @@ class CompressedRolloutTrainerMixin:
     """
 
     def __init__(self, *args: Any, rollout_compression: CompressedRolloutConfig | None = None, **kwargs: Any):
+        check_private_api(type(self), COMPRESSED_ROLLOUT_API, feature="compressed rollouts")
         super().__init__(*args, **kwargs)
+        check_attributes(self, COMPRESSED_ROLLOUT_API, feature="compressed rollouts")
         self.rollout_compression = rollout_compression
         self.last_rollout_kv: RolloutKVStats | None = None
         if rollout_compression is None:

@@ -22,6 +22,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import create_model_from_path
 
+from rlkv.compat import GATE_TRAINER_API, check_attributes, check_private_api
 from rlkv.gates import attach_gates
 from rlkv.trainers.callbacks import (
     GateClampCallback,
@@ -64,6 +65,7 @@ class GateGRPOTrainer(GRPOTrainer):
     def __init__(
         self, model: Any, reward_funcs: Any = None, args: GateGRPOConfig | None = None, **kwargs: Any
     ):
+        check_private_api(type(self), GATE_TRAINER_API, feature="GateGRPOTrainer")
         if not isinstance(args, GateGRPOConfig):
             raise TypeError(f"args must be a rlkv.trainers.GateGRPOConfig, got {type(args).__name__}")
         if kwargs.get("peft_config") is not None:
@@ -109,6 +111,7 @@ class GateGRPOTrainer(GRPOTrainer):
             HeadMaskExportCallback(run_metadata),
         ]
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, callbacks=callbacks, **kwargs)
+        check_attributes(self, GATE_TRAINER_API, feature="GateGRPOTrainer")
         self._run_metadata = run_metadata
         self._mean_reward = {"train": math.nan, "eval": math.nan}
 

@@ -1,0 +1,161 @@
+"""A fence around the private TRL / transformers API rlkv overrides or reads.
+
+rlkv's trainers override private `GRPOTrainer` / `Trainer` methods (`_generate_single_turn`,
+`_calculate_rewards`, `_compute_loss`, `_generate_and_score_completions`, `_load_from_checkpoint`),
+read private attributes (`_tokenizer`, `_metrics`, `_dist`, ...), flip `use_vllm`, and import a few
+TRL helpers. Those change between releases (TRL 1.10's `_generate_single_turn` took other
+arguments). `check_private_api` runs at trainer construction, before TRL does any work, and
+raises `UnsupportedVersionError` naming each difference, the installed versions and the
+supported range declared in pyproject.toml, instead of a `TypeError` deep inside a step.
+
+transformers' `generate` resetting a user cache through `cache._is_user_defined` is not fenced
+here: `HeadMixedCache.update` refuses a new prefill on a non-empty cache (`StaleCacheError`) and
+rlkv's own call sites reset their caches explicitly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PACKAGES = ("trl", "transformers")
+TESTED_VERSIONS = {"trl": "1.16.0", "transformers": "5.23.0"}
+
+
+class UnsupportedVersionError(RuntimeError):
+    """The installed TRL / transformers lacks, or changed, private API rlkv relies on."""
+
+
+@dataclass(frozen=True)
+class PrivateAPI:
+    """What a trainer relies on: method parameter names (without self), instance attributes after
+    construction, and `module:name` helpers it imports."""
+
+    methods: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    attributes: tuple[str, ...] = ()
+    helpers: tuple[str, ...] = ()
+
+
+GATE_TRAINER_API = PrivateAPI(
+    methods={
+        "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
+        "_compute_loss": ("model", "inputs"),
+        "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    },
+    attributes=("_metrics", "reward_weights"),
+)
+
+COMPRESSED_ROLLOUT_API = PrivateAPI(
+    methods={
+        "_generate_single_turn": (
+            "prompt_ids",
+            "images",
+            "multimodal_fields",
+            "num_generations",
+            "has_tool_images",
+        ),
+        "_generate_and_score_completions": ("inputs",),
+        "_compute_loss": ("model", "inputs"),
+    },
+    attributes=(
+        "_tokenizer",
+        "_metrics",
+        "_dist",
+        "use_vllm",
+        "vllm_importance_sampling_correction",
+        "pad_to_multiple_of",
+        "generation_config",
+        "generation_kwargs",
+        "eos_token_ids",
+        "temperature",
+        "model_wrapped",
+    ),
+    helpers=(
+        "trl.extras.profiling:profiling_context",
+        "trl.models:unwrap_model_for_generation",
+        "trl.trainer.utils:pad",
+    ),
+)
+
+
+def supported_range(package: str) -> str:
+    """The version specifier rlkv declares for `package` (from the installed metadata), e.g. '>=1.16,<1.17'."""
+    try:
+        requires = importlib.metadata.requires("rlkv") or []
+    except importlib.metadata.PackageNotFoundError:
+        return "(see rlkv's pyproject.toml)"
+    for req in requires:
+        match = re.match(rf"^{re.escape(package)}\s*([<>=!~][^;]*)", req)
+        if match and "extra ==" not in req:
+            return match.group(1).strip()
+    return "(any)"
+
+
+def installed_versions() -> str:
+    """'trl 1.16.0, transformers 5.23.0' as installed."""
+    return ", ".join(f"{p} {_version(p)}" for p in PACKAGES)
+
+
+def check_private_api(trainer_cls: type, api: PrivateAPI, feature: str = "rlkv") -> None:
+    """Before construction: raise `UnsupportedVersionError` listing every method or helper of `api`
+    that the installed TRL / transformers does not provide as rlkv expects.
+
+    Methods are looked up on the first TRL / transformers class in `trainer_cls`'s MRO (the
+    definition rlkv overrides), and their parameter names compared.
+    """
+    problems = [
+        p for name, params in api.methods.items() if (p := _method_problem(trainer_cls, name, params))
+    ]
+    for helper in api.helpers:
+        module, _, name = helper.partition(":")
+        try:
+            found = hasattr(importlib.import_module(module), name)
+        except ImportError:
+            found = False
+        if not found:
+            problems.append(f"no {module}.{name}")
+    _raise(problems, feature)
+
+
+def check_attributes(trainer: Any, api: PrivateAPI, feature: str = "rlkv") -> None:
+    """After construction: raise `UnsupportedVersionError` naming each attribute of `api` the trainer lacks."""
+    _raise(
+        [f"no attribute {name!r} on the trainer" for name in api.attributes if not hasattr(trainer, name)],
+        feature,
+    )
+
+
+def _raise(problems: list[str], feature: str) -> None:
+    if not problems:
+        return
+    ranges = ", ".join(f"{p}{supported_range(p)}" for p in PACKAGES)
+    tested = ", ".join(f"{p} {v}" for p, v in TESTED_VERSIONS.items())
+    raise UnsupportedVersionError(
+        f"{feature} relies on private TRL / transformers API that the installed {installed_versions()} "
+        f"does not provide: {'; '.join(problems)}. Supported: {ranges} (tested with {tested}); "
+        f"install a supported version, e.g. pip install '{PACKAGES[0]}{supported_range(PACKAGES[0])}'"
+    )
+
+
+def _method_problem(trainer_cls: type, name: str, params: Sequence[str]) -> str | None:
+    owner = next(
+        (c for c in trainer_cls.__mro__ if c.__module__.split(".")[0] in PACKAGES and name in vars(c)), None
+    )
+    if owner is None:
+        return f"no method {name}"
+    found = tuple(p for p in inspect.signature(vars(owner)[name]).parameters if p != "self")
+    if found != tuple(params):
+        return f"{owner.__name__}.{name}({', '.join(found)}), rlkv expects ({', '.join(params)})"
+    return None
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"

@@ -1,0 +1,74 @@
+"""The fence around private TRL / transformers API: checked at construction, one named error."""
+
+import importlib.metadata
+
+import pytest
+import trl
+from datasets import Dataset
+from trl import GRPOTrainer
+
+from rlkv.compat import (
+    COMPRESSED_ROLLOUT_API,
+    GATE_TRAINER_API,
+    PrivateAPI,
+    UnsupportedVersionError,
+    check_attributes,
+    check_private_api,
+    supported_range,
+)
+from rlkv.rollout import CompressedRolloutConfig, with_compressed_rollouts
+
+
+def test_installed_trl_and_transformers_pass_the_fence():
+    check_private_api(GRPOTrainer, GATE_TRAINER_API)
+    check_private_api(GRPOTrainer, COMPRESSED_ROLLOUT_API)
+
+
+def test_declared_ranges_come_from_the_package_metadata():
+    requires = " ".join(importlib.metadata.requires("rlkv"))
+    assert supported_range("trl") in requires and supported_range("transformers") in requires
+    assert ">=" in supported_range("trl") and "<" in supported_range("trl")  # a tested range, not any trl
+
+
+def test_a_changed_signature_is_named_with_the_supported_range():
+    # TRL 1.10's rollout method took other arguments; the fence names it instead of a TypeError mid-step
+    old = PrivateAPI(methods={"_generate_single_turn": ("prompts", "images")})
+    with pytest.raises(UnsupportedVersionError) as err:
+        check_private_api(GRPOTrainer, old, feature="compressed rollouts")
+    text = str(err.value)
+    assert "GRPOTrainer._generate_single_turn" in text and "(prompts, images)" in text
+    assert f"trl {trl.__version__}" in text and supported_range("trl") in text
+    assert "compressed rollouts" in text
+
+
+def test_missing_methods_attributes_and_helpers_are_named():
+    api = PrivateAPI(
+        methods={"_no_such_method": ("inputs",)},
+        attributes=("_no_such_attribute",),
+        helpers=("trl.trainer.utils:no_such_helper",),
+    )
+    with pytest.raises(UnsupportedVersionError) as err:
+        check_private_api(GRPOTrainer, api)
+    assert "_no_such_method" in str(err.value) and "trl.trainer.utils.no_such_helper" in str(err.value)
+    with pytest.raises(UnsupportedVersionError, match="'_no_such_attribute'"):
+        check_attributes(object(), api)
+
+
+def test_trainers_check_the_fence_before_trl_runs(tmp_path, make_model, tokenizer):
+    """A TRL whose rollout method has another signature (a subclass standing in for another TRL
+    release) is refused by the rlkv constructor, before TRL's own __init__ does any work."""
+
+    class OtherTRL(GRPOTrainer):
+        def _generate_single_turn(self, prompts):  # the shape of an older TRL
+            raise AssertionError("never reached")
+
+    OtherTRL.__module__ = "trl.trainer.grpo_trainer"
+    with pytest.raises(UnsupportedVersionError, match="_generate_single_turn"):
+        with_compressed_rollouts(OtherTRL)(
+            model=make_model("llama"),
+            args=None,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            train_dataset=Dataset.from_list([{"prompt": "hi"}]),
+            processing_class=tokenizer,
+            rollout_compression=CompressedRolloutConfig(sparsity=0.5),
+        )
