@@ -162,3 +162,37 @@ def test_cli_generate_prints_text_and_stats(make_model, tmp_path, capsys):
     assert lines[0]["cache_stats"]["resident_bytes"] < lines[0]["cache_stats"]["full_resident_bytes"]
     assert cli_main(["generate", "--model", "tiny:llama", "--prompt", "x", "--budget", "10"]) == 2
     assert "budget=10 is smaller than sink + window" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("compressed", [True, False], ids=["h2o", "plain"])
+def test_row_stats_stop_at_the_rows_last_token(make_model, tokenizer, compressed):
+    """A row that ends early in a batch reports the stats it has alone, not the batch's later steps."""
+    model = make_model("llama")
+    config = (
+        CompressionConfig(policy="h2o", budget=6, sink=1, window=2, protect_prompt=False)
+        if compressed
+        else None
+    )
+    short, long = PROMPTS[3], PROMPTS[2]
+    probe_short, probe_long = (
+        generate(model, tokenizer, [p], 40, compression=config, progress=False)[0] for p in (short, long)
+    )
+    # an EOS the short prompt reaches at its 8th token at the earliest and the long one never
+    eos = next(
+        t
+        for j, t in enumerate(probe_short.token_ids)
+        if j >= 7 and t not in probe_short.token_ids[:j] and t not in probe_long.token_ids
+    )
+    model.generation_config.eos_token_id = eos
+    alone = generate(model, tokenizer, [short], 40, compression=config, progress=False)[0]
+    batched = generate(model, tokenizer, [short, long], 40, compression=config, progress=False)
+    assert alone.finish_reason == "eos" and batched[0].token_ids == alone.token_ids
+    assert batched[1].num_generated_tokens > alone.num_generated_tokens + 5  # the batch runs on
+    row, ref = batched[0].cache_stats, alone.cache_stats
+    assert (
+        ref["logical_length"] == alone.num_prompt_tokens + alone.num_generated_tokens - 1
+    )  # EOS is not stored
+    for key in ("logical_length", "kept_tokens", "evictions"):
+        assert row[key] == ref[key], key
+    if compressed:
+        assert ref["evictions"] > 0

@@ -16,6 +16,7 @@ from transformers import (
     AutoTokenizer,
     DynamicCache,
     PreTrainedModel,
+    StoppingCriteria,
     StoppingCriteriaList,
 )
 
@@ -173,6 +174,31 @@ def _dynamic_cache_stats(cache: DynamicCache, attention_mask: torch.Tensor) -> l
     ]
 
 
+class _RowEndStats(StoppingCriteria):
+    """Reads each row's cache stats at the step the row ends (EOS, or one of `criteria`): later steps of
+    its batch only feed it padding, which must not count. Stops the rows that `criteria` stop."""
+
+    def __init__(self, read_stats: Any, eos: set[int], criteria: list[Any] | None) -> None:
+        self.read_stats, self.eos, self.criteria = (
+            read_stats,
+            sorted(eos),
+            StoppingCriteriaList(criteria or []),
+        )
+        self.stats: dict[int, dict[str, int]] = {}
+
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
+    ) -> torch.BoolTensor:
+        done = torch.isin(input_ids[:, -1], torch.tensor(self.eos, device=input_ids.device))
+        if self.criteria:
+            done = done | self.criteria(input_ids, scores, **kwargs)
+        ended = [row for row in done.nonzero().flatten().tolist() if row not in self.stats]
+        if ended:
+            now = self.read_stats()
+            self.stats.update((row, now[row]) for row in ended)
+        return done
+
+
 def generate(
     model: PreTrainedModel,
     tokenizer: Any,
@@ -235,6 +261,13 @@ def generate(
         if cache is not None:
             cache.reset()  # explicit: never rely on generate's `_is_user_defined` reset alone
         batch_cache = cache if cache is not None else DynamicCache(config=model.config)
+
+        def read_stats(batch_cache=batch_cache, attention_mask=attention_mask) -> list[dict[str, int]]:
+            if cache is not None:
+                return batch_cache.stats()
+            return _dynamic_cache_stats(batch_cache, attention_mask)
+
+        row_end = _RowEndStats(read_stats, eos, stopping_criteria)
         with torch.inference_mode():
             sequences = model.generate(
                 input_ids=input_ids,
@@ -243,12 +276,10 @@ def generate(
                 max_new_tokens=max_new_tokens,
                 pad_token_id=pad_id,
                 eos_token_id=sorted(eos),
-                stopping_criteria=StoppingCriteriaList(stopping_criteria or []),
+                stopping_criteria=StoppingCriteriaList([row_end]),
                 **sampling,
             )
-        stats = (
-            batch_cache.stats() if cache is not None else _dynamic_cache_stats(batch_cache, attention_mask)
-        )
+        stats = read_stats()
         for row, i in enumerate(batch):
             generated = sequences[row, width:].tolist()
             end = next((j for j, t in enumerate(generated) if t in eos), None)
@@ -259,6 +290,6 @@ def generate(
                 num_prompt_tokens=len(encoded[i]),
                 num_generated_tokens=len(token_ids),
                 finish_reason="length" if end is None else "eos",
-                cache_stats=stats[row],
+                cache_stats=row_end.stats.get(row, stats[row]),
             )
     return results
