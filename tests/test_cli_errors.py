@@ -1,5 +1,7 @@
 """Every entry point turns user errors into one `error:` line and exit status 2; bugs keep their traceback."""
 
+from pathlib import Path
+
 import pytest
 from test_trainer_script import load_script
 
@@ -110,3 +112,20 @@ def test_train_gates_bad_recipe_is_one_line_not_buried_under_usage(tmp_path, cap
     err = capsys.readouterr().err
     assert "usage:" not in err and len(err.strip().splitlines()) == 1, err
     assert "error: bad recipe" in err and "l1_betta" in err
+
+
+def test_demo_recipe_on_a_fresh_clone_says_to_build_the_curriculum_first(tmp_path, monkeypatch, capsys):
+    """recipes/demo.yaml before `make demo`: one line that says what to run first (issue 16 item 4)."""
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)  # no runs/demo/curriculum here
+    argv = [
+        "--config",
+        str(repo / "recipes" / "demo.yaml"),
+        "--model_name_or_path",
+        str(repo / "data" / "demo-model"),
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        load_script().main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "runs/demo/curriculum" in err and "make demo" in err, err

@@ -224,3 +224,20 @@ def test_cli_show_prints_formatted_problems(capsys):
     for row in rows:
         assert f"--- source=reasoning_gym answer={row['answer']!r}" in printed
         assert row["problem"] in printed
+
+
+def test_curriculum_folder_loads_its_dataset(tmp_path):
+    """A `rlkv data curriculum --out` folder is a problem set: its dataset/ subfolder (recipes/demo.yaml)."""
+    from datasets import Dataset
+
+    rows = [{"problem": f"p{i}", "answer": str(i), "source": "chain", "bucket": "0-16"} for i in range(4)]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "cur" / "dataset"))
+    (tmp_path / "cur" / "stats.json").write_text("{}")
+    ds = load_problems(tmp_path / "cur")
+    assert ds.to_list() == load_problems(tmp_path / "cur" / "dataset").to_list()
+    assert [r["problem"] for r in ds] == ["p0", "p1", "p2", "p3"]
+
+
+def test_missing_path_says_how_to_make_it(tmp_path):
+    with pytest.raises(ProblemDataError, match=r"does not exist.*rlkv data curriculum.*make demo"):
+        load_problems(tmp_path / "runs" / "demo" / "curriculum")

@@ -6,8 +6,8 @@ object as a string: code tests, reasoning-gym entry data, ids; "{}" when empty).
 
 `load_problems(name_or_path, ...)` accepts a registered name ("gsm8k", "math500", "aime24",
 "deepscaler", "mbpp", "humaneval", "champ", "reasoning_gym[:task,...]", "chain"), the usual hub
-id of one of them, or a local jsonl/json/parquet file (or `save_to_disk` folder) already in the
-schema. Named hub datasets can also be read from local files in their hub layout (`data_files=`),
+id of one of them, or a local jsonl/json/parquet file (or `save_to_disk` folder, or a
+`rlkv data curriculum` output folder) already in the schema. Named hub datasets can also be read from local files in their hub layout (`data_files=`),
 which is how tests and offline machines use them.
 """
 
@@ -290,6 +290,8 @@ def _load_schema_file(path: Path) -> Dataset:
     from datasets import Dataset, load_from_disk
 
     origin = str(path)
+    if path.is_dir() and not (path / "dataset_info.json").exists() and (path / "dataset").is_dir():
+        path = path / "dataset"  # a `rlkv data curriculum --out` folder: its saved dataset
     if path.is_dir():
         ds = load_from_disk(str(path))
         records = ds.to_list()
@@ -365,6 +367,12 @@ def load_problems(
     path = Path(name)
     if path.exists() or name.lower().endswith(LOCAL_SUFFIXES):
         return _subset(_load_schema_file(path), num, seed, name)
+    if len(path.parts) > 1:
+        raise ProblemDataError(
+            f"problem set {name!r} does not exist (no such file or folder, and not one of {problem_sources()}); "
+            f"a curriculum folder is written by `rlkv data curriculum ... --out {name}` "
+            "(recipes/demo.yaml's by `make demo`): build it first"
+        )
     raise ProblemDataError(
         f"unknown problem set {name!r}: use one of {problem_sources()}, 'reasoning_gym:<task>[,<task>...]', "
         f"or a path to a {'/'.join(LOCAL_SUFFIXES)} file"
