@@ -1,5 +1,6 @@
 """Curriculum builder on the tiny model: quotas, ordering, stats vs data, resume after a kill == one run."""
 
+import dataclasses
 import json
 import random
 import shutil
@@ -263,3 +264,54 @@ def test_cli_builds_from_a_pool_file(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"solved {stats['solved']}/8" in printed and "tokens/s" in printed
     assert len(load_from_disk(str(tmp_path / "o" / "dataset"))) == stats["selected"]
+
+
+@pytest.mark.parametrize("field, value", [("max_new_tokens", 0), ("max_new_tokens", -5), ("chunk_size", 0)])
+def test_invalid_settings_fail_before_anything_is_written(engine, tmp_path, field, value):
+    with pytest.raises(CurriculumError, match=field):
+        build_curriculum(engine, _pool(4), tmp_path / "out", dataclasses.replace(_config(), **{field: value}))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CurriculumError, match="histogram_bins"):
+        dataclasses.replace(_config(), histogram_bins=0)
+
+
+def test_resume_with_another_model_or_batch_size_is_refused(engine, tmp_path):
+    from rlkv.testing import tiny_model, tiny_tokenizer
+
+    register_verifier("never_solved", lambda completion, example: False)
+    pool = _pool(4).map(lambda r: {"source": "never_solved"})
+    with pytest.raises(CurriculumError, match="solved none"):  # the shards are written, then the run ends
+        build_curriculum(engine, pool, tmp_path / "run", _config())
+    others = [
+        TransformersEngine(tiny_model("qwen2"), tiny_tokenizer(), batch_size=4),
+        TransformersEngine(engine.model, engine.tokenizer, batch_size=2),
+    ]
+    for other, what in zip(others, ("qwen2", "batch_size")):
+        with pytest.raises(CurriculumError, match=f"different generator.*{what}"):
+            build_curriculum(other, pool, tmp_path / "run", _config())
+
+
+def test_cli_bad_max_new_tokens_then_the_corrected_rerun_works(tmp_path, capsys):
+    from rlkv.cli import main
+
+    pool_file = tmp_path / "pool.jsonl"
+    _pool(4).to_json(str(pool_file))
+    base = [
+        "data",
+        "curriculum",
+        "--model",
+        "tiny:llama",
+        "--problems",
+        str(pool_file),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    base += ["--buckets", "0-20:1,20-40:1", "--batch-size", "4", "--template", "plain"]
+    for bad in ("-5", "0"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, "--max-new-tokens", bad])
+        assert exit_info.value.code == 2 and "--max-new-tokens" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    assert main([*base, "--max-new-tokens", "40"]) in (0, 2)  # the tiny model may solve too few: not refused
+    assert "different" not in capsys.readouterr().err
+    assert (tmp_path / "o" / "run.json").exists()

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from rlkv.cli import positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `rlkv data curriculum` and `rlkv data show`."""
@@ -28,16 +30,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cur.add_argument("--out", required=True, help="output folder (dataset/, stats.json, shards/)")
     cur.add_argument("--split", default=None, help="dataset split (default: the dataset's own)")
     cur.add_argument(
-        "--num", type=int, default=None, help="pool size: seeded sample of the dataset (default: all)"
+        "--num",
+        type=positive_int,
+        default=None,
+        help="pool size: seeded sample of the dataset (default: all)",
     )
     cur.add_argument(
         "--data-files", default=None, help="read a named dataset from this local file (hub layout)"
     )
     cur.add_argument("--buckets", default=PAPER_BUCKETS, help="LOW-HIGH:QUOTA,... in tokens, k = 1024")
     cur.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
-    cur.add_argument("--max-new-tokens", type=int, default=None, help="default: the top bucket's upper bound")
-    cur.add_argument("--batch-size", type=int, default=8, help="transformers engine batch size")
-    cur.add_argument("--chunk-size", type=int, default=None, help="problems per engine call / resume unit")
+    cur.add_argument(
+        "--max-new-tokens", type=positive_int, default=None, help="default: the top bucket's upper bound"
+    )
+    cur.add_argument("--batch-size", type=positive_int, default=8, help="transformers engine batch size")
+    cur.add_argument(
+        "--chunk-size", type=positive_int, default=None, help="problems per engine call / resume unit"
+    )
     cur.add_argument("--seed", type=int, default=0, help="pool sampling and quota sampling seed")
     cur.add_argument("--template", default="auto", help="prompt template: auto, math, code, plain")
     cur.add_argument(
@@ -87,7 +96,9 @@ def _build(args: argparse.Namespace):
     problems = load_problems(
         args.problems, split=args.split, num=args.num, seed=args.seed, data_files=args.data_files
     )
-    chunk_size = args.chunk_size or (args.batch_size * 8 if args.engine == "transformers" else 512)
+    chunk_size = args.chunk_size
+    if chunk_size is None:
+        chunk_size = args.batch_size * 8 if args.engine == "transformers" else 512
     config = CurriculumConfig(
         buckets=args.buckets,
         max_new_tokens=args.max_new_tokens,
@@ -96,7 +107,6 @@ def _build(args: argparse.Namespace):
         chunk_size=chunk_size,
         seed=args.seed,
     )
-    config.resolved_max_new_tokens()  # validates the buckets before the model loads
     if args.engine == "transformers":
         engine = make_engine(
             "transformers", args.model, batch_size=args.batch_size, dtype=args.dtype, device=args.device

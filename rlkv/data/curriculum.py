@@ -121,6 +121,13 @@ class CurriculumConfig:
     seed: int = 0
     histogram_bins: int = 16
 
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "chunk_size", "histogram_bins"):
+            value = getattr(self, name)
+            if not (value is None and name == "max_new_tokens") and (not isinstance(value, int) or value < 1):
+                raise CurriculumError(f"CurriculumConfig.{name}={value!r}: must be an integer >= 1")
+        parse_buckets(self.buckets)
+
     def resolved_max_new_tokens(self) -> int:
         """`max_new_tokens`, defaulting to the top bucket's upper bound."""
         return self.max_new_tokens or max(b.high for b in parse_buckets(self.buckets))
@@ -153,23 +160,39 @@ def pool_fingerprint(problems: Dataset) -> str:
     return digest.hexdigest()
 
 
+def generator_identity(engine: Any) -> dict[str, Any]:
+    """What made the shards besides the settings: engine kind, model (name or path, type), dtype, batch size."""
+    model = getattr(engine, "model", None)
+    config = getattr(model, "config", None)
+    return {
+        "engine": getattr(engine, "name", type(engine).__name__),
+        "model": getattr(model, "name_or_path", None) or getattr(engine, "model_path", None),
+        "model_type": getattr(config, "model_type", None),
+        "dtype": str(getattr(model, "dtype", getattr(engine, "dtype", None))),
+        "batch_size": getattr(engine, "batch_size", None),
+    }
+
+
 def _check_or_write_manifest(out_dir: Path, problems: Dataset, config: CurriculumConfig, engine: Any) -> None:
     manifest = {
         "pool_fingerprint": pool_fingerprint(problems),
         "pool_size": len(problems),
         "generation": config.generation_settings(),
+        "generator": generator_identity(engine),
     }
     path = out_dir / "run.json"
     if path.exists():
         previous = json.loads(path.read_text())
-        for key in ("pool_fingerprint", "generation"):
+        for key in ("pool_fingerprint", "generation", "generator"):
+            if key == "generator" and key not in previous:
+                continue  # written before run.json recorded the generator
             if previous.get(key) != manifest[key]:
                 raise CurriculumError(
                     f"{out_dir} holds a run with a different {key.replace('_', ' ')} "
                     f"({previous.get(key)} vs {manifest[key]}); use another --out folder or delete it"
                 )
         return
-    atomic_write_text(path, json.dumps({**manifest, "engine": getattr(engine, "name", "?")}, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(manifest, indent=2) + "\n")
 
 
 def read_shards(shard_dir: Path) -> dict[int, dict[str, Any]]:

@@ -113,6 +113,7 @@ class VLLMEngine:
         except ImportError:
             raise ImportError("the vLLM engine needs vLLM: pip install 'rlkv[vllm]'") from None
         self._vllm = vllm
+        self.model_path, self.dtype = model_path, llm_kwargs.get("dtype", "auto")
         self.llm = vllm.LLM(model=model_path, seed=seed, **llm_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
 
