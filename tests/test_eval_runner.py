@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rlkv.eval import EvalConfig, read_results, run_eval
+from rlkv.eval import EvalConfig, current_results, read_results, run_eval
 from rlkv.eval.methods import matched_tokens_per_head
 from rlkv.head_mask import HeadMask
 from rlkv.testing import tiny_model, tiny_tokenizer
@@ -179,3 +179,34 @@ def test_resume_refuses_a_changed_mask_file(tmp_path):
     HeadMask.random(model, seed=99).save(cfg.head_mask)  # retrained at the same path
     with pytest.raises(ValueError, match="head_mask_sha1"):
         run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+
+
+def test_report_counts_only_what_the_last_run_asked(tmp_path):
+    """An edited answer or a smaller num_problems: the report leaves out rows of problems no longer asked."""
+    bench = tmp_path / "bench.jsonl"
+    problems = [{"problem": f"what is {i} + {i}?", "answer": str(2 * i), "source": "math"} for i in range(3)]
+    bench.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    common = dict(benchmarks=[str(bench)], methods=["full"], num_problems=None, max_new_tokens=8)
+    cfg, model = _config(tmp_path, "r", **common)
+    out = run_eval(cfg, model=model, tokenizer=tiny_tokenizer())
+    problems[0]["answer"] = "999"  # an edited answer: a new problem id, the old row is stale
+    bench.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    run_eval(cfg, model=model, tokenizer=tiny_tokenizer())
+    assert len(read_results(out / "results.jsonl")) == 4
+    report = (out / "report.md").read_text()
+    assert "(3 problems)" in report and "rows: 3;" in report
+    assert sorted(r["answer"] for r in current_results(out)) == ["2", "4", "999"]
+    fewer, _ = _config(tmp_path, "r", **{**common, "num_problems": 2})
+    run_eval(fewer, model=model, tokenizer=tiny_tokenizer())
+    assert "(2 problems)" in (out / "report.md").read_text() and len(current_results(out)) == 2
+
+
+def test_duplicate_list_entries_are_run_once(tmp_path):
+    cfg, _ = _config(
+        tmp_path,
+        "d",
+        benchmarks=["chain", "chain"],
+        methods=["full", "h2o", "h2o"],
+        sparsities=[0.5, 0.5, 0.25],
+    )
+    assert (cfg.benchmarks, cfg.methods, cfg.sparsities) == (["chain"], ["full", "h2o"], [0.5, 0.25])

@@ -7,7 +7,7 @@ rules in `rlkv.eval.errors`.
 
 from rlkv.eval.errors import ERROR_MODES, RepetitionRule, RepetitionStop, classify_error
 from rlkv.eval.methods import BudgetRule, MethodError, matched_tokens_per_head, method_config, parse_method
-from rlkv.eval.runner import EvalConfig, read_results, run_eval
+from rlkv.eval.runner import EvalConfig, current_results, read_results, run_eval
 
 __all__ = [
     "ERROR_MODES",
@@ -20,6 +20,7 @@ __all__ = [
     "matched_tokens_per_head",
     "method_config",
     "parse_method",
+    "current_results",
     "read_results",
     "run_eval",
 ]

@@ -360,12 +360,12 @@ def _save(fig: Any, path: Path) -> None:
 
 
 def write_report(out: str | os.PathLike, head_mask: Any = None, plots: bool = True) -> Path:
-    """Regenerate report.md (and the PNGs) in `out` from its results.jsonl; returns the report path."""
-    from rlkv.eval.runner import CONFIG_FILE, RESULTS_FILE, read_results
+    """Regenerate report.md (and the PNGs) in `out` from the rows its last run asked for; returns the report path."""
+    from rlkv.eval.runner import CONFIG_FILE, RESULTS_FILE, current_results
     from rlkv.eval.sensitivity import ORDER_METHODS, plot_sensitivity
 
     out = Path(out)
-    rows = read_results(out / RESULTS_FILE)
+    rows = current_results(out)
     if not rows:
         raise ValueError(f"{out / RESULTS_FILE}: no results to report; run `rlkv eval` first")
     config_path = out / CONFIG_FILE

@@ -28,6 +28,7 @@ from rlkv.head_mask import ModelFingerprint
 logger = logging.getLogger(__name__)
 
 RESULTS_FILE = "results.jsonl"
+KEYS_FILE = "eval_keys.json"  # the row keys the last run asked for: what the report counts
 CONFIG_FILE = "eval_config.json"
 # Settings that may change between a run and its resumption (they do not change any row).
 RESUME_FREE_FIELDS = ("out", "benchmarks", "methods", "sparsities", "num_problems", "batch_size", "progress")
@@ -91,7 +92,11 @@ class EvalConfig:
         for s in self.sparsities:
             if not 0.0 <= float(s) <= 1.0:
                 raise ValueError(f"EvalConfig.sparsities: {s!r} is not a fraction in [0, 1]")
-        self.sparsities = [float(s) for s in self.sparsities]
+        self.sparsities = list(dict.fromkeys(float(s) for s in self.sparsities))
+        self.benchmarks, self.methods = (
+            list(dict.fromkeys(self.benchmarks)),
+            list(dict.fromkeys(self.methods)),
+        )
         if self.num_samples < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("EvalConfig: num_samples, max_new_tokens and batch_size must be >= 1")
         if self.temperature <= 0 and self.num_samples > 1:
@@ -177,6 +182,22 @@ def read_results(path: str | os.PathLike, repair: bool = False) -> list[dict[str
         with open(path, "r+b") as f:
             f.truncate(good_end)
     return rows
+
+
+def current_results(out: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of `out`'s results.jsonl that its last run asked for (the keys in eval_keys.json), one per key.
+
+    results.jsonl keeps every row ever generated there, also those of problems whose text or answer
+    was edited since, or that a smaller `num_problems` or a shorter method list no longer asks.
+    """
+    out = Path(out)
+    keys_path = out / KEYS_FILE
+    wanted = set(json.loads(keys_path.read_text())) if keys_path.exists() else None
+    rows: dict[str, dict[str, Any]] = {}
+    for row in read_results(out / RESULTS_FILE):
+        if wanted is None or row["key"] in wanted:
+            rows.setdefault(row["key"], row)
+    return list(rows.values())
 
 
 def problem_id(index: int, example: dict[str, Any]) -> str:
@@ -347,9 +368,11 @@ def run_eval(
     def key_of(task: _Task, entry: tuple) -> str:
         return row_key(task.benchmark, entry[0], task.method, task.sparsity, task.sample)
 
-    total = sum(1 for t in tasks for e in problems[t.benchmark] if key_of(t, e) not in done)
+    keys = {key_of(t, e) for t in tasks for e in problems[t.benchmark]}
+    atomic_write_text(out / KEYS_FILE, json.dumps(sorted(keys)) + "\n")
+    total = len(keys - done)
     tally: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for r in done_rows:
+    for r in current_results(out):
         tally[r["method"]][0] += int(r["correct"])
         tally[r["method"]][1] += 1
     bar = tqdm(total=total, desc="eval", disable=not cfg.progress, dynamic_ncols=True)
