@@ -85,6 +85,15 @@ class GateGRPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = False
+        engine = _requested_sharding_engine()
+        if engine and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
+            # accelerate selects FSDP / DeepSpeed only on an accelerator: on CPU ranks it would silently run
+            # plain DDP over gloo (use_cpu) or let each rank train alone
+            raise ValueError(
+                f"the accelerate config asks for {engine}, but this machine has no accelerator and accelerate "
+                f"runs {engine} only on GPUs (CPU ranks would silently run plain DDP); on CPU use "
+                "recipes/accelerate/multi_process_cpu.yaml (DDP over gloo)"
+            )
         if (
             not self.use_cpu
             and int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -110,6 +119,15 @@ class GateGRPOConfig(GRPOConfig):
                 "(paper: 128 and 256)"
             )
         super().__post_init__()
+
+
+def _requested_sharding_engine() -> str | None:
+    """ "FSDP" / "DeepSpeed" when `accelerate launch` was given such a config (it sets these variables)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return "FSDP"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return "DeepSpeed"
+    return None
 
 
 def _check_range(name: str, value: float, low: float, high: float, what: str) -> None:
