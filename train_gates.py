@@ -9,8 +9,11 @@ into `output_dir` at every save and at the end.
 
 from __future__ import annotations
 
+import re
+import shutil
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -41,6 +44,13 @@ class ScriptArguments:
     open_think: bool = field(
         default=False, metadata={"help": "End the prompt inside an opened <think> block."}
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start over in an output_dir that holds a run: its checkpoint-* folders and head mask are "
+            "deleted first. Without it (and without resume_from_checkpoint) such an output_dir is refused."
+        },
+    )
     rewards: list[str] = field(
         default_factory=lambda: ["verify"],
         metadata={
@@ -70,6 +80,56 @@ def check_model_geometry(model_name_or_path: str, **load_kwargs) -> None:
         raise ValueError(
             f"model {model_name_or_path!r}: num_attention_heads={heads} not divisible by kv heads={kv}"
         )
+
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_RUN_FILES = ("head_mask.json", "head_mask.tsv", "gates.safetensors")
+
+
+def _checkpoints(output_dir: Path) -> list[Path]:
+    """checkpoint-N folders of `output_dir`, by step."""
+    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and _CHECKPOINT_RE.match(p.name)]
+    return sorted(found, key=lambda p: int(_CHECKPOINT_RE.match(p.name).group(1)))
+
+
+def resolve_output_dir(
+    output_dir: str, resume_from_checkpoint: str | None, overwrite: bool, main_process: bool
+):
+    """The checkpoint to resume from (None: a fresh run), after checking `output_dir` against the request.
+
+    `resume_from_checkpoint`: a checkpoint folder (must be complete: it has trainer_state.json) or
+    "true" (the latest complete checkpoint of output_dir). A fresh run into an output_dir that holds
+    a run is refused unless `overwrite` (the old run's checkpoints and head mask are deleted, on the
+    main process). Raises `UserInputError` naming the way out.
+    """
+    from rlkv.errors import UserInputError
+
+    out = Path(output_dir)
+    complete = [p for p in _checkpoints(out) if (p / "trainer_state.json").is_file()] if out.is_dir() else []
+    latest = f"the last complete one is {complete[-1]}" if complete else f"{out} has no complete checkpoint"
+    if resume_from_checkpoint is not None and resume_from_checkpoint.strip().lower() == "true":
+        if not complete:
+            raise UserInputError(f"resume_from_checkpoint=true: {latest}; start a fresh run instead")
+        return str(complete[-1])
+    if resume_from_checkpoint:
+        if not (Path(resume_from_checkpoint) / "trainer_state.json").is_file():
+            raise UserInputError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} is not a complete checkpoint (no "
+                f"trainer_state.json: missing, or cut short by a kill); {latest}"
+            )
+        return resume_from_checkpoint
+    holds_run = out.is_dir() and (_checkpoints(out) or any((out / f).exists() for f in _RUN_FILES))
+    if holds_run and not overwrite:
+        raise UserInputError(
+            f"output_dir {str(out)!r} already holds a training run; continue it with --resume_from_checkpoint true, "
+            "start over in it with --overwrite_output_dir true, or choose another output_dir"
+        )
+    if holds_run and main_process:
+        for checkpoint in _checkpoints(out):
+            shutil.rmtree(checkpoint)
+        for name in _RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+    return None
 
 
 def build_train_dataset(
@@ -126,6 +186,12 @@ def build_trainer(argv: list[str] | None = None):
         parser.error(f"bad recipe: {e}")
     if not model_args.model_name_or_path:
         parser.error("bad recipe: model_name_or_path is not set")
+    training_args.resume_from_checkpoint = resolve_output_dir(
+        training_args.output_dir,
+        training_args.resume_from_checkpoint,
+        script_args.overwrite_output_dir,
+        main_process=training_args.process_index == 0,
+    )
     load_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,

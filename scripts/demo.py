@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             str(curriculum / "dataset"),
             "--output_dir",
             str(gates),
+            "--overwrite_output_dir",  # a rerun of the demo trains from scratch
+            "true",
             *train,
         ],
         env,
