@@ -137,6 +137,7 @@ def build_train_dataset(
 ):
     """The problems with a `prompt` column (chat-templated string) added; ProblemDataError if unusable or empty."""
     from rlkv.data import ProblemDataError, build_prompt, load_problems
+    from rlkv.data.verify import check_verifiers
 
     if not script_args.dataset_name:
         raise ProblemDataError("dataset_name is empty: set it in the recipe or with --dataset_name")
@@ -151,6 +152,8 @@ def build_train_dataset(
         raise ProblemDataError(
             f"dataset {script_args.dataset_name!r} has no problems after loading/filtering"
         )
+    if "verify" in script_args.rewards:
+        check_verifiers(ds.unique("source"), f"dataset {script_args.dataset_name!r}")
 
     def add_prompt(example: dict) -> dict:
         prompt = build_prompt(

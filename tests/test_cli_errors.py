@@ -129,3 +129,41 @@ def test_demo_recipe_on_a_fresh_clone_says_to_build_the_curriculum_first(tmp_pat
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "runs/demo/curriculum" in err and "make demo" in err, err
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--sample", "--temperature", "-1"], "--temperature"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "2"], "--top-p"),
+        (["--sparsity", "0.3"], "--head-mask"),
+    ],
+    ids=["negative-temperature", "negative-temperature-greedy", "top-p", "sparsity-without-mask"],
+)
+def test_generate_refuses_silently_ignored_settings(capsys, extra, needle):
+    code, err = run_cli(
+        ["generate", "--model", "tiny:llama", "--prompt", "hi", "--max-new-tokens", "2", *extra], capsys
+    )
+    assert code == 2
+    assert_one_error_line(err, "rlkv generate", needle)
+
+
+def test_eval_unknown_source_fails_before_generating(capsys, tmp_path):
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text('{"problem": "1+1", "answer": "2", "source": "nosuch"}\n')
+    argv = [
+        "eval",
+        "--model",
+        "tiny:llama",
+        "--benchmarks",
+        str(bench),
+        "--methods",
+        "full",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    code, err = run_cli(argv, capsys)
+    assert code == 2
+    assert_one_error_line(err, "rlkv eval", "nosuch", "register_verifier")
+    assert not (tmp_path / "o" / "results.jsonl").exists()

@@ -16,7 +16,7 @@ import pytest
 import torch
 from datasets import Dataset, load_from_disk
 
-from rlkv.data import build_prompt, register_verifier
+from rlkv.data import ProblemDataError, build_prompt, register_verifier
 from rlkv.data.curriculum import (
     Bucket,
     CurriculumConfig,
@@ -315,3 +315,10 @@ def test_cli_bad_max_new_tokens_then_the_corrected_rerun_works(tmp_path, capsys)
     assert main([*base, "--max-new-tokens", "40"]) in (0, 2)  # the tiny model may solve too few: not refused
     assert "different" not in capsys.readouterr().err
     assert (tmp_path / "o" / "run.json").exists()
+
+
+def test_unknown_source_fails_before_generating(engine, tmp_path):
+    pool = _pool(4).map(lambda r: {"source": "nosuch"})
+    with pytest.raises(ProblemDataError, match="nosuch.*register_verifier"):
+        build_curriculum(engine, pool, tmp_path / "o", _config())
+    assert not (tmp_path / "o" / "shards").exists()

@@ -210,3 +210,16 @@ def test_duplicate_list_entries_are_run_once(tmp_path):
         sparsities=[0.5, 0.5, 0.25],
     )
     assert (cfg.benchmarks, cfg.methods, cfg.sparsities) == (["chain"], ["full", "h2o"], [0.5, 0.25])
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"policy_kwargs": {"h2oo": {"recent_ratio": 0.3}}}, "h2oo"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 2.0}, "top_p"),
+    ],
+)
+def test_settings_that_would_be_ignored_are_refused(tmp_path, overrides, needle):
+    with pytest.raises(ValueError, match=needle):
+        _config(tmp_path, "x", **overrides)

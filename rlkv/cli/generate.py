@@ -20,6 +20,24 @@ def _budget(text: str) -> int | float:
             ) from None
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a float > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(
+            f"{text} must be > 0 (greedy decoding is the default without --sample)"
+        )
+    return value
+
+
+def _top_p(text: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate` subcommand."""
     parser = subparsers.add_parser(
@@ -39,7 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "or a DuoAttention folder (anything HeadMask.from_pretrained reads)",
     )
     parser.add_argument(
-        "--sparsity", type=float, default=0.5, help="fraction of KV heads compressed (default 0.5)"
+        "--sparsity",
+        type=float,
+        default=None,
+        help="fraction of KV heads the --head-mask compresses (default 0.5); needs --head-mask",
     )
     parser.add_argument(
         "--policy", default="streaming", help="policy of the compressed heads (default streaming)"
@@ -56,8 +77,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=_positive_float, default=1.0, help="> 0 (with --sample)")
+    parser.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1] (with --sample)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompts as raw text")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
@@ -86,11 +107,15 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     if not isinstance(policy_kwargs, dict):
         raise UserInputError(f"--policy-kwargs must be a JSON object, got {args.policy_kwargs!r}")
+    if args.sparsity is not None and (args.head_mask is None or args.no_compression):
+        raise UserInputError(
+            "--sparsity needs --head-mask (and compression): without a mask the policy compresses every head"
+        )
     compression = None
     if not args.no_compression:
         compression = CompressionConfig(
             head_mask=args.head_mask,
-            sparsity=args.sparsity,
+            **({} if args.sparsity is None else {"sparsity": args.sparsity}),
             policy=args.policy,
             policy_kwargs=policy_kwargs,
             budget=args.budget,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlkv._io import atomic_write_text
 from rlkv.data.prompts import build_prompt
-from rlkv.data.verify import verify
+from rlkv.data.verify import check_verifiers, verify
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -353,6 +353,7 @@ def build_curriculum(
         raise CurriculumError(
             f"the problem pool has no column {missing[0]!r}; load it with rlkv.data.load_problems"
         )
+    check_verifiers(problems.unique("source"), "the problem pool")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_or_write_manifest(out_dir, problems, config, engine)

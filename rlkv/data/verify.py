@@ -11,7 +11,7 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from rlkv.data.sandbox import run_program
 
@@ -207,6 +207,18 @@ def get_verifier(source: str) -> Verifier:
             f"no verifier for source {source!r}; known: {sorted(_VERIFIERS)}. "
             "Register one with rlkv.data.register_verifier(source, fn)."
         ) from None
+
+
+def check_verifiers(sources: Iterable[str], origin: str) -> None:
+    """Raise `ProblemDataError` naming `origin` if any of `sources` has no registered verifier (before any work)."""
+    from rlkv.data.loaders import ProblemDataError
+
+    missing = sorted(set(sources) - set(_VERIFIERS))
+    if missing:
+        raise ProblemDataError(
+            f"{origin}: no verifier for source(s) {missing}; known: {sorted(_VERIFIERS)}. "
+            "Register one with rlkv.data.register_verifier(source, fn), or fix the rows' `source`."
+        )
 
 
 def verify(completion: str, example: dict) -> bool:

@@ -24,6 +24,7 @@ from rlkv._io import atomic_write_text
 from rlkv.eval.errors import RepetitionRule, RepetitionStop, classify_error
 from rlkv.eval.methods import BudgetRule, method_config, num_kv_heads_total, parse_method, random_mask_seed
 from rlkv.head_mask import ModelFingerprint
+from rlkv.policies import available
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,16 @@ class EvalConfig:
         if self.temperature <= 0 and self.num_samples > 1:
             raise ValueError(
                 f"EvalConfig: num_samples={self.num_samples} needs temperature > 0 (greedy samples are identical)"
+            )
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"EvalConfig: temperature={self.temperature} must be >= 0 (0 = greedy) and "
+                f"top_p={self.top_p} in (0, 1]"
+            )
+        unknown = sorted(set(self.policy_kwargs) - set(available()))
+        if unknown:
+            raise ValueError(
+                f"EvalConfig.policy_kwargs: {unknown} name no policy; its keys are policy names: {available()}"
             )
         masks_needed = {parse_method(name).mask for name in self.methods}
         if "rlkv" in masks_needed and not self.head_mask:
@@ -320,7 +331,7 @@ def run_eval(
     from rlkv.data import verify
     from rlkv.data.loaders import load_problems
     from rlkv.data.prompts import format_problem
-    from rlkv.data.verify import extract_boxed, strip_thinking
+    from rlkv.data.verify import check_verifiers, extract_boxed, strip_thinking
     from rlkv.inference import generate
 
     out = Path(cfg.out)
@@ -346,6 +357,7 @@ def run_eval(
     problems: dict[str, list[tuple[str, dict[str, Any], list[dict[str, str]], int]]] = {}
     for bench in cfg.benchmarks:
         ds = load_problems(bench, split=cfg.split, num=cfg.num_problems, seed=cfg.seed)
+        check_verifiers(ds.unique("source"), bench)
         entries = []
         for i, example in enumerate(ds):
             messages = [{"role": "user", "content": format_problem(example, cfg.template)}]
