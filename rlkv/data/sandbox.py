@@ -197,7 +197,7 @@ def run_program(
         source = GUARD + "\n" + source
     spec = {"timeout_s": float(timeout_s), "os_sandbox": bool(os_sandbox), "parent": os.getpid()}
     proc = subprocess.Popen(
-        [sys.executable, "-I", "-B", os.path.abspath(__file__), json.dumps(spec)],
+        [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), json.dumps(spec)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -222,7 +222,7 @@ def run_program(
     return RunResult(proc.returncode or 1, False, level)
 
 
-# ---- the supervisor: runs as `python -I -B sandbox.py SPEC` with the program on stdin ----
+# ---- the supervisor: runs as `python -I -S -B sandbox.py SPEC` with the program on stdin ----
 
 
 def _set_limits(cpu_s: int) -> None:
@@ -292,6 +292,7 @@ def _supervise(spec: dict) -> dict:
             cmd = [*_NAMESPACE_PREFIX, *cmd]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
         env["TMPDIR"] = env["HOME"] = workdir or "/tmp"
+        _set_limits(int(timeout_s) + 1)  # on this process too (it needs little): the program inherits them
         proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
@@ -300,22 +301,33 @@ def _supervise(spec: dict) -> dict:
             cwd=workdir or "/",
             env=env,
             start_new_session=True,
-            preexec_fn=lambda: _set_limits(int(timeout_s) + 1),  # the supervisor has one thread
         )
+        signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)  # a blocking wait, interrupted at the timeout
         try:
             proc.stdin.write(source.encode())
             proc.stdin.close()
         except BrokenPipeError:
             pass
         try:
-            return {"returncode": proc.wait(timeout_s), "timed_out": False}
-        except subprocess.TimeoutExpired:
+            return {"returncode": proc.wait(), "timed_out": False}
+        except _TimedOut:
             return {"returncode": None, "timed_out": True}
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup below runs to its end
         if proc is not None:
             _kill_tree(proc.pid)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+class _TimedOut(Exception):
+    """The program's time is up (raised by the SIGALRM handler)."""
+
+
+def _on_alarm(signum: int, frame: object) -> None:
+    raise _TimedOut
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
