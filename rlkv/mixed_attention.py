@@ -3,8 +3,13 @@
 Per KV head h of layer l: `out = alpha[l, h] * full_attn + (1 - alpha[l, h]) * sink_local_attn`,
 where sink+local attention lets a query see the first `sink` (non-padding) tokens of its row and
 the last `local` tokens up to and including itself. Query heads of a GQA group share their KV
-head's gate. The full branch is transformers' own SDPA attention, so alpha = 1 reproduces the
-stock model; the sink+local branch costs O(T * (sink + 2 * local)) per head, never a dense T x T.
+head's gate. Two paths give the same result:
+- with gradients on the gates (training), the full branch is transformers' own SDPA attention, so
+  alpha = 1 reproduces the stock model, and the sink+local branch costs O(T * (sink + 2 * local))
+  per head, never a dense T x T;
+- a single-token decode step without gradients computes its scores once and both softmaxes read
+  them (`mixed_attention_shared_scores`): one QK^T and one PV, as plain attention does, instead
+  of two attention passes and the block bookkeeping of the local branch.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION_NAME = "rlkv_mixed"
+SCORE_CHUNK_ELEMENTS = 1 << 24  # float32 scores held at once by the shared-scores path (64 MiB)
 
 
 def key_validity(attention_mask: torch.Tensor | None, batch: int, kv_len: int, device) -> torch.Tensor:
@@ -110,6 +116,59 @@ def sink_local_attention(
     return out[:, :q_len]
 
 
+def mixed_attention_shared_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    alpha: torch.Tensor,
+    sink: int,
+    local: int,
+    scaling: float,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The gated mix from one set of scores per query chunk (no autograd graph kept).
+
+    query [B, H, Q, D] (the last Q of K positions), key/value [B, H_kv, K, D], alpha [H_kv],
+    attention_mask a 4D boolean/additive mask [B, 1, Q, >=K] or None (causal, no padding).
+    Full attention sees what the mask allows; sink+local attention additionally requires the key
+    to be among the first `sink` valid keys of its row or within `local` of the query.
+    Softmax in float32. Queries of a GQA group share their KV head's keys without copies.
+    Returns [B, Q, H, D].
+    """
+    bsz, n_heads, q_len, dim = query.shape
+    n_kv, kv_len = key.shape[1], key.shape[2]
+    groups = n_heads // n_kv
+    device = query.device
+    valid = key_validity(attention_mask, bsz, kv_len, device)  # [B, K]
+    lead_pad = (~valid).long().cumprod(dim=1).sum(dim=1)  # [B]
+    k_pos = torch.arange(kv_len, device=device)
+    is_sink = (k_pos[None, :] >= lead_pad[:, None]) & (k_pos[None, :] < lead_pad[:, None] + sink)  # [B, K]
+    a = alpha.float()[None, :, None, None]  # [1, H_kv, 1, 1]
+    q = query.view(bsz, n_kv, groups, q_len, dim)
+    k_t = key.transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, D, K]
+    v = value[:, :, None]
+    step = max(1, SCORE_CHUNK_ELEMENTS // max(1, bsz * n_heads * kv_len))
+    outs = []
+    for start in range(0, q_len, step):
+        stop = min(q_len, start + step)
+        q_pos = kv_len - q_len + torch.arange(start, stop, device=device)  # [C]
+        if attention_mask is None:
+            allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, C, K]
+        else:
+            m = attention_mask[:, 0, start:stop, :kv_len]
+            allowed = m if m.dtype == torch.bool else m == 0  # [B, C, K]
+        in_band = (q_pos[:, None] - k_pos[None, :]) < local  # [C, K]
+        allowed_local = allowed & (in_band[None] | is_sink[:, None, :])  # [B, C, K]
+        scores = (q[:, :, :, start:stop] @ k_t).float() * scaling  # [B, H_kv, G, C, K]
+        neg = torch.finfo(torch.float32).min
+        p_full = scores.masked_fill(~allowed[:, None, None], neg).softmax(-1)
+        p_local = scores.masked_fill_(~allowed_local[:, None, None], neg).softmax(-1)
+        probs = p_local.mul_(1 - a[..., None]).add_(p_full.mul_(a[..., None]))
+        outs.append(probs.to(value.dtype) @ v)  # [B, H_kv, G, C, D]
+    out = torch.cat(outs, dim=3).view(bsz, n_heads, q_len, dim)
+    return out.transpose(1, 2)
+
+
 def mixed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -130,19 +189,24 @@ def mixed_attention_forward(
     if gates is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     alpha = gates.alpha[module.layer_idx].clamp(0.0, 1.0)  # [H_kv]
-    needs_grad = torch.is_grad_enabled() and alpha.requires_grad
-    all_full = not needs_grad and bool((alpha == 1).all())
-    all_local = not needs_grad and bool((alpha == 0).all())
-    if not all_local:
-        full, _ = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout, scaling, **kwargs
+    needs_grad = torch.is_grad_enabled() and (
+        alpha.requires_grad or query.requires_grad or key.requires_grad or value.requires_grad
+    )
+    # Only single-token decode steps take the shared-scores path: a forward over a whole sequence
+    # (training, activation-checkpoint recomputation, scoring without gradients) always runs the same
+    # two-branch kernels, so its numbers do not depend on whether gradients are on.
+    if query.shape[2] == 1 and not needs_grad and not (dropout > 0 and module.training):
+        if bool((alpha == 1).all()):  # exactly the stock attention, and as fast
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout, scaling, **kwargs
+            )
+        out = mixed_attention_shared_scores(
+            query, key, value, alpha, gates.sink, gates.local, scaling, attention_mask
         )
-        if all_full:
-            return full, None
+        return out, None
+    full, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     valid = key_validity(attention_mask, query.shape[0], key.shape[2], query.device)
     local = sink_local_attention(query, key, value, gates.sink, gates.local, scaling, valid)
-    if all_local:
-        return local, None
     groups = query.shape[1] // key.shape[1]
     a = alpha.to(full.dtype).repeat_interleave(groups)[None, None, :, None]  # per query head
     return a * full + (1 - a) * local, None

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 import rlkv
 from rlkv.gates import UnsupportedModelError
-from rlkv.mixed_attention import mixed_attention_forward
+from rlkv.mixed_attention import mixed_attention_forward, mixed_attention_shared_scores
 from rlkv.testing import tiny_model
 
 SINK, LOCAL = 2, 4
@@ -67,8 +67,9 @@ def test_alpha_zero_equals_plain_sink_local_reference(family, left_padded_batch)
     assert (full - out)[mask.bool()].abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["sdpa-branches", "shared-scores"])
 @pytest.mark.parametrize("q_len", [1, 3, 13])
-def test_random_alpha_is_per_group_mix_of_references(q_len):
+def test_random_alpha_is_per_group_mix_of_references(q_len, grad):
     torch.manual_seed(0)
     model = tiny_model("llama")
     gates = rlkv.attach_gates(model, sink=SINK, local=LOCAL)
@@ -81,7 +82,11 @@ def test_random_alpha_is_per_group_mix_of_references(q_len):
     pad[1, :3] = 0
     full_mask = causal_mask(pad)[:, :, -q_len:]
     local_mask = sink_local_mask(pad, SINK, LOCAL)[:, :, -q_len:]
-    out, _ = mixed_attention_forward(attn, q, k, v, full_mask, scaling=dim**-0.5)
+    if grad:
+        out, _ = mixed_attention_forward(attn, q, k, v, full_mask, scaling=dim**-0.5)
+    else:  # the decode path's function, on any number of queries
+        with torch.no_grad():
+            out = mixed_attention_shared_scores(q, k, v, gates.alpha[1], SINK, LOCAL, dim**-0.5, full_mask)
 
     def plain(mask):
         kr, vr = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -93,6 +98,24 @@ def test_random_alpha_is_per_group_mix_of_references(q_len):
     expected = a * plain(full_mask) + (1 - a) * plain(local_mask)
     real_rows = full_mask.any(-1).squeeze(1)  # [B, Q]: padded query rows are undefined in both
     assert (out - expected)[real_rows].abs().max() <= 1e-5
+
+
+def test_shared_scores_path_without_mask_is_causal():
+    """No 4D mask (no padding): the no-grad path applies causality and the band itself."""
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    gates = rlkv.attach_gates(model, sink=SINK, local=LOCAL)
+    gates.alpha.data = torch.rand_like(gates.alpha)
+    attn = model.model.layers[0].self_attn
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 11, 16), torch.randn(1, 2, 11, 16)
+    full_mask = causal_mask(torch.ones(1, 11, dtype=torch.long))[:, :, -5:]
+    alpha = gates.alpha[0].detach()
+    implicit = mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, None)
+    explicit = mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, full_mask)
+    assert (implicit - explicit).abs().max() <= 1e-6
+    with torch.no_grad():  # and a decode step through the attention function takes this path
+        step, _ = mixed_attention_forward(attn, q[:, :, -1:], k, v, None, scaling=0.25)
+    assert (step[:, 0] - implicit[:, -1]).abs().max() <= 1e-6
 
 
 def test_cached_generation_equals_teacher_forcing(family, left_padded_batch):
@@ -114,8 +137,8 @@ def test_cached_generation_equals_teacher_forcing(family, left_padded_batch):
     seq = out.sequences
     full_mask = torch.cat([mask, torch.ones(mask.shape[0], new, dtype=mask.dtype)], 1)
     position_ids = (full_mask.cumsum(-1) - 1).clamp_min(0)
-    with torch.no_grad():
-        logits = model(input_ids=seq, attention_mask=full_mask, position_ids=position_ids).logits
+    # with gradients on the gates the forward takes the two-branch SDPA path; generate takes the shared-scores one
+    logits = model(input_ids=seq, attention_mask=full_mask, position_ids=position_ids).logits.detach()
     tf = logits[:, ids.shape[1] - 1 : -1]
     cached = torch.stack(out.logits, 1)
     assert (tf - cached).abs().max() <= 1e-4
