@@ -1,15 +1,19 @@
 """report.md tables from a constructed results.jsonl: accuracy, error modes on full-solved problems, common lengths."""
 
+import itertools
 import json
+from fractions import Fraction
 
 import pytest
 
 from rlkv.eval.report import (
+    REPORT_JSON,
     accuracy_table,
     common_length_table,
     draw_means,
     error_mode_table,
     kv_table,
+    paired_bootstrap,
     write_report,
 )
 from rlkv.eval.runner import CONFIG_FILE, RESULTS_FILE
@@ -111,3 +115,78 @@ def test_report_file_and_plots(tmp_path):
 def test_report_without_results_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no results"):
         write_report(tmp_path)
+
+
+def _exact_bootstrap_quantiles(d, level=0.95):
+    """By hand: every one of the n^n equally likely resamples, the exact distribution of their mean,
+    its (1 -/+ level) / 2 quantiles, and how far its CDF is from those levels (the margin a Monte
+    Carlo estimate with 10,000 resamples must stay inside: its CDF error is ~0.002)."""
+    n = len(d)
+    counts = {}
+    for draw in itertools.product(d, repeat=n):
+        m = Fraction(sum(draw), n)
+        counts[m] = counts.get(m, 0) + 1
+    cdf, acc = [], 0
+    for m in sorted(counts):
+        acc += counts[m]
+        cdf.append((m, Fraction(acc, n**n)))
+    out, margin = [], 1.0
+    for q in (
+        Fraction(1) - Fraction(level).limit_denominator(),
+        Fraction(1) + Fraction(level).limit_denominator(),
+    ):
+        q /= 2
+        out.append(float(next(m for m, c in cdf if c > q)))
+        margin = min([margin] + [abs(float(c - q)) for _, c in cdf])
+    return out, margin
+
+
+@pytest.mark.parametrize("d", [[1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, -1, 0, 0]])
+def test_paired_bootstrap_matches_the_exact_percentiles(d):
+    (low, high), margin = _exact_bootstrap_quantiles(d)
+    assert margin > 0.01  # the exact CDF is far from 2.5% / 97.5%: the seeded estimate must hit these atoms
+    diff, lo, hi = paired_bootstrap(d, resamples=10_000, seed=0)
+    assert diff == pytest.approx(sum(d) / len(d))
+    assert (lo, hi) == (pytest.approx(low), pytest.approx(high))
+    assert paired_bootstrap(d, resamples=10_000, seed=0) == (diff, lo, hi)  # seeded
+
+
+def test_paired_bootstrap_of_constant_differences_is_a_point():
+    assert paired_bootstrap([0.25] * 7) == (0.25, 0.25, 0.25)
+    with pytest.raises(ValueError, match="non-empty"):
+        paired_bootstrap([])
+
+
+def test_report_has_paired_intervals_to_full_and_rlkv(tmp_path):
+    draws = {"random-mask@0": [True, False, False, False], "random-mask@1": [True, True, True, False]}
+    rows = ROWS + [
+        _row(f"p{i + 1}", method, 0.5, correct, 100)
+        for method, outcomes in draws.items()
+        for i, correct in enumerate(outcomes)
+    ]
+    (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({"model": "m", "max_new_tokens": 300}))
+    text = write_report(tmp_path, plots=False).read_text()
+    doc = json.loads((tmp_path / REPORT_JSON).read_text())
+    cells = {(c["method"], c["reference"]): c for c in doc["benchmarks"]["b"]["differences"]}
+    # per problem p1..p4: full 1110, rlkv 1101, rkv 1000, random-mask draws 1000 / 1110 (mean 1 .5 .5 0)
+    expected = {
+        ("rlkv", "full"): [0, 0, -1, 1],
+        ("rkv", "full"): [0, -1, -1, 0],
+        ("rkv", "rlkv"): [0, -1, 0, -1],
+        ("random-mask (mean of 2 draws)", "full"): [0, -0.5, -0.5, 0],
+        ("random-mask (mean of 2 draws)", "rlkv"): [0, -0.5, 0.5, -1],
+    }
+    for key, diffs in expected.items():
+        diff, low, high = paired_bootstrap(diffs)
+        assert (cells[key]["n"], cells[key]["diff"], cells[key]["low"], cells[key]["high"]) == (
+            4,
+            pytest.approx(diff),
+            pytest.approx(low),
+            pytest.approx(high),
+        ), key
+    assert ("full", "rlkv") not in cells and ("rlkv", "rlkv") not in cells
+    assert doc["benchmarks"]["b"]["pass_at_1"]["rlkv"] == {"0.5": 0.75}
+    low, high = cells[("rkv", "full")]["low"], cells[("rkv", "full")]["high"]
+    assert f"| rkv | -50.0 [{100 * low:+.1f}, {100 * high:+.1f}] |" in text
+    assert "### b: pass@1 difference to full" in text and "### b: pass@1 difference to rlkv" in text

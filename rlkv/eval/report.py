@@ -2,7 +2,8 @@
 
 Tables (like RLKV Tables 1, 4-6): pass@1 per method x sparsity, resident KV per method x sparsity
 (with the largest deviation from the matched target), error modes on problems the full model
-solves, mean length of commonly-correct samples, wall time. Plots: accuracy vs sparsity per method
+solves, mean length of commonly-correct samples, wall time; and each method's pass@1 difference to
+`full` and to `rlkv` with a paired-bootstrap 95% interval (`paired_bootstrap`), also in report.json. Plots: accuracy vs sparsity per method
 (Figure 5), the head mask's gate heatmap (Figure 3), error-mode bars (Figure 9), mean length of
 commonly-correct samples (Figure 10).
 """
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -24,6 +26,13 @@ from rlkv.eval.methods import matched_tokens_per_head, random_mask_seed
 
 Row = dict[str, Any]
 logger = logging.getLogger(__name__)
+
+REPORT_JSON = "report.json"
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0
+BOOTSTRAP_LEVEL = 0.95
+# methods every other method is compared with (paired by problem), `rlkv` at the same sparsity
+BOOTSTRAP_REFERENCES = ("full", "rlkv")
 
 
 def _methods(rows: list[Row]) -> list[str]:
@@ -74,6 +83,90 @@ def draw_means(table: dict[str, dict[float, float]]) -> dict[str, dict[float, fl
             s: mean(table[m][s] for m in members) for s in sorted(shared)
         }
     return means
+
+
+def paired_bootstrap(
+    differences: Sequence[float],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = BOOTSTRAP_LEVEL,
+) -> tuple[float, float, float]:
+    """Mean of paired per-problem `differences` and its percentile bootstrap interval: (mean, low, high).
+
+    Each of `resamples` (seeded) draws n problems with replacement and takes the mean difference;
+    low / high are the (1 - level) / 2 and (1 + level) / 2 percentiles of those means (linear interpolation).
+    """
+    import numpy as np
+
+    d = np.asarray(differences, dtype=np.float64)
+    if d.ndim != 1 or d.size == 0:
+        raise ValueError("paired_bootstrap needs a non-empty list of per-problem differences")
+    if resamples < 1 or not 0.0 < level < 1.0:
+        raise ValueError(f"resamples={resamples} must be >= 1 and level={level} in (0, 1)")
+    rng = np.random.default_rng(seed)
+    block = max(1, (1 << 22) // d.size)  # index draws held at once (32 MiB)
+    means = np.concatenate(
+        [
+            d[rng.integers(0, d.size, size=(min(block, resamples - start), d.size))].mean(axis=1)
+            for start in range(0, resamples, block)
+        ]
+    )
+    low, high = np.percentile(means, [50.0 * (1.0 - level), 50.0 * (1.0 + level)])
+    return float(d.mean()), float(low), float(high)
+
+
+def _per_problem(cells: list[list[Row]]) -> dict[tuple[str, str], float]:
+    """pass@1 per (benchmark, problem id), averaged over samples and over the methods of `cells`
+    (a draw group's mean), for the problems every cell has."""
+    by_cell = []
+    for cell in cells:
+        outcomes: dict[tuple[str, str], list[float]] = defaultdict(list)
+        for r in cell:
+            outcomes[(r["benchmark"], r["problem_id"])].append(float(r["correct"]))
+        by_cell.append({k: mean(v) for k, v in outcomes.items()})
+    shared = set.intersection(*(set(c) for c in by_cell)) if by_cell else set()
+    return {k: mean(c[k] for c in by_cell) for k in shared}
+
+
+def bootstrap_table(
+    rows: list[Row],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = BOOTSTRAP_LEVEL,
+) -> list[dict[str, Any]]:
+    """pass@1 difference of each method (and draw mean) x sparsity to `full` and to `rlkv` (same sparsity),
+    paired by problem, with `paired_bootstrap` intervals: dicts of method, sparsity, reference, n
+    (problems both have), diff, low, high (fractions)."""
+    methods = _methods(rows)
+    groups = {f"{g} (mean of {len(m)} draws)": m for g, m in _draw_groups(methods).items()}
+    out = []
+    for reference in BOOTSTRAP_REFERENCES:
+        if reference not in methods:
+            continue
+        for s in _sparsities(rows):
+            ref = _per_problem([_cell(rows, reference, s)])
+            for name, members in [(m, [m]) for m in methods if m not in ("full", reference)] + list(
+                groups.items()
+            ):
+                values = _per_problem([_cell(rows, m, s) for m in members])
+                shared = sorted(set(values) & set(ref))
+                if not shared:
+                    continue
+                diff, low, high = paired_bootstrap(
+                    [values[k] - ref[k] for k in shared], resamples=resamples, seed=seed, level=level
+                )
+                out.append(
+                    {
+                        "method": name,
+                        "sparsity": s,
+                        "reference": reference,
+                        "n": len(shared),
+                        "diff": diff,
+                        "low": low,
+                        "high": high,
+                    }
+                )
+    return out
 
 
 def _solved_by_full(rows: list[Row]) -> set[tuple[str, str, int]]:
@@ -152,8 +245,16 @@ def _fmt_s(s: float) -> str:
     return f"{s:g}"
 
 
-def render_markdown(rows: list[Row], config: dict[str, Any], num_heads: int | None) -> str:
-    """The report.md text for `rows` of one run with its saved `config`."""
+def render_markdown(
+    rows: list[Row],
+    config: dict[str, Any],
+    num_heads: int | None,
+    intervals: dict[str, list[dict[str, Any]]] | None = None,
+) -> str:
+    """The report.md text for `rows` of one run with its saved `config`.
+
+    intervals: `bootstrap_table` of each benchmark's rows (computed here when None).
+    """
     lines = ["# rlkv evaluation report", ""]
     benches = list(dict.fromkeys(r["benchmark"] for r in rows))
     n_problems = {b: len({r["problem_id"] for r in rows if r["benchmark"] == b}) for b in benches}
@@ -199,6 +300,36 @@ def render_markdown(rows: list[Row], config: dict[str, Any], num_heads: int | No
             ]
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
+        table = intervals[bench] if intervals is not None else bootstrap_table(brows)
+        for reference in BOOTSTRAP_REFERENCES:
+            cells_by = {(c["method"], c["sparsity"]): c for c in table if c["reference"] == reference}
+            if not cells_by:
+                continue
+            lines += [
+                f"### {bench}: pass@1 difference to {reference} (points, paired-bootstrap "
+                f"{100 * BOOTSTRAP_LEVEL:g}% interval)",
+                "",
+                header,
+                rule,
+            ]
+            for method in dict.fromkeys(m for m, _ in cells_by):
+                cells = []
+                for s in sparsities:
+                    c = cells_by.get((method, s))
+                    cells.append(
+                        ""
+                        if c is None
+                        else f"{100 * c['diff']:+.1f} [{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]"
+                    )
+                lines.append(f"| {method} | " + " | ".join(cells) + " |")
+            lines.append("")
+        if table:
+            lines += [
+                f"Paired by problem (pass@1 per problem, over its samples), {BOOTSTRAP_RESAMPLES:,} resamples "
+                f"of the problems (seed {BOOTSTRAP_SEED}), percentile interval; `{BOOTSTRAP_REFERENCES[1]}` is "
+                "compared at the same sparsity.",
+                "",
+            ]
 
     if num_heads:
         overhead = int(config.get("sink", 16)) + int(config.get("window", 64))
@@ -360,7 +491,8 @@ def _save(fig: Any, path: Path) -> None:
 
 
 def write_report(out: str | os.PathLike, head_mask: Any = None, plots: bool = True) -> Path:
-    """Regenerate report.md (and the PNGs) in `out` from the rows its last run asked for; returns the report path."""
+    """Regenerate report.md, report.json (pass@1 and bootstrap intervals) and the PNGs in `out` from the rows
+    its last run asked for; returns the report.md path."""
     from rlkv.eval.runner import CONFIG_FILE, RESULTS_FILE, current_results
     from rlkv.eval.sensitivity import ORDER_METHODS, plot_sensitivity
 
@@ -375,7 +507,28 @@ def write_report(out: str | os.PathLike, head_mask: Any = None, plots: bool = Tr
         num_heads = int(head_mask.scores.numel())
     elif rows[0].get("kv_tokens") and rows[0].get("kv_tokens_per_head"):
         num_heads = round(rows[0]["kv_tokens"] / rows[0]["kv_tokens_per_head"])
-    text = render_markdown(rows, config, num_heads)
+    summary: dict[str, Any] = {
+        "bootstrap": {
+            "resamples": BOOTSTRAP_RESAMPLES,
+            "seed": BOOTSTRAP_SEED,
+            "level": BOOTSTRAP_LEVEL,
+            "paired_by": "problem",
+        },
+        "benchmarks": {},
+    }
+    intervals = {}
+    for bench in dict.fromkeys(r["benchmark"] for r in rows):
+        brows = [r for r in rows if r["benchmark"] == bench]
+        intervals[bench] = bootstrap_table(brows)
+        acc = accuracy_table(brows)
+        summary["benchmarks"][bench] = {
+            "pass_at_1": {
+                m: {f"{s:g}": v for s, v in by_s.items()} for m, by_s in {**acc, **draw_means(acc)}.items()
+            },
+            "differences": intervals[bench],
+        }
+    text = render_markdown(rows, config, num_heads, intervals)
+    atomic_write_text(out / REPORT_JSON, json.dumps(summary, indent=1) + "\n")
     if plots and importlib.util.find_spec("matplotlib") is None:
         logger.warning("matplotlib is not installed: report.md without plots (pip install 'rlkv[plots]')")
         plots = False
