@@ -196,3 +196,41 @@ def test_row_stats_stop_at_the_rows_last_token(make_model, tokenizer, compressed
         assert row[key] == ref[key], key
     if compressed:
         assert ref["evictions"] > 0
+
+
+@pytest.mark.parametrize("compressed", [True, False], ids=["h2o", "plain"])
+def test_stop_strings_end_rows_independently(make_model, tokenizer, compressed):
+    """A stop string ends only the row whose text reaches it (finish "stop", tokens up to it, its own stats)."""
+    model = make_model("llama")
+    config = (
+        CompressionConfig(policy="h2o", budget=6, sink=1, window=2, protect_prompt=False)
+        if compressed
+        else None
+    )
+    short, long = PROMPTS[3], PROMPTS[2]
+    probe_short, probe_long = (
+        generate(model, tokenizer, [p], 30, compression=config, progress=False)[0] for p in (short, long)
+    )
+    ids = probe_short.token_ids
+    # a two-token string the short row's text first reaches at token j + 1 >= 8 and the long row never
+    j, stop = next(
+        (j, tokenizer.decode(ids[j : j + 2]))
+        for j in range(7, len(ids) - 1)
+        if tokenizer.decode(ids[j : j + 2]) not in tokenizer.decode(ids[: j + 1])
+        and tokenizer.decode(ids[j : j + 2]) not in probe_long.text
+    )
+    alone = generate(model, tokenizer, [short], 30, compression=config, progress=False, stop_strings=[stop])[
+        0
+    ]
+    batched = generate(
+        model, tokenizer, [short, long], 30, compression=config, progress=False, stop_strings=[stop]
+    )
+    assert alone.finish_reason == "stop" and alone.token_ids == ids[: j + 2] and alone.text.endswith(stop)
+    assert batched[0].token_ids == alone.token_ids and batched[0].finish_reason == "stop"
+    assert batched[1].token_ids == probe_long.token_ids
+    assert batched[1].finish_reason == probe_long.finish_reason != "stop"
+    assert batched[1].num_generated_tokens > alone.num_generated_tokens  # the batch runs on
+    row, ref = batched[0].cache_stats, alone.cache_stats
+    assert ref["logical_length"] == alone.num_prompt_tokens + alone.num_generated_tokens - 1
+    for key in ("logical_length", "kept_tokens", "evictions"):
+        assert row[key] == ref[key], key

@@ -10,7 +10,7 @@ A generation that fails where the full-KV model succeeds is one of:
   catches loops in outputs shorter than the reference window and loops over a large vocabulary;
   rule (a) catches near-loops whose unit drifts slightly.
 - ``overlength``: not repetitive, stopped because it hit `max_new_tokens`.
-- ``incorrect``: not repetitive, finished (end of sequence), wrong answer.
+- ``incorrect``: not repetitive, finished (end of sequence or a stop rule), wrong answer.
 
 Repetition is checked first: a loop usually also runs into the length limit, and the loop is the
 cause worth reporting.
@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from rlkv.eval.stopping import GeneratedTokens
 
 ERROR_MODES = ("repetitive", "overlength", "incorrect")
 
@@ -72,8 +74,8 @@ def classify_error(
 ) -> str | None:
     """The error mode of one generation: None when correct, else one of `ERROR_MODES`.
 
-    finish_reason: "eos" (finished), "length" (hit max_new_tokens) or "repetition" (stopped early
-    by `RepetitionStop`, always repetitive).
+    finish_reason: "eos" or "stop" (finished: EOS, a stop rule), "length" (hit max_new_tokens) or
+    "repetition" (stopped early by `RepetitionStop`, always repetitive).
     """
     if correct:
         return None
@@ -85,38 +87,23 @@ def classify_error(
     return "incorrect"
 
 
-class RepetitionStop:
+class RepetitionStop(GeneratedTokens):
     """A transformers stopping criterion that ends a row once its generated tokens are repetitive.
 
-    The prompt width is read from the first call of each `generate` (one token generated). Rows
-    are checked every `every` steps so the check stays cheap; `stopped_rows` tells which rows of
-    the last batch it ended.
+    Rows are checked every `every` steps so the check stays cheap; `stopped_rows` tells which rows
+    of the last batch it ended (use one instance per `generate` call).
     """
 
     def __init__(self, rule: RepetitionRule | None = None, every: int = 16):
+        super().__init__()
         self.rule = rule or RepetitionRule()
         self.every = max(1, int(every))
-        self._prompt_length = 0
-        self._last_width = 0
-        self._stopped: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        batch, width = input_ids.shape
-        if self._stopped is None or self._stopped.shape[0] != batch or width <= self._last_width:
-            # a new generate call: its first check comes right after the first new token
-            self._stopped = torch.zeros(batch, dtype=torch.bool)
-            self._prompt_length = width - 1
-        self._last_width = width
-        generated = width - self._prompt_length
-        if generated % self.every == 0:
-            for row in range(batch):
+        if self._generated(input_ids) % self.every == 0:
+            for row in range(input_ids.shape[0]):
                 if not self._stopped[row] and self.rule.is_repetitive(
                     input_ids[row, self._prompt_length :].tolist()
                 ):
                     self._stopped[row] = True
         return self._stopped.to(input_ids.device).clone()
-
-    @property
-    def stopped_rows(self) -> list[bool]:
-        """Per batch row of the last generate call: whether this criterion ended it."""
-        return [] if self._stopped is None else self._stopped.tolist()

@@ -245,6 +245,27 @@ def _fmt_s(s: float) -> str:
     return f"{s:g}"
 
 
+def _stop_lines(rows: list[Row], benches: list[str], config: dict[str, Any]) -> list[str]:
+    """Per benchmark: its stop rule and how often `full` hit max_new_tokens (the protocol's length check)."""
+    from rlkv.eval.stopping import stop_rule
+
+    lines = []
+    for bench in benches:
+        rule = stop_rule(bench, config.get("stop"))
+        ends = [
+            "the end of the first code block" if rule.code_block else "",
+            ", ".join(repr(s) for s in rule.strings),
+        ]
+        full = [r for r in rows if r["benchmark"] == bench and r["method"] == "full"]
+        capped = sum(r.get("finish_reason") == "length" for r in full)
+        lines.append(
+            f"- {bench}: generations stop at EOS"
+            + "".join(f", {e}" for e in ends if e)
+            + (f" or max_new_tokens; full KV hit max_new_tokens on {capped} of {len(full)}" if full else "")
+        )
+    return lines
+
+
 def render_markdown(
     rows: list[Row],
     config: dict[str, Any],
@@ -268,6 +289,7 @@ def render_markdown(
             else "greedy pass@1"
         ),
         f"- rows: {len(rows)}; generation wall time {sum(r.get('seconds', 0) for r in rows):.0f} s",
+        *_stop_lines(rows, benches, config),
         "",
         "**Budget matching** (`budget_rule: "
         + str(config.get("budget_rule", "matched"))

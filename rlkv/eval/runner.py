@@ -23,6 +23,7 @@ from typing import Any
 from rlkv._io import atomic_write_text
 from rlkv.eval.errors import RepetitionRule, RepetitionStop, classify_error
 from rlkv.eval.methods import BudgetRule, method_config, num_kv_heads_total, parse_method, random_mask_seed
+from rlkv.eval.stopping import StopRule, stop_criteria, stop_rule
 from rlkv.head_mask import ModelFingerprint
 from rlkv.policies import available
 
@@ -50,6 +51,9 @@ class EvalConfig:
     budget_rule, fixed_budget, sink, window, combo_sink, combo_window, protect_prompt: `BudgetRule`.
     policy_kwargs: constructor arguments per policy name.
     early_stop_repetition: end a generation once `RepetitionRule` sees a loop (finish reason "repetition").
+    stop: stop rules by benchmark name (`rlkv.eval.stopping.StopRule` mappings: {strings: [...],
+        code_block: true}; finish reason "stop"). None (default): code benchmarks (humaneval, mbpp)
+        stop at the end of their first fenced code block, others at EOS / max_new_tokens; {} = none.
     repetition: `RepetitionRule` fields.
     model_kwargs: extra `from_pretrained` arguments (e.g. {"gguf_file": "model.gguf"}).
     """
@@ -82,6 +86,7 @@ class EvalConfig:
     policy_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     early_stop_repetition: bool = True
     repetition: dict[str, Any] = field(default_factory=dict)
+    stop: dict[str, dict[str, Any]] | None = None
     dtype: str = "auto"
     device: str | None = None
     model_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -121,6 +126,10 @@ class EvalConfig:
             raise ValueError("EvalConfig.duo_mask is not set, but duo* methods need a DuoAttention TSV")
         self.budget()  # validates the budget fields
         self.repetition_rule()
+        if self.stop is not None and not isinstance(self.stop, dict):
+            raise ValueError(f"EvalConfig.stop: a mapping of benchmark name -> stop rule, got {self.stop!r}")
+        for bench, rule in (self.stop or {}).items():
+            StopRule.from_dict(rule, f"EvalConfig.stop[{bench!r}]")
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> EvalConfig:
@@ -156,6 +165,10 @@ class EvalConfig:
     def repetition_rule(self) -> RepetitionRule:
         """The `RepetitionRule` these settings describe."""
         return RepetitionRule(**self.repetition)
+
+    def stop_rule(self, benchmark: str) -> StopRule:
+        """The `StopRule` of `benchmark` (see `stop`)."""
+        return stop_rule(benchmark, self.stop)
 
 
 def row_key(benchmark: str, problem_id: str, method: str, sparsity: float, sample: int) -> str:
@@ -254,6 +267,8 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
             current[f"{name}_sha1"] = hashlib.sha1(Path(mask_path).read_bytes()).hexdigest()
     if path.exists():
         saved = json.loads(path.read_text())
+        if "stop" not in saved and not any(cfg.stop_rule(b) for b in cfg.benchmarks):
+            saved["stop"] = current["stop"]  # saved before stop rules existed: none applied, as now
         diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
         if diff and read_results(out / RESULTS_FILE):
             raise ValueError(
@@ -395,8 +410,10 @@ def run_eval(
             if not todo:
                 continue
             compression = configs[(task.method, task.sparsity)]
+            ending = cfg.stop_rule(task.benchmark)
             for chunk in todo:
                 stop = RepetitionStop(repetition) if cfg.early_stop_repetition else None
+                criteria, stop_strings = stop_criteria(ending, tokenizer)  # one per generate call
                 began = time.perf_counter()
                 outputs = generate(
                     model,
@@ -410,15 +427,15 @@ def run_eval(
                     top_p=cfg.top_p,
                     progress=False,
                     seed=_seed_for(cfg, task.benchmark, task.method, task.sparsity, task.sample, chunk[0][0]),
-                    stopping_criteria=[stop] if stop is not None else None,
+                    stopping_criteria=criteria + ([stop] if stop is not None else []),
+                    stop_strings=stop_strings,
                 )
                 seconds = (time.perf_counter() - began) / len(chunk)
                 for row_idx, ((pid, example, _, _), output) in enumerate(zip(chunk, outputs)):
                     if key_of(task, chunk[row_idx]) in done:
                         continue
                     token_ids, finish = output.token_ids, output.finish_reason
-                    if stop is not None and stop.stopped_rows[row_idx] and finish != "eos":
-                        token_ids = _strip_padding(token_ids, tokenizer.pad_token_id)
+                    if stop is not None and stop.stopped_rows[row_idx] and finish == "stop":
                         finish = "repetition"
                     text = tokenizer.decode(token_ids, skip_special_tokens=True)
                     correct = bool(verify(text, dict(example)))
@@ -466,11 +483,3 @@ def run_eval(
 
         _write_report(out, head_mask=masks.get("rlkv"))
     return out
-
-
-def _strip_padding(token_ids: list[int], pad_id: int | None) -> list[int]:
-    """Drop the pad tokens generate appends to a row after a stopping criterion ended it."""
-    end = len(token_ids)
-    while pad_id is not None and end and token_ids[end - 1] == pad_id:
-        end -= 1
-    return token_ids[:end]

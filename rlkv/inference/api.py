@@ -18,6 +18,7 @@ from transformers import (
     PreTrainedModel,
     StoppingCriteria,
     StoppingCriteriaList,
+    StopStringCriteria,
 )
 
 from rlkv.cache import HeadMixedCache, install_observers
@@ -36,7 +37,7 @@ class GenerationOutput:
     token_ids: list[int]
     num_prompt_tokens: int
     num_generated_tokens: int
-    finish_reason: str  # "eos" | "length"
+    finish_reason: str  # "eos" | "length" | "stop" (a stop string or stopping criterion ended it)
     cache_stats: dict[str, int] = field(default_factory=dict)
 
 
@@ -176,7 +177,8 @@ def _dynamic_cache_stats(cache: DynamicCache, attention_mask: torch.Tensor) -> l
 
 class _RowEndStats(StoppingCriteria):
     """Reads each row's cache stats at the step the row ends (EOS, or one of `criteria`): later steps of
-    its batch only feed it padding, which must not count. Stops the rows that `criteria` stop."""
+    its batch only feed it padding, which must not count. Stops the rows that `criteria` stop, and
+    records in `stopped` the sequence width at which `criteria` (not EOS) ended a row."""
 
     def __init__(self, read_stats: Any, eos: set[int], criteria: list[Any] | None) -> None:
         self.read_stats, self.eos, self.criteria = (
@@ -185,14 +187,15 @@ class _RowEndStats(StoppingCriteria):
             StoppingCriteriaList(criteria or []),
         )
         self.stats: dict[int, dict[str, int]] = {}
+        self.stopped: dict[int, int] = {}
 
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
     ) -> torch.BoolTensor:
-        done = torch.isin(input_ids[:, -1], torch.tensor(self.eos, device=input_ids.device))
-        if self.criteria:
-            done = done | self.criteria(input_ids, scores, **kwargs)
+        eos = torch.isin(input_ids[:, -1], torch.tensor(self.eos, device=input_ids.device))
+        done = eos | self.criteria(input_ids, scores, **kwargs) if self.criteria else eos
         ended = [row for row in done.nonzero().flatten().tolist() if row not in self.stats]
+        self.stopped.update((row, input_ids.shape[1]) for row in ended if not eos[row])
         if ended:
             now = self.read_stats()
             self.stats.update((row, now[row]) for row in ended)
@@ -215,6 +218,7 @@ def generate(
     progress: bool = True,
     seed: int | None = None,
     stopping_criteria: list[Any] | None = None,
+    stop_strings: list[str] | None = None,
 ) -> list[GenerationOutput]:
     """Generate for a list of prompts (strings or chat message lists), in batches, left-padded.
 
@@ -222,7 +226,8 @@ def generate(
     group_by_length: batch prompts of similar token length together (less padding); results are
     always returned in input order. Returns one `GenerationOutput` per prompt.
     stopping_criteria: extra transformers `StoppingCriteria` (e.g. the eval harness's repetition
-    stop); a row they end is padded with the pad token after its last real token.
+    stop); a row they end has finish reason "stop" and ends at the token where they stopped it.
+    stop_strings: end a row once its text ends with one of these (transformers' `StopStringCriteria`).
     """
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], dict)):
         raise TypeError(
@@ -236,6 +241,8 @@ def generate(
     order = list(range(len(texts)))
     if group_by_length:
         order.sort(key=lambda i: len(encoded[i]))
+    if stop_strings:
+        stopping_criteria = [*(stopping_criteria or []), StopStringCriteria(tokenizer, stop_strings)]
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
     cache = make_cache(model, compression) if compression is not None else None
@@ -284,12 +291,15 @@ def generate(
             generated = sequences[row, width:].tolist()
             end = next((j for j, t in enumerate(generated) if t in eos), None)
             token_ids = generated if end is None else generated[: end + 1]
+            finish = "length" if end is None else "eos"
+            if row in row_end.stopped:  # the tokens after it are padding (which may be an EOS id)
+                token_ids, finish = generated[: row_end.stopped[row] - width], "stop"
             results[i] = GenerationOutput(
                 text=tokenizer.decode(token_ids, skip_special_tokens=True),
                 token_ids=token_ids,
                 num_prompt_tokens=len(encoded[i]),
                 num_generated_tokens=len(token_ids),
-                finish_reason="length" if end is None else "eos",
+                finish_reason=finish,
                 cache_stats=row_end.stats.get(row, stats[row]),
             )
     return results
