@@ -19,6 +19,7 @@ SUBCOMMANDS = [
     "rlkv.cli.generate",
     "rlkv.cli.data",
     "rlkv.cli.export_mask",
+    "rlkv.cli.ablation_mask",
     "rlkv.cli.steering",
     "rlkv.cli.eval",
 ]

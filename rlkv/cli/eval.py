@@ -23,6 +23,7 @@ _OVERRIDES = (
     "model",
     "head_mask",
     "duo_mask",
+    "ablation_mask",
     "benchmarks",
     "split",
     "methods",
@@ -58,6 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--duo-mask", dest="duo_mask", help="DuoAttention folder or TSV for the `duo` method")
     parser.add_argument(
+        "--ablation-mask",
+        dest="ablation_mask",
+        help="head mask of `rlkv ablation-mask` for the `ablation-mask` method (same forms as --head-mask)",
+    )
+    parser.add_argument(
         "--benchmarks", type=_csv, help="comma-separated problem sets (rlkv.data names or files)"
     )
     parser.add_argument("--split", help="dataset split (default test)")
@@ -89,7 +95,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         const=0,
         default=None,
         metavar="STEPS",
-        help="head-sensitivity sweep instead: full + rlkv/random-mask/duo at every k/N heads compressed "
+        help="head-sensitivity sweep instead: full + rlkv/ablation-mask/random-mask/duo (whichever masks are "
+        "set) at every k/N heads compressed "
         "(or STEPS + 1 evenly spaced counts), written to OUT/sensitivity",
     )
     parser.add_argument(

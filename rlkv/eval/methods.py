@@ -3,8 +3,9 @@
 Method names
 ------------
 - ``full``: no compression (a plain full KV cache).
-- ``rlkv``, ``random-mask``, ``duo``: a head mask (the trained one, seeded random scores, a
-  DuoAttention TSV) keeps the top heads full at sparsity `s`; the other heads keep sink + window
+- ``rlkv``, ``ablation-mask``, ``random-mask``, ``duo``: a head mask (the trained one, the
+  per-head ablation ranking of `rlkv ablation-mask`, seeded random scores, a DuoAttention TSV)
+  keeps the top heads full at sparsity `s`; the other heads keep sink + window
   (16 + 64) tokens (RLKV inference). ``random-mask@K`` is the random mask of seed K
   (``random-mask`` uses the config's `random_mask_seed`): list several to average over draws.
 - ``<mask>+<policy>`` (e.g. ``rlkv+rkv``, ``rlkv+rpc``): the same heads full, and the token-eviction
@@ -41,7 +42,9 @@ from rlkv.policies import available as available_policies
 if TYPE_CHECKING:
     from rlkv.inference.config import CompressionConfig
 
-MASK_METHODS = ("rlkv", "random-mask", "duo")
+MASK_METHODS = ("rlkv", "ablation-mask", "random-mask", "duo")
+# mask method -> the EvalConfig field (and `rlkv eval` flag) that names its mask file
+MASK_FIELDS = {"rlkv": "head_mask", "ablation-mask": "ablation_mask", "duo": "duo_mask"}
 BUDGET_RULES = ("matched", "paper", "fixed")
 # Baseline method name -> registered policy, where they differ.
 BASELINE_POLICY_ALIASES = {"streaming": "sink-recent"}
@@ -209,7 +212,7 @@ def method_config(
 ) -> CompressionConfig | None:
     """The `CompressionConfig` of `method` at `sparsity` for `model` (None for `full`).
 
-    masks: head masks by mask-method name ("rlkv", "random-mask", "duo"), as needed by `method`.
+    masks: head masks by mask-method name ("rlkv", "ablation-mask", "random-mask", "duo"), as needed by `method`.
     policy_kwargs: constructor arguments per policy name (e.g. {"rkv": {"lam": 0.1}}); they win
         over the defaults set here (`buffer=0` under the matched rule, the model's `tokenizer`).
     """
@@ -225,9 +228,10 @@ def method_config(
         sizing = baseline_sizing(sparsity, num_kv_heads_total(model), rule)
         return CompressionConfig(head_mask=None, sparsity=sparsity, **sizing, **common)
     if method.mask not in masks:
+        name = MASK_FIELDS.get(method.mask, "random_mask_seed")
         raise MethodError(
-            f"method {method.name!r} needs the {method.mask!r} head mask; "
-            + ("set head_mask" if method.mask == "rlkv" else "set duo_mask (a DuoAttention TSV)")
+            f"method {method.name!r} needs the {method.mask!r} head mask; set {name} "
+            f"(rlkv eval --{name.replace('_', '-')})"
         )
     mask = masks[method.mask]
     mask.check_compatible(model)

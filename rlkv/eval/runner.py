@@ -22,7 +22,14 @@ from typing import Any
 
 from rlkv._io import atomic_write_text
 from rlkv.eval.errors import RepetitionRule, RepetitionStop, classify_error
-from rlkv.eval.methods import BudgetRule, method_config, num_kv_heads_total, parse_method, random_mask_seed
+from rlkv.eval.methods import (
+    MASK_FIELDS,
+    BudgetRule,
+    method_config,
+    num_kv_heads_total,
+    parse_method,
+    random_mask_seed,
+)
 from rlkv.eval.stopping import StopRule, stop_criteria, stop_rule
 from rlkv.head_mask import ModelFingerprint
 from rlkv.policies import available
@@ -43,6 +50,7 @@ class EvalConfig:
     model: a path / hub id for `rlkv.inference.load`, or "tiny:<family>" (random tiny model, smoke tests).
     head_mask: the trained head mask for `rlkv*`: anything `HeadMask.from_pretrained` reads (a mask
         folder or Hub id, a head_mask.json, an RLKV-authors adapter_weights.tsv, a DuoAttention folder).
+    ablation_mask: the `ablation-mask` method's mask (a folder written by `rlkv ablation-mask`; same forms).
     duo_mask: another head mask for the `duo` method (same forms; typically a DuoAttention folder).
     benchmarks: `rlkv.data.load_problems` names or files; `split` applies to each.
     methods: see `rlkv.eval.methods`; `full` always runs first (error modes are measured against it).
@@ -62,6 +70,7 @@ class EvalConfig:
     out: str = "eval-out"
     head_mask: str | None = None
     duo_mask: str | None = None
+    ablation_mask: str | None = None
     random_mask_seed: int = 0
     benchmarks: list[str] = field(default_factory=lambda: ["chain"])
     split: str | None = "test"
@@ -120,10 +129,11 @@ class EvalConfig:
                 f"EvalConfig.policy_kwargs: {unknown} name no policy; its keys are policy names: {available()}"
             )
         masks_needed = {parse_method(name).mask for name in self.methods}
-        if "rlkv" in masks_needed and not self.head_mask:
-            raise ValueError("EvalConfig.head_mask is not set, but rlkv* methods need the trained head mask")
-        if "duo" in masks_needed and not self.duo_mask:
-            raise ValueError("EvalConfig.duo_mask is not set, but duo* methods need a DuoAttention TSV")
+        for mask, name in MASK_FIELDS.items():
+            if mask in masks_needed and not getattr(self, name):
+                raise ValueError(
+                    f"EvalConfig.{name} (--{name.replace('_', '-')}) is not set, but {mask}* methods need it"
+                )
         self.budget()  # validates the budget fields
         self.repetition_rule()
         if self.stop is not None and not isinstance(self.stop, dict):
@@ -245,14 +255,12 @@ def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:
 
     needed = {parse_method(m).mask for m in cfg.methods} - {None}
     masks: dict[str, HeadMask] = {}
-    if "rlkv" in needed:
-        masks["rlkv"] = HeadMask.from_pretrained(cfg.head_mask, model)
     for name in sorted(needed):
         seed = cfg.random_mask_seed if name == "random-mask" else random_mask_seed(name)
         if seed is not None:
             masks[name] = HeadMask.random(model, seed=seed)
-    if "duo" in needed:
-        masks["duo"] = HeadMask.from_pretrained(cfg.duo_mask, model)
+        elif name in MASK_FIELDS:
+            masks[name] = HeadMask.from_pretrained(getattr(cfg, MASK_FIELDS[name]), model)
     for mask in masks.values():
         mask.check_compatible(model)
     return masks
@@ -261,7 +269,7 @@ def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:
 def _check_resume(out: Path, cfg: EvalConfig) -> None:
     path = out / CONFIG_FILE
     current = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE_FIELDS}
-    for name in ("head_mask", "duo_mask"):  # a retrained mask at the same path changes results too
+    for name in MASK_FIELDS.values():  # a retrained mask at the same path changes results too
         mask_path = getattr(cfg, name)
         if mask_path and Path(mask_path).is_file():
             current[f"{name}_sha1"] = hashlib.sha1(Path(mask_path).read_bytes()).hexdigest()

@@ -1,0 +1,113 @@
+"""The ablation head mask on tiny models: zero scores inside sink + local, the one head that matters ranks first,
+batched scores equal a brute-force per-head NLL, the artifact, the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from rlkv.ablation import ablation_mask, ablation_scores, greedy_solutions
+from rlkv.cli import main as cli_main
+from rlkv.gates import attach_gates, detach_gates
+from rlkv.head_mask import HeadMask
+from rlkv.testing import tiny_model, tiny_tokenizer
+
+PROBLEMS = [
+    {"problem": "let x be 3 then x + 4 = 7", "source": "chain"},
+    {"problem": "wait", "source": "chain"},
+    {"problem": "1 + 2 = 3. 2 * 3 = 6. therefore the final answer is boxed", "source": "chain"},
+]
+
+
+def _solutions(model, max_new_tokens):
+    return greedy_solutions(
+        model, tiny_tokenizer(), PROBLEMS, max_new_tokens, template="plain", progress=False
+    )
+
+
+def _brute_force_delta(model, sequences, sink, local):
+    """Each head's NLL increase, one unpadded sequence at a time through the full model's logits."""
+
+    def nll():
+        total, count = 0.0, 0
+        for prompt, completion in sequences:
+            ids = torch.tensor([prompt + completion])
+            with torch.no_grad():
+                logp = model(input_ids=ids).logits[0].double().log_softmax(-1)
+            positions = range(len(prompt) - 1, len(prompt) + len(completion) - 1)
+            total -= sum(float(logp[t, ids[0, t + 1]]) for t in positions)
+            count += len(completion)
+        return total / count
+
+    gates = attach_gates(model, sink=sink, local=local)
+    base = nll()
+    delta = torch.zeros_like(gates.alpha)
+    for layer, head in torch.cartesian_prod(*map(torch.arange, gates.alpha.shape)).tolist():
+        with torch.no_grad():
+            gates.alpha.fill_(1.0)[layer, head] = 0.0
+        delta[layer, head] = nll() - base
+    detach_gates(model)
+    return delta
+
+
+def test_sequences_inside_sink_plus_local_score_zero():
+    model = tiny_model("llama")
+    sequences = _solutions(model, 8)
+    assert max(len(p) + len(c) for p, c in sequences) <= 64  # every query sees everything through local
+    scores = ablation_scores(model, sequences, sink=16, local=64, batch_size=2, progress=False)
+    assert scores.delta_nll.abs().max() < 1e-5 and scores.base_nll > 0
+    assert scores.num_tokens == sum(len(c) for _, c in sequences)
+
+
+def test_batched_scores_equal_a_brute_force_per_head_nll():
+    model = tiny_model("qwen2")
+    sequences = _solutions(model, 12)  # prompts of different lengths: padded batches
+    scores = ablation_scores(model, sequences, sink=2, local=4, batch_size=2, progress=False)
+    expected = _brute_force_delta(model, sequences, sink=2, local=4)
+    assert scores.delta_nll.abs().max() > 1e-3  # compression matters here
+    torch.testing.assert_close(scores.delta_nll, expected.float(), atol=2e-5, rtol=1e-4)
+
+
+def test_the_one_head_that_carries_information_scores_highest_and_is_kept_full():
+    model = tiny_model("llama")  # 2 layers x 2 KV heads, 2 query heads per KV head, head_dim 16
+    target = (1, 0)
+    with torch.no_grad():  # only the query heads of KV head `target` write to the residual stream
+        for layer in model.model.layers:
+            weight = layer.self_attn.o_proj.weight.view(64, 4, 16)  # [hidden, query head, dim]
+            for query_head in range(4):
+                if (layer.self_attn.layer_idx, query_head // 2) != target:
+                    weight[:, query_head] = 0.0
+    trainable = [p.requires_grad for p in model.parameters()]
+    attention = model.config._attn_implementation
+    mask = ablation_mask(
+        model,
+        tiny_tokenizer(),
+        PROBLEMS,
+        max_new_tokens=16,
+        sink=1,
+        local=2,
+        template="plain",
+        progress=False,
+    )
+    delta = torch.tensor(mask.metadata["delta_nll"])
+    others = [(layer, head) for layer in range(2) for head in range(2) if (layer, head) != target]
+    assert delta[target] > 1e-3 and all(abs(float(delta[h])) < 1e-6 for h in others)
+    assert mask.scores[target] == 1.0 and mask.metadata["method"] == "ablation"
+    assert (mask.train_sink, mask.train_local) == (1, 2)
+    assert mask.full_heads(0.75)[target] and int(mask.full_heads(0.75).sum()) == 1
+    # the model is left as it was
+    assert not hasattr(model, "rlkv_gates") and model.config._attn_implementation == attention
+    assert [p.requires_grad for p in model.parameters()] == trainable
+
+
+def test_cli_writes_a_loadable_mask(tmp_path, capsys):
+    out = tmp_path / "mask"
+    argv = ["ablation-mask", "--model", "tiny:llama", "--problems", "chain", "--num", "2"]
+    argv += ["--max-new-tokens", "6", "--sink", "2", "--local", "4", "--out", str(out), "--no-progress"]
+    assert cli_main(argv) == 0
+    assert "top heads L" in capsys.readouterr().out
+    mask = HeadMask.from_pretrained(out, tiny_model("llama"))
+    assert mask.metadata["method"] == "ablation" and mask.metadata["problem_set"] == "chain"
+    assert mask.metadata["num_problems"] == 2 and len(mask.metadata["delta_nll"]) == 2
+    assert float(mask.scores.min()) == 0.0 and float(mask.scores.max()) == pytest.approx(1.0)
+    assert json.loads((out / "head_mask.json").read_text())["train_local"] == 4
