@@ -2,8 +2,9 @@
 
 `HeadMask.full_heads(s)` compresses the round(s * N) lowest-scoring heads, and these sets are nested
 as s grows, so evaluating a mask method at the fractions k / N *is* compressing heads one by one
-in that mask's order: `rlkv` = gate order, `random-mask` = a random order, `duo` = another mask's
-order (e.g. DuoAttention retrieval heads). `mask_from_order` turns any explicit order into a mask.
+in that mask's order: `rlkv` = gate order, `ablation-mask` = per-head ablation order (`rlkv
+ablation-mask`), `random-mask` = a random order, `duo` = another mask's order (e.g. DuoAttention
+retrieval heads). `mask_from_order` turns any explicit order into a mask.
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ import torch
 
 from rlkv.head_mask import HeadMask, ModelFingerprint
 
-ORDER_METHODS = ("rlkv", "random-mask", "duo")
-ORDER_LABELS = {"rlkv": "gate order", "random-mask": "random order", "duo": "other mask's order"}
+ORDER_METHODS = ("rlkv", "ablation-mask", "random-mask", "duo")
+ORDER_LABELS = {
+    "rlkv": "gate order",
+    "ablation-mask": "ablation order",
+    "random-mask": "random order",
+    "duo": "other mask's order",
+}
 
 
 def mask_from_order(order: torch.Tensor, model: Any, **metadata: Any) -> HeadMask:
@@ -52,13 +58,12 @@ def sensitivity_fractions(num_heads: int, steps: int | None = None) -> list[floa
 def sensitivity_config(cfg: Any, num_heads: int, steps: int | None = None) -> Any:
     """An `EvalConfig` for the sensitivity sweep of `cfg`: full + the order methods it can run, at whole-head fractions.
 
-    Written to `<cfg.out>/sensitivity`. `duo` joins when `cfg.duo_mask` is set; `rlkv` needs `cfg.head_mask`.
+    Written to `<cfg.out>/sensitivity`. `random-mask` always runs; `rlkv`, `ablation-mask` and `duo` join
+    when their mask (`cfg.head_mask`, `cfg.ablation_mask`, `cfg.duo_mask`) is set.
     """
-    methods = ["full", "random-mask"]
-    if cfg.head_mask:
-        methods.insert(1, "rlkv")
-    if cfg.duo_mask:
-        methods.append("duo")
+    from rlkv.eval.methods import MASK_FIELDS
+
+    methods = ["full"] + [m for m in ORDER_METHODS if m == "random-mask" or getattr(cfg, MASK_FIELDS[m])]
     return dataclasses.replace(
         cfg,
         methods=methods,
