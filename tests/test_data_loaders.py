@@ -6,7 +6,7 @@ import json
 import pytest
 
 from rlkv.data import verify
-from rlkv.data.loaders import SCHEMA_COLUMNS, ProblemDataError, load_problems
+from rlkv.data.loaders import SCHEMA_COLUMNS, SPLIT_SEED_BLOCK, ProblemDataError, load_problems
 
 
 def _jsonl(path, records):
@@ -169,6 +169,46 @@ def test_reasoning_gym_offline_seeded_and_scored():
     assert tasks == ["basic_arithmetic", "chain_sum", "basic_arithmetic", "chain_sum", "basic_arithmetic"]
     assert all(r["source"] == "reasoning_gym" for r in rows)
     assert all(verify(f"\\boxed{{{r['answer']}}}", r) for r in rows)
+
+
+def test_reasoning_gym_held_out_split_never_shares_an_item_seed_with_the_curriculum():
+    """The curriculum's pool is split "train" (the default), eval's held-out set "test": their item seeds
+    lie in disjoint blocks for any seed and size that load, so no problem is generated from the same seed."""
+    tasks = "reasoning_gym:basic_arithmetic,chain_sum"
+
+    def seeds(split, seed, num):
+        ds = load_problems(tasks, split=split, num=num, seed=seed)
+        return {json.loads(m)["item_seed"] for m in ds["metadata"]}
+
+    train, held_out = seeds(None, 0, 40), seeds("test", 0, 40)
+    assert len(train) == len(held_out) == 40 and not train & held_out
+    assert (
+        max(train)
+        < SPLIT_SEED_BLOCK
+        <= min(seeds("validation", 0, 4))
+        < 2 * SPLIT_SEED_BLOCK
+        <= min(held_out)
+    )
+    # the largest seed that loads stays in its block; one more would reach the next split's seeds
+    top = SPLIT_SEED_BLOCK - 7919 - 2
+    assert max(seeds("train", top, 4)) == SPLIT_SEED_BLOCK - 1
+    with pytest.raises(ProblemDataError, match="item seeds of another split"):
+        load_problems(tasks, num=4, seed=top + 1)
+
+
+def test_excluded_problems_are_replaced_by_further_items():
+    held_out = load_problems("reasoning_gym:basic_arithmetic", split="test", num=10)
+    excluded = set(held_out["problem"][:3])
+    again = load_problems("reasoning_gym:basic_arithmetic", split="test", num=10, exclude=excluded)
+    assert len(again) == 10 and not excluded & set(again["problem"])
+    assert again["problem"][:7] == held_out["problem"][3:]  # the rest in order, then the next items
+    fixed = load_problems(
+        "chain",
+        split="test",
+        num=4,
+        exclude=excluded | {load_problems("chain", split="test", num=4)["problem"][0]},
+    )
+    assert len(fixed) == 3  # a fixed set drops them
 
 
 def test_schema_files_jsonl_parquet_and_sampling(tmp_path):

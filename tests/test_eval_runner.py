@@ -223,3 +223,17 @@ def test_duplicate_list_entries_are_run_once(tmp_path):
 def test_settings_that_would_be_ignored_are_refused(tmp_path, overrides, needle):
     with pytest.raises(ValueError, match=needle):
         _config(tmp_path, "x", **overrides)
+
+
+def test_excluded_problems_leave_every_benchmark(tmp_path):
+    """exclude_problems (e.g. the training curriculum) keeps a benchmark held out."""
+    from rlkv.data.loaders import load_problems
+    from rlkv.eval.runner import problem_id
+
+    first = load_problems("chain", split="test", num=3)[0]
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({k: first[k] for k in ("problem", "answer", "source")}) + "\n")
+    cfg, model = _config(tmp_path, "x", methods=["full"], max_new_tokens=2, exclude_problems=[str(train)])
+    rows = read_results(run_eval(cfg, model=model, tokenizer=tiny_tokenizer()) / "results.jsonl")
+    digests = {r["problem_id"].split("-")[1] for r in rows}
+    assert len(rows) == 2 and problem_id(0, first).split("-")[1] not in digests

@@ -16,7 +16,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +32,12 @@ LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
 REASONING_GYM_DEFAULT_TASKS = ("basic_arithmetic", "chain_sum", "gsm_symbolic")
 REASONING_GYM_DEFAULT_SIZE = 1000
 # Seed offsets keep procedurally generated splits apart (reasoning-gym has no splits of its own).
-_SPLIT_SEED_OFFSET = {"train": 0, "validation": 1_000_003, "test": 2_000_003}
+# Item k of task i draws from Random(offset + seed + 7919 i + k); every item seed of a split lies in
+# [offset, offset + SPLIT_SEED_BLOCK), so the splits never share one: the curriculum's pool is
+# "train" (`load_problems`' default), eval's held-out set "test" (EvalConfig's default).
+SPLIT_SEED_BLOCK = 1_000_003
+_SPLIT_SEED_OFFSET = {"train": 0, "validation": SPLIT_SEED_BLOCK, "test": 2 * SPLIT_SEED_BLOCK}
+_TASK_SEED_STRIDE = 7919
 
 
 class ProblemDataError(ValueError):
@@ -253,7 +258,7 @@ def _load_champ(data_files: str | None) -> list[dict[str, str]]:
 
 
 def _load_reasoning_gym(
-    tasks: tuple[str, ...], split: str, num: int | None, seed: int
+    tasks: tuple[str, ...], split: str, num: int | None, seed: int, exclude: Collection[str] = ()
 ) -> list[dict[str, str]]:
     try:
         import reasoning_gym
@@ -265,23 +270,29 @@ def _load_reasoning_gym(
     per_task = []
     for i, task in enumerate(tasks):
         size = total // len(tasks) + (1 if i < total % len(tasks) else 0)
-        entries = (
-            reasoning_gym.create_dataset(task, size=size, seed=seed + _SPLIT_SEED_OFFSET[split] + 7919 * i)
-            if size
-            else []
-        )
-        per_task.append(
-            [
+        base = seed + _TASK_SEED_STRIDE * i
+        rows, drawn = [], size
+        while len(rows) < size:  # excluded problems are replaced by the next items of the task
+            if seed < 0 or base + drawn > SPLIT_SEED_BLOCK:
+                raise ProblemDataError(
+                    f"reasoning_gym: seed={seed} with {drawn} {task!r} problems would reach item seeds of "
+                    f"another split (each split has {SPLIT_SEED_BLOCK} seeds); use a seed in "
+                    f"[0, {SPLIT_SEED_BLOCK - _TASK_SEED_STRIDE * (len(tasks) - 1) - drawn}] or fewer problems"
+                )
+            entries = reasoning_gym.create_dataset(task, size=drawn, seed=_SPLIT_SEED_OFFSET[split] + base)
+            rows = [
                 _row(
                     e["question"],
                     e["answer"],
                     "reasoning_gym",
                     e["metadata"].get("answer_cot", ""),
-                    e["metadata"],
+                    {**e["metadata"], "item_seed": _SPLIT_SEED_OFFSET[split] + base + k},
                 )
-                for e in entries
-            ]
-        )
+                for k, e in enumerate(entries)
+                if e["question"] not in exclude
+            ][:size]
+            drawn += size - len(rows)
+        per_task.append(rows)
     # Round-robin over tasks so any prefix of the pool mixes them.
     return [rows[k] for k in range(max(map(len, per_task))) for rows in per_task if k < len(rows)]
 
@@ -312,7 +323,11 @@ def _load_schema_file(path: Path) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def _subset(ds: Dataset, num: int | None, seed: int, origin: str) -> Dataset:
+def _subset(ds: Dataset, num: int | None, seed: int, origin: str, exclude: Collection[str] = ()) -> Dataset:
+    if exclude:
+        ds = ds.filter(lambda problem: problem not in exclude, input_columns="problem")
+        if not len(ds):
+            raise ProblemDataError(f"{origin}: every problem is excluded (`exclude`)")
     if num is None:
         return ds
     if num <= 0:
@@ -334,6 +349,7 @@ def load_problems(
     num: int | None = None,
     seed: int = 0,
     data_files: str | Path | None = None,
+    exclude: Collection[str] = (),
 ) -> Dataset:
     """Load a problem set as a Dataset with columns `problem, answer, source, solution, metadata` (strings).
 
@@ -343,30 +359,34 @@ def load_problems(
     num: number of problems: a seeded random sample of a fixed set, or the size of a procedural one.
     seed: sampling / generation seed.
     data_files: for a named hub set, read this local file in the hub layout instead of the hub.
+    exclude: problem texts to leave out (e.g. a training curriculum's, for a held-out set): a procedural
+        set draws further items in their place, a fixed set drops them before sampling `num`.
     Raises ProblemDataError naming the file and field for unusable data and for empty results.
     """
     name = str(name_or_path)
+    exclude = frozenset(exclude)
     key = _HUB_ALIASES.get(name.lower(), name.lower())
     data_files = None if data_files is None else str(data_files)
     if key in HUB_DATASETS:
         ds = _to_dataset(_load_hub(key, split, data_files), data_files or HUB_DATASETS[key].hub_id)
-        return _subset(ds, num, seed, name)
+        return _subset(ds, num, seed, name, exclude)
     if key in ("humaneval", "openai/openai_humaneval"):
-        return _subset(_to_dataset(_load_humaneval(data_files), name), num, seed, name)
+        return _subset(_to_dataset(_load_humaneval(data_files), name), num, seed, name, exclude)
     if key == "champ":
-        return _subset(_to_dataset(_load_champ(data_files), name), num, seed, name)
+        return _subset(_to_dataset(_load_champ(data_files), name), num, seed, name, exclude)
     if key == "reasoning_gym" or key.startswith("reasoning_gym:"):
         _, _, task_list = key.partition(":")
         tasks = tuple(t.strip() for t in task_list.split(",") if t.strip()) or REASONING_GYM_DEFAULT_TASKS
-        return _to_dataset(_load_reasoning_gym(tasks, split or "train", num, seed), name)
+        return _to_dataset(_load_reasoning_gym(tasks, split or "train", num, seed, exclude), name)
     if key == "chain":
         from rlkv.data.chain_task import load_chain_task
 
         ds = load_chain_task(split or "train", seed=seed, **({} if num is None else {"num": num}))
-        return ds if "metadata" in ds.column_names else ds.add_column("metadata", ["{}"] * len(ds))
+        ds = ds if "metadata" in ds.column_names else ds.add_column("metadata", ["{}"] * len(ds))
+        return _subset(ds, None, seed, name, exclude)
     path = Path(name)
     if path.exists() or name.lower().endswith(LOCAL_SUFFIXES):
-        return _subset(_load_schema_file(path), num, seed, name)
+        return _subset(_load_schema_file(path), num, seed, name, exclude)
     if len(path.parts) > 1:
         raise ProblemDataError(
             f"problem set {name!r} does not exist (no such file or folder, and not one of {problem_sources()}); "

@@ -16,7 +16,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,8 @@ class EvalConfig:
     ablation_mask: the `ablation-mask` method's mask (a folder written by `rlkv ablation-mask`; same forms).
     duo_mask: another head mask for the `duo` method (same forms; typically a DuoAttention folder).
     benchmarks: `rlkv.data.load_problems` names or files; `split` applies to each.
+    exclude_problems: problem sets (names or files, e.g. the training curriculum's folder) whose problem
+        texts no benchmark may hold (held-out sets): reasoning_gym draws other items in their place.
     methods: see `rlkv.eval.methods`; `full` always runs first (error modes are measured against it).
     sparsities: fractions of KV heads compressed; `full` runs once (recorded at sparsity 0).
     num_samples, temperature, top_p: pass@1 over `num_samples` samples (temperature 0 = greedy, 1 sample).
@@ -74,6 +76,7 @@ class EvalConfig:
     random_mask_seed: int = 0
     benchmarks: list[str] = field(default_factory=lambda: ["chain"])
     split: str | None = "test"
+    exclude_problems: list[str] = field(default_factory=list)
     template: str = "auto"
     system_prompt: str | None = None
     methods: list[str] = field(default_factory=lambda: ["full", "rlkv"])
@@ -275,6 +278,10 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
             current[f"{name}_sha1"] = hashlib.sha1(Path(mask_path).read_bytes()).hexdigest()
     if path.exists():
         saved = json.loads(path.read_text())
+        for f in fields(EvalConfig):  # fields added later: absent from older saves, whose runs had
+            if f.name not in saved and f.name in current and f.name != "stop":  # their default's behaviour
+                default = f.default_factory() if f.default_factory is not MISSING else f.default
+                saved[f.name] = default
         if "stop" not in saved and not any(cfg.stop_rule(b) for b in cfg.benchmarks):
             saved["stop"] = current["stop"]  # saved before stop rules existed: none applied, as now
         diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
@@ -378,8 +385,9 @@ def run_eval(
     bytes_per_entry = 2 * ModelFingerprint.of(model).head_dim * next(model.parameters()).element_size()
 
     problems: dict[str, list[tuple[str, dict[str, Any], list[dict[str, str]], int]]] = {}
+    excluded = frozenset(text for name in cfg.exclude_problems for text in load_problems(name)["problem"])
     for bench in cfg.benchmarks:
-        ds = load_problems(bench, split=cfg.split, num=cfg.num_problems, seed=cfg.seed)
+        ds = load_problems(bench, split=cfg.split, num=cfg.num_problems, seed=cfg.seed, exclude=excluded)
         check_verifiers(ds.unique("source"), bench)
         entries = []
         for i, example in enumerate(ds):
