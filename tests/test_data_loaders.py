@@ -6,7 +6,9 @@ import json
 import pytest
 
 from rlkv.data import verify
-from rlkv.data.loaders import SCHEMA_COLUMNS, SPLIT_SEED_BLOCK, ProblemDataError, load_problems
+from rlkv.data.loaders import SCHEMA_COLUMNS, ProblemDataError, load_problems
+
+VALIDATION_SEEDS, TEST_SEEDS = 1_000_003, 2_000_003  # where the splits' item seed blocks start
 
 
 def _jsonl(path, records):
@@ -182,16 +184,10 @@ def test_reasoning_gym_held_out_split_never_shares_an_item_seed_with_the_curricu
 
     train, held_out = seeds(None, 0, 40), seeds("test", 0, 40)
     assert len(train) == len(held_out) == 40 and not train & held_out
-    assert (
-        max(train)
-        < SPLIT_SEED_BLOCK
-        <= min(seeds("validation", 0, 4))
-        < 2 * SPLIT_SEED_BLOCK
-        <= min(held_out)
-    )
+    assert max(train) < VALIDATION_SEEDS <= min(seeds("validation", 0, 4)) < TEST_SEEDS == min(held_out)
     # the largest seed that loads stays in its block; one more would reach the next split's seeds
-    top = SPLIT_SEED_BLOCK - 7919 - 2
-    assert max(seeds("train", top, 4)) == SPLIT_SEED_BLOCK - 1
+    top = VALIDATION_SEEDS - 7919 - 2
+    assert max(seeds("train", top, 4)) == VALIDATION_SEEDS - 1
     with pytest.raises(ProblemDataError, match="item seeds of another split"):
         load_problems(tasks, num=4, seed=top + 1)
 

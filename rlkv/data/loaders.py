@@ -33,10 +33,9 @@ REASONING_GYM_DEFAULT_TASKS = ("basic_arithmetic", "chain_sum", "gsm_symbolic")
 REASONING_GYM_DEFAULT_SIZE = 1000
 # Seed offsets keep procedurally generated splits apart (reasoning-gym has no splits of its own).
 # Item k of task i draws from Random(offset + seed + 7919 i + k); every item seed of a split lies in
-# [offset, offset + SPLIT_SEED_BLOCK), so the splits never share one: the curriculum's pool is
+# [its offset, the next split's offset), so the splits never share one: the curriculum's pool is
 # "train" (`load_problems`' default), eval's held-out set "test" (EvalConfig's default).
-SPLIT_SEED_BLOCK = 1_000_003
-_SPLIT_SEED_OFFSET = {"train": 0, "validation": SPLIT_SEED_BLOCK, "test": 2 * SPLIT_SEED_BLOCK}
+_SPLIT_SEED_OFFSET = {"train": 0, "validation": 1_000_003, "test": 2_000_003}
 _TASK_SEED_STRIDE = 7919
 
 
@@ -267,26 +266,28 @@ def _load_reasoning_gym(
     if split not in _SPLIT_SEED_OFFSET:
         raise ProblemDataError(f"reasoning_gym: split={split!r}; choose one of {sorted(_SPLIT_SEED_OFFSET)}")
     total = REASONING_GYM_DEFAULT_SIZE if num is None else num
+    offset = _SPLIT_SEED_OFFSET[split]
+    block = min((o for o in _SPLIT_SEED_OFFSET.values() if o > offset), default=2**32) - offset
     per_task = []
     for i, task in enumerate(tasks):
         size = total // len(tasks) + (1 if i < total % len(tasks) else 0)
         base = seed + _TASK_SEED_STRIDE * i
         rows, drawn = [], size
         while len(rows) < size:  # excluded problems are replaced by the next items of the task
-            if seed < 0 or base + drawn > SPLIT_SEED_BLOCK:
+            if seed < 0 or base + drawn > block:
                 raise ProblemDataError(
                     f"reasoning_gym: seed={seed} with {drawn} {task!r} problems would reach item seeds of "
-                    f"another split (each split has {SPLIT_SEED_BLOCK} seeds); use a seed in "
-                    f"[0, {SPLIT_SEED_BLOCK - _TASK_SEED_STRIDE * (len(tasks) - 1) - drawn}] or fewer problems"
+                    f"another split (split {split!r} has {block} seeds); use a seed in "
+                    f"[0, {block - _TASK_SEED_STRIDE * (len(tasks) - 1) - drawn}] or fewer problems"
                 )
-            entries = reasoning_gym.create_dataset(task, size=drawn, seed=_SPLIT_SEED_OFFSET[split] + base)
+            entries = reasoning_gym.create_dataset(task, size=drawn, seed=offset + base)
             rows = [
                 _row(
                     e["question"],
                     e["answer"],
                     "reasoning_gym",
                     e["metadata"].get("answer_cot", ""),
-                    {**e["metadata"], "item_seed": _SPLIT_SEED_OFFSET[split] + base + k},
+                    {**e["metadata"], "item_seed": offset + base + k},
                 )
                 for k, e in enumerate(entries)
                 if e["question"] not in exclude
