@@ -46,8 +46,27 @@ GATE_TRAINER_API = PrivateAPI(
         "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
         "_compute_loss": ("model", "inputs"),
         "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+        "_get_per_token_logps_and_entropies": (
+            "model",
+            "input_ids",
+            "attention_mask",
+            "logits_to_keep",
+            "batch_size",
+            "compute_entropy",
+            "compute_aux_loss",
+            "pixel_values",
+            "image_grid_thw",
+            "num_images",
+            "pixel_attention_mask",
+            "spatial_shapes",
+            "num_tiles",
+            "image_sizes",
+            "token_type_ids",
+            "mm_token_type_ids",
+            "image_position_ids",
+        ),
     },
-    attributes=("_metrics", "reward_weights"),
+    attributes=("_metrics", "reward_weights", "temperature"),
 )
 
 COMPRESSED_ROLLOUT_API = PrivateAPI(

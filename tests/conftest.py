@@ -51,3 +51,10 @@ def left_padded_batch(tokenizer):
 
 
 __all__ = ["FAMILIES"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Trainers set torch's thread count (GateGRPOConfig.torch_threads); keep the suite on one thread."""
+    yield
+    torch.set_num_threads(1)

@@ -39,6 +39,13 @@ class GateGRPOConfig(GRPOConfig):
             "help": "Scale beta by 1[r_bar > tau] * (exp(r_bar) - 1); False = constant l1_beta (ablation)."
         },
     )
+    torch_threads: int = field(
+        default=0,
+        metadata={
+            "help": "CPU threads for torch in each rank; 0 = the machine's cores divided by the ranks on it "
+            "(`accelerate launch` otherwise sets OMP_NUM_THREADS=1 and one core does all the work)."
+        },
+    )
     gate_sink: int = field(default=128, metadata={"help": "Sink tokens of the local branch during training."})
     gate_local: int = field(
         default=256, metadata={"help": "Local-window tokens of the local branch during training."}
@@ -113,6 +120,8 @@ class GateGRPOConfig(GRPOConfig):
                 "use_vllm=True samples rollouts from vLLM's copy of the model, which has no gates; RLKV's rollouts "
                 "must come from the gated model itself: set use_vllm to false"
             )
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads={self.torch_threads}: use 0 (automatic) or a positive count")
         if self.gate_sink < 0 or self.gate_local < 1:
             raise ValueError(
                 f"gate_sink={self.gate_sink}, gate_local={self.gate_local}: need gate_sink >= 0 and gate_local >= 1 "

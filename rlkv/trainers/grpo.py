@@ -14,6 +14,7 @@ What it changes in TRL (everything else, GRPO included, is TRL's):
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any
@@ -33,6 +34,9 @@ from rlkv.trainers.callbacks import (
     save_gate_checkpoint,
 )
 from rlkv.trainers.config import GateGRPOConfig
+from rlkv.trainers.logprobs import completion_logps
+
+logger = logging.getLogger(__name__)
 
 
 def penalty_weight(
@@ -47,6 +51,26 @@ def penalty_weight(
     if math.isnan(mean_reward) or mean_reward <= reward_threshold:
         return 0.0
     return float(l1_beta * math.expm1(mean_reward))
+
+
+def set_cpu_threads(requested: int = 0) -> int:
+    """Set torch's intra-op threads: `requested`, or (0) the usable cores / the ranks on this machine.
+
+    Logged, since `accelerate launch` exports OMP_NUM_THREADS=1 unless told otherwise. Returns the count.
+    """
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = requested or max(1, cores // local_ranks)
+    if threads != torch.get_num_threads():
+        logger.info(
+            "torch threads: %d -> %d (%d cores, %d local ranks)",
+            torch.get_num_threads(),
+            threads,
+            cores,
+            local_ranks,
+        )
+        torch.set_num_threads(threads)
+    return threads
 
 
 def l1_penalty(alpha: torch.Tensor, weight: float) -> torch.Tensor:
@@ -110,6 +134,7 @@ class GateGRPOTrainer(GRPOTrainer):
             GateClampCallback(),
             HeadMaskExportCallback(run_metadata),
         ]
+        set_cpu_threads(args.torch_threads)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, callbacks=callbacks, **kwargs)
         check_attributes(self, GATE_TRAINER_API, feature="GateGRPOTrainer")
         self._run_metadata = run_metadata
@@ -146,6 +171,48 @@ class GateGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["rlkv/beta_prime"].append(weight)
         self._metrics[mode]["rlkv/l1_penalty"].append(penalty.item())
         return loss + penalty.to(loss.dtype) / normalizer
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        """Completion log-probs through `rlkv.trainers.logprobs` (text models; TRL's own path otherwise)."""
+        if compute_aux_loss or any(v is not None for v in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+                **multimodal,
+            )
+        lm_head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            with self.accelerator.autocast():
+                lp, ent = completion_logps(
+                    model,
+                    lm_head,
+                    input_ids[rows],
+                    attention_mask[rows],
+                    logits_to_keep,
+                    temperature=self.temperature,
+                    with_entropy=compute_entropy,
+                )
+            logps.append(lp)
+            entropies.append(ent)
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     # logging --------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
