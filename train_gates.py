@@ -3,6 +3,7 @@
 Every field of `ScriptArguments` (data, prompt, rewards), `rlkv.trainers.GateGRPOConfig` (TRL's
 GRPOConfig plus RLKV's l1_beta, reward_threshold, adaptive_penalty, gate_*, target_sparsity) and
 TRL's `ModelConfig` (model_name_or_path, dtype, ...) can be set in the YAML or on the command line
+(`dtype: auto` means bf16 on CPUs with AVX512/AMX-BF16 and on CUDA, fp32 otherwise; the gates stay fp32)
 (the command line wins). Writes checkpoints with the gates and `head_mask.json` / `head_mask.tsv`
 into `output_dir` at every save and at the end.
 """
@@ -171,12 +172,14 @@ def build_train_dataset(
 
 def build_trainer(argv: list[str] | None = None):
     """Parse and validate the recipe (exit status 2 with a message when it is bad); the ready GateGRPOTrainer."""
+    import torch
     from transformers import AutoTokenizer
     from trl import ModelConfig, TrlParser
 
     from rlkv.data import ProblemDataError
     from rlkv.errors import OneLineErrors
     from rlkv.gates import UnsupportedModelError
+    from rlkv.inference import resolve_dtype
     from rlkv.trainers import GateGRPOConfig, GateGRPOTrainer, get_reward
 
     class RecipeParser(OneLineErrors, TrlParser):
@@ -210,10 +213,11 @@ def build_trainer(argv: list[str] | None = None):
         )
     except (ValueError, OSError, ProblemDataError) as e:
         parser.error(f"bad recipe: {e}")
+    device = "cpu" if training_args.use_cpu or not torch.cuda.is_available() else "cuda"
     training_args.model_init_kwargs = {
         **(training_args.model_init_kwargs or {}),
         "revision": model_args.model_revision,
-        **({"dtype": model_args.dtype} if model_args.dtype else {}),
+        **({"dtype": resolve_dtype(model_args.dtype, device)} if model_args.dtype else {}),
     }
     try:
         trainer = GateGRPOTrainer(

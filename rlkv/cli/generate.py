@@ -94,8 +94,6 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    import torch
-
     from rlkv.errors import UserInputError
     from rlkv.inference import CompressionConfig, generate, load
 
@@ -123,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
             window=args.window,
             protect_prompt=not args.no_protect_prompt,
         )
-    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, tokenizer = load(args.model, compression=compression, dtype=dtype, device=args.device)
+    model, tokenizer = load(args.model, compression=compression, dtype=args.dtype, device=args.device)
     outputs = generate(
         model,
         tokenizer,

@@ -24,6 +24,7 @@ from transformers import (
 from rlkv.cache import HeadMixedCache, install_observers
 from rlkv.cache_attention import register_attention
 from rlkv.inference.config import CompressionConfig
+from rlkv.inference.dtypes import resolve_dtype
 from rlkv.policies import get_policy
 
 Prompt = str | list[dict[str, str]]
@@ -98,14 +99,19 @@ def load(
     `model_id_or_path` is a local folder, a hub id, or `tiny:<family>` (e.g. `tiny:llama`: the random
     tiny test model and offline tokenizer of `rlkv.testing`, so tools run on a fresh clone without any
     download). With `gguf_file=` in the kwargs the tokenizer is read from that GGUF file too.
-    With `compression`, the config is checked against the model now (mask compatibility, policy),
-    the model switches to "rlkv_cache" attention and `generate(model, ...)` uses the config by default.
+    `dtype`: "auto" (bf16 on CPUs with AVX512/AMX-BF16 and on CUDA, fp32 otherwise; see
+    `rlkv.inference.dtypes`), a name such as "bfloat16", or a torch dtype; `tiny:` models stay fp32
+    under "auto". With `compression`, the config is checked against the model now (mask
+    compatibility, policy), the model switches to "rlkv_cache" attention and `generate(model, ...)`
+    uses the config by default.
     """
     name = str(model_id_or_path)
     if name.startswith(TINY_MODEL_PREFIX):
         from rlkv.testing import tiny_model, tiny_tokenizer
 
         model, tokenizer = tiny_model(name[len(TINY_MODEL_PREFIX) :] or "llama"), tiny_tokenizer()
+        if dtype != "auto":  # a test fixture: fp32 unless a dtype is named
+            model = model.to(resolve_dtype(dtype))
     else:
         if _looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
             from rlkv.errors import UserInputError
@@ -113,6 +119,7 @@ def load(
             raise UserInputError(
                 f"model path {name!r} does not exist (give a model folder or a hub id org/name)"
             )
+        dtype = resolve_dtype(dtype, device)
         model = AutoModelForCausalLM.from_pretrained(model_id_or_path, dtype=dtype, **from_pretrained_kwargs)
         gguf = (
             {"gguf_file": from_pretrained_kwargs["gguf_file"]}
