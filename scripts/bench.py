@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import bench_real
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
@@ -416,7 +417,7 @@ def gib(n: float) -> str:
 
 
 def report(results: dict) -> str:
-    lines = []
+    lines = bench_real.report_real(results["real"]) + [""] if "real" in results else []
     if "memory" in results:
         m = results["memory"]
         lines += [
@@ -544,7 +545,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--suite", default="all", help="comma list of memory,decode,overhead,train,maxbatch or all"
+        "--suite",
+        default="all",
+        help="comma list of memory,decode,overhead,train,maxbatch or all; real (needs --model) runs a real LLM",
     )
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--device", default="cpu")
@@ -553,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--lengths", help=argparse.SUPPRESS)
+    bench_real.add_options(parser)
     args = parser.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
@@ -590,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode": suite_decode,
             "overhead": suite_overhead,
             "train": suite_train,
+            "real": bench_real.suite_real,
         }[name](args)
     results["wall_seconds"] = time.perf_counter() - started
     text = report(results)
