@@ -65,18 +65,18 @@ def check_model_geometry(model_name_or_path: str, **load_kwargs) -> None:
     """Fail fast (before loading weights) when the model config lacks what per-KV-head gates need."""
     from transformers import AutoConfig
 
+    from rlkv.geometry import attention_geometry, text_config
+
     config = AutoConfig.from_pretrained(model_name_or_path, **load_kwargs)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(text, a, None) is None]
     if missing:
         raise ValueError(
             f"model {model_name_or_path!r} ({config.model_type}) has no {', '.join(missing)} in its config: rlkv "
             "gates need a decoder with per-layer (grouped-query) attention such as Llama, Qwen2, Qwen3, Mistral"
         )
-    heads, kv = (
-        text.num_attention_heads,
-        getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-    )
+    geometry = attention_geometry(text)
+    heads, kv = geometry.num_attention_heads, geometry.num_key_value_heads
     if heads % kv:
         raise ValueError(
             f"model {model_name_or_path!r}: num_attention_heads={heads} not divisible by kv heads={kv}"

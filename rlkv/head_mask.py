@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rlkv._io import atomic_write_text
+from rlkv.geometry import attention_geometry, text_config
 
 FORMAT_NAME = "rlkv-head-mask"
 FORMAT_VERSION = 1
@@ -48,17 +49,14 @@ class ModelFingerprint:
     @classmethod
     def of(cls, model_or_config: Any) -> ModelFingerprint:
         """Fingerprint of a transformers model or config (or a PEFT-wrapped model: the base model's)."""
-        config = getattr(model_or_config, "config", model_or_config)
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        config = text_config(model_or_config)
+        geometry = attention_geometry(config)
         return cls(
             name_or_path=str(getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", "")),
             model_type=str(config.model_type),
-            num_hidden_layers=int(config.num_hidden_layers),
-            num_key_value_heads=int(kv_heads),
-            head_dim=int(head_dim),
+            num_hidden_layers=geometry.num_hidden_layers,
+            num_key_value_heads=geometry.num_key_value_heads,
+            head_dim=geometry.head_dim,
         )
 
     def mismatches(self, other: ModelFingerprint) -> list[str]:

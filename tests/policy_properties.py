@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkv.cache import HeadMixedCache
-from rlkv.cache_attention import register_attention
+from rlkv.cache import HeadMixedCache, register_attention
 from rlkv.head_mask import HeadMask
 from rlkv.policies.base import CompressionPolicy
 

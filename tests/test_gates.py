@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 import rlkv
 from rlkv.gates import UnsupportedModelError
-from rlkv.mixed_attention import mixed_attention_forward, mixed_attention_shared_scores
+from rlkv.gates.attention import mixed_attention_forward, mixed_attention_shared_scores
 from rlkv.testing import tiny_model
 
 SINK, LOCAL = 2, 4

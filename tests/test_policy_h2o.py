@@ -201,14 +201,14 @@ class CountingH2O(H2OPolicy):
 
 def test_prefill_attention_in_query_chunks_equals_one_pass(qwen2, left_padded_batch, monkeypatch):
     """A long prefill never holds Q x K float32 scores at once: chunked, the outputs and scores are the same."""
-    import rlkv.cache
+    import rlkv.cache.attention
 
     ids, mask = left_padded_batch
     whole = CountingH2O()
     tokens, cache = generate_with(qwen2, whole, ids, mask, 20, budget=12, sink=2, window=4)
     layers, width = len(cache.layers), ids.shape[1]
     assert whole.chunks[:layers] == [width] * layers  # one pass per layer by default
-    monkeypatch.setattr(rlkv.cache, "EAGER_CHUNK_ELEMENTS", 1)  # one query per chunk
+    monkeypatch.setattr(rlkv.cache.attention, "EAGER_CHUNK_ELEMENTS", 1)  # one query per chunk
     chunked = CountingH2O()
     tokens_chunked, cache_chunked = generate_with(qwen2, chunked, ids, mask, 20, budget=12, sink=2, window=4)
     assert chunked.chunks[: layers * width] == [1] * (layers * width)

@@ -13,8 +13,7 @@ from policy_properties import (
 )
 from transformers import AutoTokenizer
 
-from rlkv.cache import HeadMixedCache, _storage_bytes, install_observers
-from rlkv.cache_attention import register_attention
+from rlkv.cache import HeadMixedCache, install_observers, register_attention, storage_bytes
 from rlkv.inference import CompressionConfig, make_cache
 from rlkv.policies.rkv import RKVPolicy
 from rlkv.policies.skipkv import DELIMITERS, SkipKVPolicy, delimiter_token_mask
@@ -211,8 +210,8 @@ def test_resident_bytes_count_the_sentence_bookkeeping(qwen2, tokenizer):
     )
     batch, generated = enc["input_ids"].shape[0], len(trace)
     state = policy.state_tensors()
-    state_bytes = _storage_bytes(state)  # views share storage: count each once, as the cache does
-    cache_only = _storage_bytes([cache.full_heads, *(t for layer in cache.layers for t in layer.tensors())])
+    state_bytes = storage_bytes(state)  # views share storage: count each once, as the cache does
+    cache_only = storage_bytes([cache.full_heads, *(t for layer in cache.layers for t in layer.tensors())])
     assert cache.resident_bytes() == cache_only + state_bytes
     assert state_bytes >= 2 * 8 * batch * generated  # sentence id + token id (int64) per generated token
     hidden = qwen2.config.hidden_size

@@ -195,7 +195,7 @@ def test_generate_rollouts_resident_bytes_follow_formula(make_model, tokenizer, 
     resident, full_bytes = expected_kv_bytes(compression.full_heads(model), batch, total, kept, head_dim=16)
     assert_kv_bytes(compressed.kv.resident_bytes, resident, num_layers=2)
     assert compressed.kv.peak_bytes == compressed.kv.resident_bytes  # streaming only grows up to its bound
-    assert compressed.kv.full_bytes == full_bytes
+    assert compressed.kv.full_resident_bytes == full_bytes
     assert full.kv.resident_bytes == full.kv.peak_bytes == full_bytes  # a real DynamicCache, measured
     assert compressed.kv.resident_ratio == pytest.approx(resident / full_bytes, abs=0.01)
     assert compressed.kv.resident_bytes < full.kv.resident_bytes

@@ -473,13 +473,13 @@ def run_eval(
                         "error_mode": classify_error(
                             correct=correct, finish_reason=finish, token_ids=token_ids, rule=repetition
                         ),
-                        "logical_length": stats.get("logical_length"),
-                        "kv_tokens": stats.get("kept_tokens"),
-                        "kv_tokens_per_head": stats.get("kept_tokens", 0) / num_heads,
-                        "kv_bytes": stats.get("kept_tokens", 0) * bytes_per_entry,
-                        "resident_bytes": stats.get("resident_bytes"),
-                        "full_resident_bytes": stats.get("full_resident_bytes"),
-                        "evictions": stats.get("evictions"),
+                        "logical_length": stats and stats.logical_length,
+                        "kv_tokens": stats and stats.kept_tokens,
+                        "kv_tokens_per_head": (stats.kept_tokens if stats else 0) / num_heads,
+                        "kv_bytes": (stats.kept_tokens if stats else 0) * bytes_per_entry,
+                        "resident_bytes": stats and stats.resident_bytes,
+                        "full_resident_bytes": stats and stats.full_resident_bytes,
+                        "evictions": stats and stats.evictions,
                         "seconds": round(seconds, 4),
                     }
                     sink.write(json.dumps(row) + "\n")

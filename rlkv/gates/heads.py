@@ -1,4 +1,4 @@
-"""Learnable per-(layer, KV head) gates that switch a frozen model to RLKV's mixed attention."""
+"""Learnable per-(layer, KV head) gates that switch a frozen model to RLKV's mixed attention (rlkv/gates/attention.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from rlkv import mixed_attention
+from rlkv.gates import attention as mixed_attention
+from rlkv.geometry import attention_geometry, text_config
 
 
 class UnsupportedModelError(ValueError):
@@ -45,8 +46,7 @@ class HeadGates(nn.Module):
 def attention_layers(model: nn.Module) -> list[nn.Module]:
     """The self-attention modules of `model` in layer order, checked for what gating needs."""
     layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    expected = getattr(config, "num_hidden_layers", None)
+    expected = getattr(text_config(model), "num_hidden_layers", None)
     if not layers or expected is None or len(layers) != expected:
         raise UnsupportedModelError(
             f"{type(model).__name__}: found {len(layers)} attention modules with `layer_idx` and "
@@ -69,8 +69,7 @@ def attach_gates(model: PreTrainedModel, sink: int = 128, local: int = 256, init
     if hasattr(model, "rlkv_gates"):
         raise ValueError("model already has rlkv gates; call rlkv.detach_gates(model) first")
     layers = attention_layers(model)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    num_kv = attention_geometry(model).num_key_value_heads
     param = next(model.parameters())
     gates = HeadGates(len(layers), num_kv, sink=sink, local=local, init=init).to(param.device)
     for p in model.parameters():

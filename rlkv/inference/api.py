@@ -7,7 +7,7 @@ outputs = generate(model, tok, ["Solve ..."], max_new_tokens=8192)
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,8 +21,8 @@ from transformers import (
     StopStringCriteria,
 )
 
-from rlkv.cache import HeadMixedCache, install_observers
-from rlkv.cache_attention import register_attention
+from rlkv.cache import CacheStats, HeadMixedCache, install_observers, register_attention
+from rlkv.cache.stats import full_cache_stats
 from rlkv.inference.config import CompressionConfig
 from rlkv.inference.dtypes import resolve_dtype
 from rlkv.policies import get_policy
@@ -39,7 +39,7 @@ class GenerationOutput:
     num_prompt_tokens: int
     num_generated_tokens: int
     finish_reason: str  # "eos" | "length" | "stop" (a stop string or stopping criterion ended it)
-    cache_stats: dict[str, int] = field(default_factory=dict)
+    cache_stats: CacheStats | None = None  # None: the engine reports no cache statistics (vLLM)
 
 
 def make_cache(
@@ -162,26 +162,6 @@ def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _dynamic_cache_stats(cache: DynamicCache, attention_mask: torch.Tensor) -> list[dict[str, int]]:
-    """Per-row stats of a plain (full) cache, from its tensors' storage."""
-    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
-    batch = attention_mask.shape[0]
-    resident = sum(t.untyped_storage().nbytes() for t in tensors) // batch
-    length = cache.get_seq_length()
-    heads = sum(t.shape[1] for t in tensors) // 2
-    pads = (attention_mask == 0).sum(1).tolist()
-    return [
-        {
-            "resident_bytes": resident,
-            "full_resident_bytes": resident,
-            "logical_length": length - pad,
-            "kept_tokens": heads * (length - pad),
-            "evictions": 0,
-        }
-        for pad in pads
-    ]
-
-
 class _RowEndStats(StoppingCriteria):
     """Reads each row's cache stats at the step the row ends (EOS, or one of `criteria`): later steps of
     its batch only feed it padding, which must not count. Stops the rows that `criteria` stop, and
@@ -193,7 +173,7 @@ class _RowEndStats(StoppingCriteria):
             sorted(eos),
             StoppingCriteriaList(criteria or []),
         )
-        self.stats: dict[int, dict[str, int]] = {}
+        self.stats: dict[int, CacheStats] = {}
         self.stopped: dict[int, int] = {}
 
     def __call__(
@@ -276,10 +256,10 @@ def generate(
             cache.reset()  # explicit: never rely on generate's `_is_user_defined` reset alone
         batch_cache = cache if cache is not None else DynamicCache(config=model.config)
 
-        def read_stats(batch_cache=batch_cache, attention_mask=attention_mask) -> list[dict[str, int]]:
+        def read_stats(batch_cache=batch_cache, attention_mask=attention_mask) -> list[CacheStats]:
             if cache is not None:
                 return batch_cache.stats()
-            return _dynamic_cache_stats(batch_cache, attention_mask)
+            return full_cache_stats(batch_cache, attention_mask)
 
         row_end = _RowEndStats(read_stats, eos, stopping_criteria)
         with torch.inference_mode():

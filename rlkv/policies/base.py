@@ -1,6 +1,6 @@
 """The compression-policy interface: a policy scores and selects, the cache owns everything else.
 
-A `HeadMixedCache` (rlkv/cache.py) keeps, per layer, the KV heads marked full with every token and
+A `HeadMixedCache` (rlkv/cache/) keeps, per layer, the KV heads marked full with every token and
 the other ("compressed") KV heads in a bounded store. Whenever a forward pass has added tokens to a
 layer's compressed store, the cache attends with them, then asks the policy whether to compress
 and which slots stay. The cache does the gathering into smaller tensors (memory really freed),
@@ -8,11 +8,8 @@ tracks logical positions, padding validity, the prompt protection and the sink/w
 
 Writing a policy
 ----------------
-    from typing import TYPE_CHECKING
     from rlkv.policies import register_policy
-    from rlkv.policies.base import CompressionPolicy, keep_top_scores
-    if TYPE_CHECKING:
-        from rlkv.cache import CompressedStore      # the type of `store` below
+    from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
 
     @register_policy("mine")
     class MyPolicy(CompressionPolicy):
@@ -33,8 +30,10 @@ One policy instance serves a whole cache (all layers); keep per-layer state in `
 dict the cache clears with each new sequence) or in `store.slot_buffer(...)`; keep cross-layer
 state on `self` and clear it in `reset()`.
 
-What the policy sees: `CompressedStore` (one per layer; all tensors live on the model's device)
------------------------------------------------------------------------------------------------
+What the policy sees: a `PolicyStore` (one per layer; all tensors live on the model's device)
+--------------------------------------------------------------------------------------------
+The cache's `CompressedStore` (rlkv/cache/store.py) satisfies the `PolicyStore` protocol below;
+policies depend on the protocol only, so nothing under rlkv/policies imports the cache.
 - `layer_idx` int; `head_idx` LongTensor[H_c]: which KV heads of the layer are compressed;
   `num_groups` G: query heads per KV head (GQA), query head `h * G + g` uses KV head `h`.
 - `keys`, `values`: [B, H_c, K, D], keys already rotated (RoPE) at their true position.
@@ -100,12 +99,45 @@ When and what
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from rlkv.cache import CompressedStore
+
+class PolicyStore(Protocol):
+    """What a policy may read and call on one layer's compressed heads (see the module docstring)."""
+
+    layer_idx: int
+    head_idx: torch.Tensor
+    num_groups: int
+    sink: int
+    window: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    queries: torch.Tensor | None
+    query_positions: torch.Tensor | None
+    row_start: torch.Tensor
+    logical_length: int
+    prompt_length: int
+    is_prefill: bool
+    state: dict[str, Any]
+
+    @property
+    def num_generated(self) -> int: ...
+    @property
+    def valid_length(self) -> torch.Tensor: ...
+    @property
+    def budget(self) -> torch.Tensor | None: ...
+    def valid(self) -> torch.Tensor: ...
+    def protected(self) -> torch.Tensor: ...
+    def evictable(self) -> torch.Tensor: ...
+    def num_evictable(self) -> torch.Tensor: ...
+    def forced_keep(self) -> torch.Tensor: ...
+    def query_valid(self) -> torch.Tensor: ...
+    def slot_buffer(
+        self, name: str, fill: float = 0.0, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor: ...
 
 
 class CompressionPolicy:
@@ -134,27 +166,27 @@ class CompressionPolicy:
     def on_hidden_states(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> None:
         """Final-norm hidden states [B, Q, hidden] at logical `positions` [Q] (if `observe_hidden_states`)."""
 
-    def on_attention(self, store: CompressedStore, probs: torch.Tensor) -> None:
+    def on_attention(self, store: PolicyStore, probs: torch.Tensor) -> None:
         """Attention probabilities [B, H_c, G, Q', K] of a chunk of the new queries over the store (if `observe_attention`)."""
 
-    def should_compress(self, store: CompressedStore) -> bool:
+    def should_compress(self, store: PolicyStore) -> bool:
         """Whether to run `select` now; default: some (row, head) holds more evictable tokens than its budget."""
         if store.budget is None:
             return False
         return bool((store.num_evictable() > store.budget[:, None]).any())
 
-    def select(self, store: CompressedStore) -> torch.Tensor:
+    def select(self, store: PolicyStore) -> torch.Tensor:
         """BoolTensor keep mask [B, H_c, K] (or [B, K] per layer) over the store's slots."""
         raise NotImplementedError(f"{type(self).__name__} must implement select(store)")
 
 
-def keep_forced_only(store: CompressedStore) -> torch.Tensor:
+def keep_forced_only(store: PolicyStore) -> torch.Tensor:
     """Keep nothing beyond the cache's forced set (protected prompt, sink, window): BoolTensor [B, H_c, K]."""
     return store.forced_keep()
 
 
 def keep_top_scores(
-    store: CompressedStore, scores: torch.Tensor, budget: torch.Tensor | int | None = None
+    store: PolicyStore, scores: torch.Tensor, budget: torch.Tensor | int | None = None
 ) -> torch.Tensor:
     """Keep mask [B, H_c, K]: the forced set plus the highest-`scores` evictable slots.
 

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy
-
-if TYPE_CHECKING:
-    from rlkv.cache import CompressedStore
+from rlkv.policies.base import CompressionPolicy, PolicyStore
 
 
 @register_policy("full")
 class FullPolicy(CompressionPolicy):
     """Never evicts: the compressed store grows like a full cache."""
 
-    def should_compress(self, store: CompressedStore) -> bool:
+    def should_compress(self, store: PolicyStore) -> bool:
         return False
 
-    def select(self, store: CompressedStore) -> torch.Tensor:
+    def select(self, store: PolicyStore) -> torch.Tensor:
         return store.valid()

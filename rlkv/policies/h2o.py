@@ -14,15 +14,10 @@ config's `sink` tokens are kept on top of the paper's method (they spend budget 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, keep_top_scores
-
-if TYPE_CHECKING:
-    from rlkv.cache import CompressedStore
+from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
 
 ACCUMULATED = "h2o_accumulated_attention"
 
@@ -47,16 +42,16 @@ class H2OPolicy(CompressionPolicy):
             )
         self.recent_ratio = float(recent_ratio)
 
-    def on_attention(self, store: CompressedStore, probs: torch.Tensor) -> None:
+    def on_attention(self, store: PolicyStore, probs: torch.Tensor) -> None:
         # probs [B, H_c, G, Q, K]: zero on empty/masked slots and for padding queries
         store.slot_buffer(ACCUMULATED).add_(probs.sum(dim=(2, 3)))
 
-    def scores(self, store: CompressedStore) -> torch.Tensor:
+    def scores(self, store: PolicyStore) -> torch.Tensor:
         """FloatTensor [B, H_c, K]: accumulated attention, +inf on each row's recent share."""
         accumulated = store.slot_buffer(ACCUMULATED)
         recent = torch.round(self.recent_ratio * store.budget.double()).long().clamp(min=store.window)
         is_recent = store.positions >= (store.logical_length - recent)[:, None, None]
         return accumulated.masked_fill(is_recent & store.valid(), float("inf"))
 
-    def select(self, store: CompressedStore) -> torch.Tensor:
+    def select(self, store: PolicyStore) -> torch.Tensor:
         return keep_top_scores(store, self.scores(store))

@@ -19,11 +19,10 @@ in row chunks (memory O(chunk * K) per head instead of O(K^2)).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from rlkv.policies import register_policy
+from rlkv.policies.base import PolicyStore
 from rlkv.policies.scoring import (
     WindowedBufferPolicy,
     check_buffer,
@@ -31,9 +30,6 @@ from rlkv.policies.scoring import (
     masked_softmax,
     observation_attention,
 )
-
-if TYPE_CHECKING:
-    from rlkv.cache import CompressedStore
 
 
 def key_redundancy(
@@ -174,13 +170,13 @@ class RKVPolicy(WindowedBufferPolicy):
         self.redundancy_chunk = int(redundancy_chunk)
         self.observe_queries = self.window
 
-    def importance(self, store: CompressedStore) -> torch.Tensor:
+    def importance(self, store: PolicyStore) -> torch.Tensor:
         """I: FloatTensor [B, H_c, K], 0 on the observation window and empty slots."""
         return observation_attention(
             store, exclude_window=True, group_pool="max", kernel=self.kernel, key_pool="max"
         )
 
-    def redundancy(self, store: CompressedStore) -> torch.Tensor:
+    def redundancy(self, store: PolicyStore) -> torch.Tensor:
         """R: FloatTensor [B, H_c, K], a softmax over each (row, head)'s valid slots."""
         return key_redundancy(
             store.keys,
@@ -190,6 +186,6 @@ class RKVPolicy(WindowedBufferPolicy):
             self.redundancy_chunk,
         )
 
-    def scores(self, store: CompressedStore) -> torch.Tensor:
+    def scores(self, store: PolicyStore) -> torch.Tensor:
         """`lam * I - (1 - lam) * R`: FloatTensor [B, H_c, K] (higher = keep)."""
         return self.lam * self.importance(store) - (1.0 - self.lam) * self.redundancy(store)

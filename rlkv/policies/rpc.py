@@ -21,12 +21,12 @@ With `protect_prompt=False` the prompt joins the candidates and the target cover
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, keep_top_scores
+from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
 from rlkv.policies.scoring import (
     NEG_INF,
     check_window_and_kernel,
@@ -35,9 +35,6 @@ from rlkv.policies.scoring import (
     observation_window,
     pool_along_keys,
 )
-
-if TYPE_CHECKING:
-    from rlkv.cache import CompressedStore
 
 CYCLES = "rpc_cycles"
 
@@ -75,11 +72,11 @@ class RPCPolicy(CompressionPolicy):
         self.kept_per_cycle = int(self.interval / self.ratio)  # T = P / c, as int(P / c) in the paper's code
         self.observe_queries = self.selector_window
 
-    def should_compress(self, store: CompressedStore) -> bool:
+    def should_compress(self, store: PolicyStore) -> bool:
         cycles = store.state.get(CYCLES, 0)
         return store.num_generated >= (cycles + 1) * self.interval + self.selector_window
 
-    def target(self, store: CompressedStore) -> torch.Tensor:
+    def target(self, store: PolicyStore) -> torch.Tensor:
         """LongTensor[B]: evictable tokens to keep per row at the next compression."""
         if store.budget is not None:
             return store.budget
@@ -87,7 +84,7 @@ class RPCPolicy(CompressionPolicy):
         kept = cycles * self.kept_per_cycle + self.selector_window
         return torch.full_like(store.valid_length, kept)
 
-    def scores(self, store: CompressedStore) -> tuple[torch.Tensor, torch.Tensor]:
+    def scores(self, store: PolicyStore) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores FloatTensor [B, K], selectors BoolTensor [B, K]) for the layer's slots.
 
         Scores are pooled importance on candidates and 0 elsewhere; selectors mark the tokens of
@@ -105,7 +102,7 @@ class RPCPolicy(CompressionPolicy):
         pooled = pool_along_keys(per_layer[:, None], self.kernel, self.pooling, candidates[:, :1])[:, 0]
         return pooled, selectors[:, 0]
 
-    def select(self, store: CompressedStore) -> torch.Tensor:
+    def select(self, store: PolicyStore) -> torch.Tensor:
         target = self.target(store)
         store.state[CYCLES] = store.state.get(CYCLES, 0) + 1
         scores, selectors = self.scores(store)

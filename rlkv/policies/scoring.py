@@ -16,15 +16,12 @@ Typical use (R-KV's importance):
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from rlkv.policies.base import CompressionPolicy, keep_top_scores
-
-if TYPE_CHECKING:
-    from rlkv.cache import CompressedStore
+from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
 
 NEG_INF = float("-inf")
 
@@ -79,7 +76,7 @@ def observation_key_mask(
 
 
 def observation_logits(
-    store: CompressedStore, exclude_window: bool = False, scaling: float | None = None
+    store: PolicyStore, exclude_window: bool = False, scaling: float | None = None
 ) -> torch.Tensor:
     """Logits of the store's cached observation queries against its keys: [B, H, G, N, K].
 
@@ -182,7 +179,7 @@ def mean_over_queries(scores: torch.Tensor, query_valid: torch.Tensor) -> torch.
 
 
 def observation_attention(
-    store: CompressedStore,
+    store: PolicyStore,
     exclude_window: bool = True,
     group_pool: Literal["max", "mean"] = "max",
     kernel: int = 1,
@@ -202,7 +199,7 @@ def observation_attention(
     return mean_over_queries(probs, store.query_valid())
 
 
-def observation_window(store: CompressedStore) -> torch.Tensor:
+def observation_window(store: PolicyStore) -> torch.Tensor:
     """BoolTensor [B, H, K]: valid slots whose position is one of the cached observation queries'."""
     if store.query_positions is None or store.query_positions.numel() == 0:
         return torch.zeros_like(store.valid())
@@ -218,17 +215,17 @@ class WindowedBufferPolicy(CompressionPolicy):
 
     buffer: int = 128
 
-    def due(self, store: CompressedStore) -> torch.Tensor:
+    def due(self, store: PolicyStore) -> torch.Tensor:
         """BoolTensor [B, H_c]: (row, head) pairs whose buffer is full (budget + buffer evictable tokens)."""
         return store.num_evictable() >= store.budget[:, None] + max(self.buffer, 1)
 
-    def should_compress(self, store: CompressedStore) -> bool:
+    def should_compress(self, store: PolicyStore) -> bool:
         return store.budget is not None and bool(self.due(store).any())
 
-    def scores(self, store: CompressedStore) -> torch.Tensor:
+    def scores(self, store: PolicyStore) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement scores(store)")
 
-    def select(self, store: CompressedStore) -> torch.Tensor:
+    def select(self, store: PolicyStore) -> torch.Tensor:
         scores = self.scores(store).masked_fill(observation_window(store), float("inf"))
         keep = keep_top_scores(store, scores)
         return torch.where(self.due(store)[..., None], keep, store.valid())

@@ -7,20 +7,15 @@ this policy (the eval harness's `streaming` baseline).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, keep_top_scores
-
-if TYPE_CHECKING:
-    from rlkv.cache import CompressedStore
+from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
 
 
 @register_policy("sink-recent")
 class SinkRecentPolicy(CompressionPolicy):
     """Keep the sink and the most recent evictable tokens that fit `store.budget` (newest first)."""
 
-    def select(self, store: CompressedStore) -> torch.Tensor:
+    def select(self, store: PolicyStore) -> torch.Tensor:
         return keep_top_scores(store, store.positions.float())

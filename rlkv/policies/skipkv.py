@@ -22,47 +22,22 @@ Batch grouping by prompt length: `rlkv.inference.generate(..., group_by_length=T
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from rlkv.policies import register_policy
+from rlkv.policies.base import PolicyStore
 from rlkv.policies.rkv import RKVPolicy
-
-if TYPE_CHECKING:
-    from rlkv.cache import CompressedStore
-    from rlkv.policies.steering import SteeringVector
-
-DELIMITERS = ("\n", ".\n", ")\n", "\n\n", ".\n\n", ")\n\n")
-NON_EXECUTION_KEYWORDS = ("Wait", "Alternatively", "again")
-
-
-_DELIMITER_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def is_delimiter_text(text: str, delimiters: frozenset[str]) -> bool:
-    """Whether a token's text ends a sentence: one of `delimiters` after dropping leading spaces/tabs
-    (" \n" is a newline too), or a run of newlines only ("\n\n\n": consecutive delimiters in one token).
-    Newline-plus-indentation tokens ("\n    ") and ":\n" do not end a sentence (code stays whole)."""
-    return text.lstrip(" \t") in delimiters or (text != "" and text.strip("\n") == "")
-
-
-def delimiter_token_mask(tokenizer: Any, delimiters: Sequence[str] = DELIMITERS) -> torch.Tensor:
-    """BoolTensor [len(tokenizer)]: token ids whose decoded text ends a sentence (`is_delimiter_text`).
-
-    Decoding a 150k vocabulary takes seconds, so the mask is remembered per tokenizer object.
-    """
-    wanted = frozenset(delimiters)
-    try:
-        known = _DELIMITER_MASKS.setdefault(tokenizer, {})
-    except TypeError:  # a tokenizer that cannot be weakly referenced: no memo
-        known = {}
-    if wanted not in known:
-        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-        known[wanted] = torch.tensor([is_delimiter_text(text, wanted) for text in texts], dtype=torch.bool)
-    return known[wanted]
+from rlkv.policies.sentences import (
+    DELIMITERS,
+    NON_EXECUTION_KEYWORDS,
+    delimiter_flags,
+    delimiter_token_mask,
+    sentence_starts,
+)
+from rlkv.policies.steering import SteeringVector, install_steering
 
 
 def _grow(tensor: torch.Tensor, dim: int, size: int, fill: float | int) -> torch.Tensor:
@@ -127,8 +102,6 @@ class SkipKVPolicy(RKVPolicy):
                 f"skipkv: no token of the tokenizer decodes to one of the delimiters {list(delimiters)}"
             )
         if steering is not None and not hasattr(steering, "vector"):
-            from rlkv.policies.steering import SteeringVector
-
             steering = SteeringVector.load(steering)
         self.steering = steering
         self.steering_alpha0 = float(steering_alpha0)
@@ -169,8 +142,6 @@ class SkipKVPolicy(RKVPolicy):
     def attach(self, model: torch.nn.Module) -> None:
         """Install the steering hook on the model (only when a steering vector was given)."""
         if self.steering is not None:
-            from rlkv.policies.steering import install_steering
-
             install_steering(model, self.steering)
 
     def on_tokens(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
@@ -188,11 +159,8 @@ class SkipKVPolicy(RKVPolicy):
                 self.non_execution = torch.zeros(batch, dtype=torch.long, device=device)
             self.input_is_delimiter = torch.zeros(batch, q_len, dtype=torch.bool, device=device)
             return
-        lookup = self.is_delimiter.to(device)
-        known = token_ids < lookup.numel()
-        is_delim = lookup[token_ids.clamp(max=lookup.numel() - 1)] & known  # [B, Q]
-        previous = torch.cat([self.after_delimiter[:, None], is_delim[:, :-1]], dim=1)
-        starts = previous & ~is_delim  # a non-delimiter after a delimiter opens a new sentence
+        is_delim = delimiter_flags(token_ids, self.is_delimiter)  # [B, Q]
+        starts = sentence_starts(is_delim, self.after_delimiter)
         ids = self.open_sentence[:, None] + starts.long().cumsum(dim=1)
         closed_before = self.open_sentence.clone()
         start, stop = self.num_generated, self.num_generated + q_len
@@ -258,7 +226,7 @@ class SkipKVPolicy(RKVPolicy):
         self._penalty_key = key
         return self._penalty
 
-    def slot_sentences(self, store: CompressedStore) -> torch.Tensor:
+    def slot_sentences(self, store: PolicyStore) -> torch.Tensor:
         """LongTensor [B, H_c, K]: sentence id of each slot's token, -1 for prompt and empty slots."""
         gen = store.positions - self.prompt_length
         inside = store.valid() & (gen >= 0) & (gen < self.num_generated)
@@ -267,7 +235,7 @@ class SkipKVPolicy(RKVPolicy):
         ids = table.gather(2, gen.clamp(min=0, max=max(self.num_generated - 1, 0)))
         return torch.where(inside, ids, -1)
 
-    def sentence_cache_ranges(self, store: CompressedStore) -> tuple[torch.Tensor, torch.Tensor]:
+    def sentence_cache_ranges(self, store: PolicyStore) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache-space ranges (begin, end) LongTensor [B, H_c, S] of every sentence (inclusive slot indices).
 
         begin/end are the first/last slot holding a surviving token of the sentence in that
@@ -285,7 +253,7 @@ class SkipKVPolicy(RKVPolicy):
         begin, end = begin[..., :num], end[..., :num]
         return torch.where(end >= 0, begin, -1), end
 
-    def scores(self, store: CompressedStore) -> torch.Tensor:
+    def scores(self, store: PolicyStore) -> torch.Tensor:
         """R-KV score minus the redundancy penalty of each slot's sentence: FloatTensor [B, H_c, K]."""
         scores = super().scores(store)
         if self.prompt_length is None or self.num_generated == 0:

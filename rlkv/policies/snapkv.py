@@ -17,11 +17,12 @@ compresses the prompt with the same attention distribution); protected tokens ar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
 from rlkv.policies import register_policy
+from rlkv.policies.base import PolicyStore
 from rlkv.policies.scoring import (
     WindowedBufferPolicy,
     check_buffer,
@@ -33,9 +34,6 @@ from rlkv.policies.scoring import (
     pool_along_keys,
     pool_query_groups,
 )
-
-if TYPE_CHECKING:
-    from rlkv.cache import CompressedStore
 
 
 @register_policy("snapkv")
@@ -73,7 +71,7 @@ class SnapKVPolicy(WindowedBufferPolicy):
         self.buffer = int(buffer)
         self.observe_queries = self.window
 
-    def scores(self, store: CompressedStore) -> torch.Tensor:
+    def scores(self, store: PolicyStore) -> torch.Tensor:
         """Importance FloatTensor [B, H_c, K]: 0 on the observation window and invalid slots."""
         logits = observation_logits(store, exclude_window=True)
         if self.group_pool == "max":

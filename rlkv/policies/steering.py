@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from rlkv._io import atomic_write_text
+from rlkv.geometry import text_config
+from rlkv.policies.sentences import DELIMITERS, NON_EXECUTION_KEYWORDS, delimiter_token_mask, sentence_spans
 
 STEERING_FORMAT = "rlkv-steering-v1"
 
@@ -89,7 +91,7 @@ class SteeringVector:
 
     def check_compatible(self, model: torch.nn.Module) -> None:
         """Raise `SteeringError` unless the layer exists and the hidden size matches `model`."""
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model)
         if self.vector.numel() != config.hidden_size:
             raise SteeringError(
                 f"steering vector has {self.vector.numel()} values but the model's hidden_size is {config.hidden_size}"
@@ -111,8 +113,6 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 def install_steering(model: torch.nn.Module, steering: SteeringVector) -> None:
     """Register (once per layer) the forward hook that adds the active SkipKV policy's steering delta."""
-    from rlkv.cache import HeadMixedCache
-
     steering.check_compatible(model)
     hooks = model.__dict__.setdefault("_rlkv_steering_hooks", {})
     layer_idx = int(steering.layer)
@@ -120,10 +120,8 @@ def install_steering(model: torch.nn.Module, steering: SteeringVector) -> None:
         return
 
     def add_steering(module, args, kwargs, output):
-        cache = kwargs.get("past_key_values")
-        if not isinstance(cache, HeadMixedCache):
-            return None
-        policy = cache.policy
+        # a HeadMixedCache exposes its policy; any other cache (or none) passes through untouched
+        policy = getattr(kwargs.get("past_key_values"), "policy", None)
         if getattr(policy, "steering", None) is None or policy.steering.layer != layer_idx:
             return None
         hidden = output[0] if isinstance(output, tuple) else output
@@ -133,23 +131,6 @@ def install_steering(model: torch.nn.Module, steering: SteeringVector) -> None:
         return (hidden + delta, *output[1:]) if isinstance(output, tuple) else hidden + delta
 
     hooks[layer_idx] = _decoder_layers(model)[layer_idx].register_forward_hook(add_steering, with_kwargs=True)
-
-
-def sentence_spans(token_ids: Sequence[int], is_delimiter: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) spans of the sentences of `token_ids`: each ends after a run of delimiter tokens."""
-    spans, start = [], 0
-    for i, token in enumerate(token_ids):
-        delim = token < is_delimiter.numel() and bool(is_delimiter[token])
-        following = token_ids[i + 1] if i + 1 < len(token_ids) else None
-        next_delim = (
-            following is not None and following < is_delimiter.numel() and bool(is_delimiter[following])
-        )
-        if delim and not next_delim:
-            spans.append((start, i + 1))
-            start = i + 1
-    if start < len(token_ids):
-        spans.append((start, len(token_ids)))
-    return spans
 
 
 @torch.no_grad()
@@ -168,8 +149,6 @@ def compute_steering_vector(
     into sentences at delimiter tokens; a sentence is non-execution when its text holds a keyword;
     its representation is the mean hidden state of its tokens.
     """
-    from rlkv.policies.skipkv import DELIMITERS, NON_EXECUTION_KEYWORDS, delimiter_token_mask
-
     keywords = tuple(NON_EXECUTION_KEYWORDS if keywords is None else keywords)
     is_delimiter = delimiter_token_mask(tokenizer, DELIMITERS if delimiters is None else delimiters)
     layers = _decoder_layers(model)

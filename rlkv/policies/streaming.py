@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, keep_forced_only
-
-if TYPE_CHECKING:
-    from rlkv.cache import CompressedStore
+from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_forced_only
 
 
 @register_policy("streaming")
@@ -21,8 +16,8 @@ class StreamingPolicy(CompressionPolicy):
     budget is ignored. Compresses as soon as anything outside that set is stored.
     """
 
-    def should_compress(self, store: CompressedStore) -> bool:
+    def should_compress(self, store: PolicyStore) -> bool:
         return bool((store.valid() & ~store.forced_keep()).any())
 
-    def select(self, store: CompressedStore) -> torch.Tensor:
+    def select(self, store: PolicyStore) -> torch.Tensor:
         return keep_forced_only(store)

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from rlkv.cache import HeadMixedCache, _storage_bytes
+from rlkv.cache import CacheStats, HeadMixedCache, storage_bytes
 from rlkv.compat import COMPRESSED_ROLLOUT_API, check_attributes, check_private_api
 from rlkv.inference import CompressionConfig, CompressionConfigError, make_cache
 
@@ -76,27 +76,10 @@ class CompressedRolloutConfig(CompressionConfig):
             )
 
 
-@dataclasses.dataclass
-class RolloutKVStats:
-    """KV memory of one rollout batch (bytes of the whole batch, on this process).
-
-    resident_bytes: cache storage after the last decode step; peak_bytes: largest storage seen
-    between decode steps; full_bytes: what a full cache holds for the same batch and length;
-    kept_tokens / evictions: KV entries summed over rows, layers and KV heads.
-    """
-
-    batch_size: int
-    logical_length: int
-    resident_bytes: int
-    peak_bytes: int
-    full_bytes: int
-    kept_tokens: int
-    evictions: int
-
-    @property
-    def resident_ratio(self) -> float:
-        """resident_bytes / full_bytes (1.0 for a full cache)."""
-        return self.resident_bytes / self.full_bytes if self.full_bytes else 1.0
+# A rollout batch's KV memory: `CacheStats` of the whole batch on this process (bytes and counts
+# summed over rows; logical_length counts columns, padding included; peak_bytes: the largest
+# storage seen between decode steps). The old name stays for user code.
+RolloutKVStats = CacheStats
 
 
 @dataclasses.dataclass
@@ -109,7 +92,7 @@ class RolloutBatch:
 
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
-    kv: RolloutKVStats
+    kv: CacheStats
 
 
 class SampledLogprobRecorder:
@@ -146,7 +129,7 @@ def kv_storage_bytes(cache: Any) -> int:
     """Bytes held by a KV cache's tensors, read from their storage (HeadMixedCache or a stock Cache)."""
     if isinstance(cache, HeadMixedCache):
         return cache.resident_bytes()
-    return _storage_bytes([t for layer in cache.layers for t in (layer.keys, layer.values)])
+    return storage_bytes([t for layer in cache.layers for t in (layer.keys, layer.values)])
 
 
 @contextlib.contextmanager
@@ -237,30 +220,23 @@ def generate_rollouts(
     return RolloutBatch(completion_ids=completion_ids, logprobs=row_logprobs, kv=stats)
 
 
-def _kv_stats(cache: Any, peak: int, batch_size: int) -> RolloutKVStats:
+def _kv_stats(cache: Any, peak: int, batch_size: int) -> CacheStats:
     resident = kv_storage_bytes(cache)
-    length = cache.get_seq_length()
     if isinstance(cache, HeadMixedCache):
         rows = cache.stats()
-        return RolloutKVStats(
-            batch_size=batch_size,
-            logical_length=length,
-            resident_bytes=resident,
-            peak_bytes=max(peak, resident),
-            full_bytes=cache.full_resident_bytes(),
-            kept_tokens=sum(r["kept_tokens"] for r in rows),
-            evictions=sum(r["evictions"] for r in rows),
-        )
-    return RolloutKVStats(
-        batch_size=batch_size,
-        logical_length=length,
+        full = cache.full_resident_bytes()
+        kept, evictions = sum(r.kept_tokens for r in rows), sum(r.evictions for r in rows)
+    else:
+        full, evictions = resident, 0
+        kept = sum(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in cache.layers)
+    return CacheStats(
         resident_bytes=resident,
+        full_resident_bytes=full,
+        logical_length=cache.get_seq_length(),
+        kept_tokens=kept,
+        evictions=evictions,
         peak_bytes=max(peak, resident),
-        full_bytes=resident,
-        kept_tokens=sum(
-            layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in cache.layers
-        ),
-        evictions=0,
+        batch_size=batch_size,
     )
 
 
@@ -277,7 +253,7 @@ class CompressedRolloutTrainerMixin:
         super().__init__(*args, **kwargs)
         check_attributes(self, COMPRESSED_ROLLOUT_API, feature="compressed rollouts")
         self.rollout_compression = rollout_compression
-        self.last_rollout_kv: RolloutKVStats | None = None
+        self.last_rollout_kv: CacheStats | None = None
         if rollout_compression is None:
             return
         if not isinstance(rollout_compression, CompressedRolloutConfig):
@@ -359,13 +335,13 @@ class CompressedRolloutTrainerMixin:
         self._log_rollout_kv(batch.kv)
         return batch.completion_ids, batch.logprobs
 
-    def _log_rollout_kv(self, kv: RolloutKVStats) -> None:
+    def _log_rollout_kv(self, kv: CacheStats) -> None:
         self.last_rollout_kv = kv
         mode = "train" if self.model.training else "eval"
         values = {
             "rollout_kv/resident_bytes": kv.resident_bytes,
             "rollout_kv/peak_bytes": kv.peak_bytes,
-            "rollout_kv/full_bytes": kv.full_bytes,
+            "rollout_kv/full_bytes": kv.full_resident_bytes,
             "rollout_kv/resident_ratio": kv.resident_ratio,
             "rollout_kv/kept_tokens": kv.kept_tokens,
             "rollout_kv/evictions": kv.evictions,

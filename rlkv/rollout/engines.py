@@ -146,7 +146,7 @@ class VLLMEngine:
                     num_prompt_tokens=len(result.prompt_token_ids),
                     num_generated_tokens=len(token_ids),
                     finish_reason="length" if completion.finish_reason == "length" else "eos",
-                    cache_stats={},
+                    cache_stats=None,
                 )
             )
         return outputs

@@ -112,7 +112,7 @@ class _RolloutProbe:
         self.peaks: dict[int, int] = {}
 
     def run(self, batch_size: int):
-        """(RolloutKVStats, CUDA peak bytes or None) of one batch of `batch_size` rollouts."""
+        """(CacheStats of the batch, CUDA peak bytes or None) of one batch of `batch_size` rollouts."""
         from trl.trainer.utils import pad
 
         device = next(self.model.parameters()).device

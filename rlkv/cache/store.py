@@ -1,0 +1,230 @@
+"""Token storage of a `HeadMixedCache`: growth along the token axis and the compressed-head store.
+
+`append_along_tokens` grows a tensor by at most 1/GROWTH_DIVISOR spare tokens, so a decode step
+copies no history; `CompressedStore` holds one layer's compressed KV heads (keys, values, the
+logical position of every slot) and is what a compression policy reads (the `PolicyStore`
+protocol of `rlkv.policies.base`). Eviction gathers into new, exactly sized tensors, so freed
+entries leave memory; `storage_bytes` reads what tensors really hold. See docs/design.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlkv.policies.base import CompressionPolicy
+
+
+def storage_bytes(tensors: list[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind `tensors` (what they really hold in memory)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+# Storage grows along the token axis by 1/GROWTH_DIVISOR of what it holds: at most 1/128 (0.8%) of
+# the bytes are spare capacity (none below 128 tokens), and each token is copied O(1) times amortised
+# instead of the whole history once per decode step.
+GROWTH_DIVISOR = 128
+
+
+def append_along_tokens(
+    capacity: torch.Tensor | None, current: torch.Tensor | None, new: torch.Tensor
+) -> torch.Tensor:
+    """Append `new` [B, H, Q, ...] after `current` [B, H, T, ...] along dim 2; returns the storage that holds both.
+
+    `capacity` is the storage `current` is a prefix view of (or None: `current` is exactly sized).
+    When it has no room, a new storage of `(T + Q) * (1 + 1/GROWTH_DIVISOR)` tokens (rounded down)
+    is allocated and `current` copied in once. Callers attend to / expose the prefix view
+    `result[:, :, :T + Q]`; `resident_bytes()` counts the whole storage.
+    """
+    used = 0 if current is None else current.shape[2]
+    needed = used + new.shape[2]
+    if capacity is None or needed > capacity.shape[2]:
+        capacity = new.new_empty((*new.shape[:2], needed + needed // GROWTH_DIVISOR, *new.shape[3:]))
+        if used:
+            capacity[:, :, :used] = current
+    capacity[:, :, used:needed] = new
+    return capacity
+
+
+class CompressionSettings:
+    """What every layer of one cache shares: the policy and the budget definition."""
+
+    def __init__(
+        self,
+        policy: CompressionPolicy,
+        sink: int,
+        window: int,
+        budget: int | float | None,
+        protect_prompt: bool,
+    ) -> None:
+        self.policy = policy
+        self.sink = int(sink)
+        self.window = int(window)
+        self.budget = budget if budget is not None else policy.default_budget
+        self.protect_prompt = bool(protect_prompt)
+
+
+class CompressedStore:
+    """The compressed KV heads of one layer: kept keys/values and their logical positions.
+
+    This is what a policy sees: it satisfies `rlkv.policies.base.PolicyStore`, whose docstring
+    documents every attribute (docs/design.md, "Cache layout").
+    """
+
+    def __init__(
+        self, layer_idx: int, head_idx: torch.Tensor, num_groups: int, settings: CompressionSettings
+    ):
+        self.layer_idx = layer_idx
+        self.head_idx = head_idx
+        self.num_groups = num_groups
+        self.settings = settings
+        self.sink = settings.sink
+        self.window = settings.window
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop every tensor and all per-sequence state."""
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.queries: torch.Tensor | None = None
+        self.query_positions: torch.Tensor | None = None
+        self.row_start: torch.Tensor | None = None  # LongTensor[B]: first real column of each row
+        self.evicted: torch.Tensor | None = None
+        self.logical_length = 0
+        self.prompt_length = 0
+        self.is_prefill = False
+        self.state: dict[str, Any] = {}
+        self._slot_buffers: dict[str, tuple[torch.Tensor, float]] = {}
+        # name -> storage that the tensor of that name is a prefix view of (see append_along_tokens)
+        self._capacity: dict[str, torch.Tensor] = {}
+        self._forced: torch.Tensor | None = None
+        self.all_valid = True  # no empty slot (lets attention skip building a mask)
+
+    # what policies read ------------------------------------------------------------------
+    @property
+    def num_generated(self) -> int:
+        return self.logical_length - self.prompt_length
+
+    @property
+    def valid_length(self) -> torch.Tensor:
+        """LongTensor[B]: real (non-padding) tokens seen per row."""
+        return self.logical_length - self.row_start
+
+    @property
+    def budget(self) -> torch.Tensor | None:
+        """LongTensor[B]: evictable tokens allowed per (row, head), or None (no budget)."""
+        spec = self.settings.budget
+        if spec is None:
+            return None
+        if isinstance(spec, float):
+            return torch.round(spec * self.valid_length.double()).long() + self.sink + self.window
+        return torch.full_like(self.row_start, int(spec))
+
+    def valid(self) -> torch.Tensor:
+        return self.positions >= 0
+
+    def protected(self) -> torch.Tensor:
+        if not self.settings.protect_prompt:
+            return torch.zeros_like(self.positions, dtype=torch.bool)
+        return self.valid() & (self.positions < self.prompt_length)
+
+    def evictable(self) -> torch.Tensor:
+        return self.valid() & ~self.protected()
+
+    def num_evictable(self) -> torch.Tensor:
+        return self.evictable().sum(-1)
+
+    def forced_keep(self) -> torch.Tensor:
+        # computed once per store state: should_compress, select and the cache all ask for it
+        if self._forced is None:
+            pos = self.positions
+            in_sink = pos < (self.row_start[:, None, None] + self.sink)
+            in_window = pos >= self.logical_length - self.window
+            self._forced = self.protected() | (self.valid() & (in_sink | in_window))
+        return self._forced
+
+    def query_valid(self) -> torch.Tensor:
+        return self.query_positions[None, :] >= self.row_start[:, None]
+
+    def slot_buffer(self, name: str, fill: float = 0.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Per-slot tensor [B, H_c, K] kept aligned with the slots (see rlkv/policies/base.py)."""
+        if name not in self._slot_buffers:
+            buf = torch.full(self.positions.shape, fill, dtype=dtype, device=self.positions.device)
+            self._slot_buffers[name] = (buf, fill)
+        return self._slot_buffers[name][0]
+
+    # what the cache does -----------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add the new tokens' keys/values [B, H_c, Q, D]; their slots get positions T..T+Q-1."""
+        batch, heads, q_len, _ = keys.shape
+        new_pos = torch.arange(self.logical_length, self.logical_length + q_len, device=keys.device)
+        new_pos = new_pos.expand(batch, heads, q_len)
+        if self.keys is None:
+            self.evicted = torch.zeros(batch, dtype=torch.long, device=keys.device)
+        self.keys = self._append("keys", self.keys, keys)
+        self.values = self._append("values", self.values, values)
+        self.positions = self._append("positions", self.positions, new_pos)
+        for name, (buf, fill) in self._slot_buffers.items():
+            pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
+            self._slot_buffers[name] = (self._append(f"slot:{name}", buf, pad), fill)
+        self.logical_length += q_len
+        self._forced = None
+
+    def _append(self, name: str, current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        storage = append_along_tokens(self._capacity.get(name), current, new)
+        self._capacity[name] = storage
+        return storage[:, :, : new.shape[2] + (0 if current is None else current.shape[2])]
+
+    def mark_padding(self, new_valid: torch.Tensor) -> None:
+        """Set the slots of this forward's tokens that are padding (new_valid BoolTensor[B, Q] False) empty."""
+        q_len = new_valid.shape[1]
+        tail = self.positions[:, :, -q_len:]
+        self.positions[:, :, -q_len:] = torch.where(new_valid[:, None, :], tail, torch.full_like(tail, -1))
+        self.all_valid = False
+        self._forced = None
+
+    def remember_queries(self, queries: torch.Tensor, limit: int) -> None:
+        """Keep the last `limit` queries [B, H_c, G, Q, D] (and their positions) across steps."""
+        q_len = queries.shape[3]
+        pos = torch.arange(self.logical_length - q_len, self.logical_length, device=queries.device)
+        if self.queries is not None:
+            queries = torch.cat([self.queries, queries], dim=3)
+            pos = torch.cat([self.query_positions, pos])
+        if queries.shape[3] > limit:
+            # clone: a slice would keep the whole concatenated buffer alive
+            queries, pos = queries[:, :, :, -limit:].clone(), pos[-limit:].clone()
+        self.queries, self.query_positions = queries, pos
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep the slots where `keep` [B, H_c, K] is True (valid ones only), in exactly sized new tensors."""
+        valid = self.valid()
+        keep = keep & valid
+        self.evicted += (valid & ~keep).sum(dim=(1, 2))
+        counts = keep.sum(-1)
+        size = int(counts.max()) if counts.numel() else 0
+        # stable sort: kept slots first, in their current order
+        order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :size]
+        filled = torch.arange(size, device=keep.device) < counts[..., None]
+        idx = order[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, idx)
+        self.values = self.values.gather(2, idx)
+        self.positions = torch.where(filled, self.positions.gather(2, order), -1)
+        for name, (buf, fill) in self._slot_buffers.items():
+            self._slot_buffers[name] = (buf.gather(2, order), fill)
+        self._capacity.clear()  # the gathered tensors are exactly sized; the old storages are freed
+        self.all_valid = bool((counts == size).all())
+        self._forced = None
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor the store holds (for resident-byte accounting)."""
+        extra = [buf for buf, _ in self._slot_buffers.values()]
+        extra += [t for t in self.state.values() if isinstance(t, torch.Tensor)]
+        kv = [self.keys, self.values, self.positions, self.queries, self.query_positions, *extra]
+        return [*kv, self.row_start, self.evicted]

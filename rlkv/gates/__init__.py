@@ -1,0 +1,9 @@
+"""RLKV's training-time gates: one learnable alpha per (layer, KV head) mixing full and sink+local attention.
+
+- `heads`: `HeadGates`, `attach_gates` / `detach_gates` (freeze the model, switch its attention);
+- `attention`: the "rlkv_mixed" attention function the gated model runs (training and generate).
+"""
+
+from rlkv.gates.heads import HeadGates, UnsupportedModelError, attach_gates, detach_gates
+
+__all__ = ["HeadGates", "UnsupportedModelError", "attach_gates", "detach_gates"]
