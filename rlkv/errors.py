@@ -13,39 +13,21 @@ from collections.abc import Callable
 from typing import NoReturn
 
 
-class UserInputError(ValueError):
+class UserError(Exception):
+    """Marker base of the project's error types whose message alone tells the user what to fix.
+
+    Each room's error type (HeadMaskError, CompressionConfigError, ProblemDataError, ...) also
+    derives from its builtin kind (ValueError, RuntimeError), so callers can catch either.
+    """
+
+
+class UserInputError(ValueError, UserError):
     """Invalid input from the user (a path, a flag value, an output location), found before any work."""
 
 
-def user_error_types() -> tuple[type[Exception], ...]:
-    """The exception types whose message alone tells the user what to fix."""
-    from rlkv.data.curriculum import CurriculumError
-    from rlkv.data.loaders import ProblemDataError
-    from rlkv.data.sandbox import SandboxError
-    from rlkv.eval.methods import MethodError
-    from rlkv.gates import UnsupportedModelError
-    from rlkv.head_mask import HeadMaskError
-    from rlkv.inference.config import CompressionConfigError
-    from rlkv.policies import UnknownPolicyError
-    from rlkv.policies.steering import SteeringError
-
-    return (
-        UserInputError,
-        CurriculumError,
-        ProblemDataError,
-        SandboxError,
-        MethodError,
-        UnsupportedModelError,
-        HeadMaskError,
-        CompressionConfigError,
-        UnknownPolicyError,
-        SteeringError,
-    )
-
-
 def is_user_error(error: BaseException) -> bool:
-    """True when `error` is one of `user_error_types()` (report its message, not a traceback)."""
-    return isinstance(error, user_error_types())
+    """True for the project's own error types (`UserError`): report the message, not a traceback."""
+    return isinstance(error, UserError)
 
 
 def run_reporting_user_errors(prog: str, fn: Callable[[], int | None]) -> int:

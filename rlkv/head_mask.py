@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rlkv._io import atomic_write_text
+from rlkv.errors import UserError
 from rlkv.geometry import attention_geometry, text_config
 
 FORMAT_NAME = "rlkv-head-mask"
@@ -32,7 +33,7 @@ DUO_TSV = "full_attention_heads.tsv"
 DUO_CONFIG = "config.json"
 
 
-class HeadMaskError(ValueError):
+class HeadMaskError(ValueError, UserError):
     """A head mask that is malformed or does not belong to the model it is used with."""
 
 

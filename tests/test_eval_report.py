@@ -6,17 +6,16 @@ from fractions import Fraction
 
 import pytest
 
-from rlkv.eval.report import (
-    REPORT_JSON,
+from rlkv.eval.report import REPORT_JSON, write_report
+from rlkv.eval.results import CONFIG_FILE, RESULTS_FILE
+from rlkv.eval.tables import (
     accuracy_table,
     common_length_table,
     draw_means,
     error_mode_table,
     kv_table,
     paired_bootstrap,
-    write_report,
 )
-from rlkv.eval.runner import CONFIG_FILE, RESULTS_FILE
 
 
 def _row(problem, method, sparsity, correct, tokens, error=None, finish="eos", sample=0, length=200):

@@ -1,5 +1,6 @@
 """Problem datasets, prompt templates, answer verification and the self-distilled length curriculum."""
 
+from rlkv.data import chain_task  # noqa: F401  (registers the "chain" verifier)
 from rlkv.data.curriculum import CurriculumConfig, CurriculumError, CurriculumResult, build_curriculum
 from rlkv.data.loaders import SCHEMA_COLUMNS, ProblemDataError, load_problems, problem_sources
 from rlkv.data.prompts import PROMPT_TEMPLATES, build_prompt, format_problem, register_template

@@ -29,7 +29,8 @@ import random
 import string
 from dataclasses import dataclass
 
-from rlkv.data.verify import extract_boxed, strip_thinking
+from rlkv.data.answers import extract_boxed, strip_thinking
+from rlkv.data.verify import register_verifier
 
 SOURCE = "chain"
 LETTERS = tuple(string.ascii_lowercase)
@@ -167,3 +168,10 @@ def verify_chain(completion: str, answer: str) -> bool:
     """True when the last `\\boxed{...}` of `completion` (after any `</think>`) equals `answer`."""
     boxed = extract_boxed(strip_thinking(completion))
     return boxed is not None and boxed == str(answer).strip()
+
+
+def _verify_chain_example(completion: str, example: dict) -> bool:
+    return bool(verify_chain(completion, example["answer"]))
+
+
+register_verifier("chain", _verify_chain_example)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from rlkv._io import atomic_write_text
 from rlkv.data.prompts import build_prompt
 from rlkv.data.verify import check_verifiers, verify
+from rlkv.errors import UserError
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -47,7 +48,7 @@ PAPER_BUCKETS = "0-2k:600,2k-4k:600,4k-6k:1000,6k-8k:800"
 _BOUND_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kK]?)\s*$")
 
 
-class CurriculumError(RuntimeError):
+class CurriculumError(RuntimeError, UserError):
     """The curriculum cannot be built (nothing solved, or an output folder from a different run)."""
 
 

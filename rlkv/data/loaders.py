@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlkv.data.errors import ProblemDataError
+
 if TYPE_CHECKING:
     from datasets import Dataset
 
@@ -37,10 +39,6 @@ REASONING_GYM_DEFAULT_SIZE = 1000
 # "train" (`load_problems`' default), eval's held-out set "test" (EvalConfig's default).
 _SPLIT_SEED_OFFSET = {"train": 0, "validation": 1_000_003, "test": 2_000_003}
 _TASK_SEED_STRIDE = 7919
-
-
-class ProblemDataError(ValueError):
-    """A problem file or dataset is unusable (missing field, bad line, empty)."""
 
 
 def _json_meta(meta: dict[str, Any] | None) -> str:

@@ -20,7 +20,8 @@ Two levels, chosen by `RLKV_CODE_SANDBOX` (`auto`, the default; `guard`; `namesp
 `auto` uses `namespace` where it works and `guard` elsewhere; `namespace` makes its absence an
 error. The level in use is logged once per process.
 
-This module imports only the standard library: it is also the supervisor's script.
+This module is also the supervisor's script, run with the standard library alone (its one rlkv
+import, the `UserError` marker, falls back to `Exception` there).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+try:  # run as the supervisor script (python -I -S), only the standard library is there
+    from rlkv.errors import UserError
+except ImportError:  # pragma: no cover - exercised in the supervisor process
+    UserError = Exception
+
 logger = logging.getLogger(__name__)
 
 CONTAINMENT_ENV = "RLKV_CODE_SANDBOX"
@@ -46,7 +52,7 @@ _SUPERVISOR_GRACE_S = 15.0
 _RESULT_PREFIX = "rlkv-sandbox-result:"
 
 
-class SandboxError(RuntimeError):
+class SandboxError(RuntimeError, UserError):
     """The requested code containment is unknown or not available on this machine."""
 
 

@@ -13,6 +13,8 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 
+from rlkv.data.answers import extract_boxed, strip_thinking
+from rlkv.data.errors import ProblemDataError
 from rlkv.data.sandbox import run_program
 
 logger = logging.getLogger(__name__)
@@ -21,29 +23,6 @@ Verifier = Callable[[str, dict], bool]
 
 MATH_TIMEOUT_S = 5
 CODE_TIMEOUT_S = 10.0
-
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_THINK_END = "</think>"
-
-
-def strip_thinking(completion: str) -> str:
-    """The answer part of a completion: the text after the last `</think>` (all of it if there is none)."""
-    head, sep, tail = completion.rpartition(_THINK_END)
-    return tail if sep else completion
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced; None if absent or unclosed."""
-    for match in reversed(list(_BOX_RE.finditer(text))):
-        depth, start = 1, match.end()
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i].strip()
-    return None
 
 
 def _gold_latex(answer: str) -> str:
@@ -170,12 +149,6 @@ def verify_reasoning_gym(completion: str, example: dict) -> bool:
         return False
 
 
-def _verify_chain(completion: str, example: dict) -> bool:
-    from rlkv.data.chain_task import verify_chain
-
-    return bool(verify_chain(completion, example["answer"]))
-
-
 def _verify_math_example(completion: str, example: dict) -> bool:
     return verify_math(completion, example["answer"])
 
@@ -187,8 +160,7 @@ _VERIFIERS: dict[str, Verifier] = {
     **dict.fromkeys(MATH_SOURCES, _verify_math_example),
     **dict.fromkeys(CODE_SOURCES, verify_code),
     "reasoning_gym": verify_reasoning_gym,
-    "chain": _verify_chain,
-}
+}  # "chain" registers itself in rlkv.data.chain_task (imported by the rlkv.data package)
 
 
 def register_verifier(source: str, fn: Verifier) -> None:
@@ -211,8 +183,6 @@ def get_verifier(source: str) -> Verifier:
 
 def check_verifiers(sources: Iterable[str], origin: str) -> None:
     """Raise `ProblemDataError` naming `origin` if any of `sources` has no registered verifier (before any work)."""
-    from rlkv.data.loaders import ProblemDataError
-
     missing = sorted(set(sources) - set(_VERIFIERS))
     if missing:
         raise ProblemDataError(

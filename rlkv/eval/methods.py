@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlkv.errors import UserError
 from rlkv.head_mask import HeadMask
 from rlkv.policies import available as available_policies
 
@@ -50,7 +51,7 @@ BUDGET_RULES = ("matched", "paper", "fixed")
 BASELINE_POLICY_ALIASES = {"streaming": "sink-recent"}
 
 
-class MethodError(ValueError):
+class MethodError(ValueError, UserError):
     """An unknown or unusable evaluation method name / setting."""
 
 

@@ -14,235 +14,34 @@ import importlib.util
 import json
 import logging
 import os
-from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
-from statistics import mean
 from typing import Any
 
 from rlkv._io import atomic_write_text
-from rlkv.eval.errors import ERROR_MODES
-from rlkv.eval.methods import matched_tokens_per_head, random_mask_seed
+from rlkv.eval.plots import plot_accuracy, plot_common_length, plot_error_modes, plot_gate_heatmap
+from rlkv.eval.results import CONFIG_FILE, RESULTS_FILE, current_results
+from rlkv.eval.sensitivity import ORDER_METHODS, plot_sensitivity
+from rlkv.eval.tables import (
+    BOOTSTRAP_LEVEL,
+    BOOTSTRAP_REFERENCES,
+    BOOTSTRAP_RESAMPLES,
+    BOOTSTRAP_SEED,
+    Row,
+    _cell,
+    _methods,
+    _sparsities,
+    accuracy_table,
+    bootstrap_table,
+    common_length_table,
+    draw_means,
+    error_mode_table,
+    format_sparsity,
+    kv_table,
+)
 
-Row = dict[str, Any]
 logger = logging.getLogger(__name__)
 
 REPORT_JSON = "report.json"
-BOOTSTRAP_RESAMPLES = 10_000
-BOOTSTRAP_SEED = 0
-BOOTSTRAP_LEVEL = 0.95
-# methods every other method is compared with (paired by problem), `rlkv` at the same sparsity
-BOOTSTRAP_REFERENCES = ("full", "rlkv")
-
-
-def _methods(rows: list[Row]) -> list[str]:
-    """Methods in first-seen order, `full` first."""
-    seen = list(dict.fromkeys(r["method"] for r in rows))
-    return sorted(seen, key=lambda m: m != "full")
-
-
-def _sparsities(rows: list[Row]) -> list[float]:
-    return sorted({r["sparsity"] for r in rows if r["method"] != "full"})
-
-
-def _cell(rows: list[Row], method: str, sparsity: float) -> list[Row]:
-    if method == "full":
-        return [r for r in rows if r["method"] == "full"]
-    return [r for r in rows if r["method"] == method and r["sparsity"] == sparsity]
-
-
-def accuracy_table(rows: list[Row]) -> dict[str, dict[float, float]]:
-    """pass@1 (mean correctness over problems and samples) per method and sparsity (`full` at 0 only)."""
-    table: dict[str, dict[float, float]] = defaultdict(dict)
-    for method in _methods(rows):
-        for s in [0.0] if method == "full" else _sparsities(rows):
-            cell = _cell(rows, method, s)
-            if cell:
-                table[method][s] = mean(float(r["correct"]) for r in cell)
-    return table
-
-
-def _draw_groups(methods) -> dict[str, list[str]]:
-    """Seeded random-mask draws by method without the seed (`random-mask@3+rkv` -> `random-mask+rkv`),
-    for the methods drawn two or more times."""
-    groups: dict[str, list[str]] = defaultdict(list)
-    for method in methods:
-        mask, plus, policy = method.partition("+")
-        if random_mask_seed(mask) is not None:
-            groups["random-mask" + plus + policy].append(method)
-    return {group: members for group, members in groups.items() if len(members) >= 2}
-
-
-def draw_means(table: dict[str, dict[float, float]]) -> dict[str, dict[float, float]]:
-    """Mean over seeded draws: `random-mask@0`, `random-mask@1`, ... (and `+<policy>` variants) averaged
-    into one row named like `random-mask (mean of 2 draws)`, for every method with two or more draws."""
-    means = {}
-    for group, members in _draw_groups(table).items():
-        shared = set.intersection(*(set(table[m]) for m in members))
-        means[f"{group} (mean of {len(members)} draws)"] = {
-            s: mean(table[m][s] for m in members) for s in sorted(shared)
-        }
-    return means
-
-
-def paired_bootstrap(
-    differences: Sequence[float],
-    resamples: int = BOOTSTRAP_RESAMPLES,
-    seed: int = BOOTSTRAP_SEED,
-    level: float = BOOTSTRAP_LEVEL,
-) -> tuple[float, float, float]:
-    """Mean of paired per-problem `differences` and its percentile bootstrap interval: (mean, low, high).
-
-    Each of `resamples` (seeded) draws n problems with replacement and takes the mean difference;
-    low / high are the (1 - level) / 2 and (1 + level) / 2 percentiles of those means (linear interpolation).
-    """
-    import numpy as np
-
-    d = np.asarray(differences, dtype=np.float64)
-    if d.ndim != 1 or d.size == 0:
-        raise ValueError("paired_bootstrap needs a non-empty list of per-problem differences")
-    if resamples < 1 or not 0.0 < level < 1.0:
-        raise ValueError(f"resamples={resamples} must be >= 1 and level={level} in (0, 1)")
-    rng = np.random.default_rng(seed)
-    block = max(1, (1 << 22) // d.size)  # index draws held at once (32 MiB)
-    means = np.concatenate(
-        [
-            d[rng.integers(0, d.size, size=(min(block, resamples - start), d.size))].mean(axis=1)
-            for start in range(0, resamples, block)
-        ]
-    )
-    low, high = np.percentile(means, [50.0 * (1.0 - level), 50.0 * (1.0 + level)])
-    return float(d.mean()), float(low), float(high)
-
-
-def _per_problem(cells: list[list[Row]]) -> dict[tuple[str, str], float]:
-    """pass@1 per (benchmark, problem id), averaged over samples and over the methods of `cells`
-    (a draw group's mean), for the problems every cell has."""
-    by_cell = []
-    for cell in cells:
-        outcomes: dict[tuple[str, str], list[float]] = defaultdict(list)
-        for r in cell:
-            outcomes[(r["benchmark"], r["problem_id"])].append(float(r["correct"]))
-        by_cell.append({k: mean(v) for k, v in outcomes.items()})
-    shared = set.intersection(*(set(c) for c in by_cell)) if by_cell else set()
-    return {k: mean(c[k] for c in by_cell) for k in shared}
-
-
-def bootstrap_table(
-    rows: list[Row],
-    resamples: int = BOOTSTRAP_RESAMPLES,
-    seed: int = BOOTSTRAP_SEED,
-    level: float = BOOTSTRAP_LEVEL,
-) -> list[dict[str, Any]]:
-    """pass@1 difference of each method (and draw mean) x sparsity to `full` and to `rlkv` (same sparsity),
-    paired by problem, with `paired_bootstrap` intervals: dicts of method, sparsity, reference, n
-    (problems both have), diff, low, high (fractions)."""
-    methods = _methods(rows)
-    groups = {f"{g} (mean of {len(m)} draws)": m for g, m in _draw_groups(methods).items()}
-    out = []
-    for reference in BOOTSTRAP_REFERENCES:
-        if reference not in methods:
-            continue
-        for s in _sparsities(rows):
-            ref = _per_problem([_cell(rows, reference, s)])
-            for name, members in [(m, [m]) for m in methods if m not in ("full", reference)] + list(
-                groups.items()
-            ):
-                values = _per_problem([_cell(rows, m, s) for m in members])
-                shared = sorted(set(values) & set(ref))
-                if not shared:
-                    continue
-                diff, low, high = paired_bootstrap(
-                    [values[k] - ref[k] for k in shared], resamples=resamples, seed=seed, level=level
-                )
-                out.append(
-                    {
-                        "method": name,
-                        "sparsity": s,
-                        "reference": reference,
-                        "n": len(shared),
-                        "diff": diff,
-                        "low": low,
-                        "high": high,
-                    }
-                )
-    return out
-
-
-def _solved_by_full(rows: list[Row]) -> set[tuple[str, str, int]]:
-    return {
-        (r["benchmark"], r["problem_id"], r["sample"]) for r in rows if r["method"] == "full" and r["correct"]
-    }
-
-
-def error_mode_table(rows: list[Row]) -> dict[tuple[str, float], dict[str, int]]:
-    """Error-mode counts of each (method, sparsity) on the problems the full model solves (plus `n`)."""
-    solved = _solved_by_full(rows)
-    table: dict[tuple[str, float], dict[str, int]] = {}
-    for method in _methods(rows):
-        if method == "full":
-            continue
-        for s in _sparsities(rows):
-            cell = [
-                r for r in _cell(rows, method, s) if (r["benchmark"], r["problem_id"], r["sample"]) in solved
-            ]
-            if cell:
-                counts = {mode: sum(r["error_mode"] == mode for r in cell) for mode in ERROR_MODES}
-                table[(method, s)] = {"n": len(cell), **counts}
-    return table
-
-
-def common_length_table(rows: list[Row]) -> dict[float, dict[str, Any]]:
-    """Per sparsity: problems every method (and full) solved, and each method's mean generated length on them."""
-    methods = _methods(rows)
-    out: dict[float, dict[str, Any]] = {}
-    for s in _sparsities(rows):
-        correct_sets = []
-        for m in methods:
-            correct_sets.append(
-                {(r["benchmark"], r["problem_id"], r["sample"]) for r in _cell(rows, m, s) if r["correct"]}
-            )
-        common = set.intersection(*correct_sets) if correct_sets else set()
-        lengths = {}
-        for m in methods:
-            vals = [
-                r["num_generated_tokens"]
-                for r in _cell(rows, m, s)
-                if (r["benchmark"], r["problem_id"], r["sample"]) in common
-            ]
-            if vals:
-                lengths[m] = mean(vals)
-        out[s] = {"n": len(common), "lengths": lengths}
-    return out
-
-
-def kv_table(rows: list[Row], num_heads: int, overhead: int) -> dict[tuple[str, float], dict[str, float]]:
-    """Per (method, sparsity): resident KV as % of full, and max |KV tokens per head - matched target|."""
-    table = {}
-    for method in _methods(rows):
-        for s in _sparsities(rows) or [0.0]:
-            cell = [r for r in _cell(rows, method, s) if r.get("kv_tokens") is not None]
-            if not cell:
-                continue
-            full = sum(r["logical_length"] * num_heads for r in cell)
-            target_s = 0.0 if method == "full" else s
-            dev = max(
-                abs(
-                    r["kv_tokens_per_head"]
-                    - matched_tokens_per_head(target_s, num_heads, r["logical_length"], overhead)
-                )
-                for r in cell
-            )
-            table[(method, s)] = {
-                "kv_percent": 100.0 * sum(r["kv_tokens"] for r in cell) / max(full, 1),
-                "max_dev": dev,
-                "kv_mib": mean(r["kv_bytes"] for r in cell) / 2**20,
-            }
-    return table
-
-
-def _fmt_s(s: float) -> str:
-    return f"{s:g}"
 
 
 def _stop_lines(rows: list[Row], benches: list[str], config: dict[str, Any]) -> list[str]:
@@ -310,7 +109,7 @@ def render_markdown(
         "",
     ]
     sparsities = _sparsities(rows)
-    header = "| method | " + " | ".join(f"s={_fmt_s(s)}" for s in sparsities) + " |"
+    header = "| method | " + " | ".join(f"s={format_sparsity(s)}" for s in sparsities) + " |"
     rule = "| --- |" + " ---: |" * len(sparsities)
     for bench in benches:
         brows = [r for r in rows if r["benchmark"] == bench]
@@ -415,109 +214,9 @@ def render_markdown(
     return "\n".join(lines)
 
 
-def plot_accuracy(rows: list[Row], path: Path) -> None:
-    """Accuracy vs sparsity, one line per method, one panel per benchmark (RLKV Figure 5)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    benches = list(dict.fromkeys(r["benchmark"] for r in rows))
-    fig, axes = plt.subplots(1, len(benches), figsize=(5 * len(benches), 3.8), squeeze=False)
-    for ax, bench in zip(axes[0], benches):
-        acc = accuracy_table([r for r in rows if r["benchmark"] == bench])
-        averaged = {m for members in _draw_groups(acc).values() for m in members}
-        shown = {m: v for m, v in acc.items() if m not in averaged}  # one line per averaged group
-        for method, by_s in {**shown, **draw_means(acc)}.items():
-            if method == "full":
-                ax.axhline(100 * by_s[0.0], color="black", linestyle="--", label="full")
-                continue
-            xs = sorted(by_s)
-            ax.plot(xs, [100 * by_s[x] for x in xs], marker="o", label=method)
-        ax.set(title=bench, xlabel="sparsity (fraction of KV heads compressed)", ylabel="pass@1 (%)")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    _save(fig, path)
-
-
-def plot_error_modes(rows: list[Row], path: Path) -> None:
-    """Stacked error-mode bars per method and sparsity on full-solved problems (RLKV Figure 9)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = error_mode_table(rows)
-    labels = [f"{m}\ns={_fmt_s(s)}" for m, s in table]
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels) + 2), 4))
-    if not table:
-        ax.text(
-            0.5, 0.5, "no problem solved by the full model", ha="center", va="center", transform=ax.transAxes
-        )
-    bottom = [0.0] * len(labels)
-    for mode in ERROR_MODES:
-        vals = [100.0 * c[mode] / c["n"] for c in table.values()]
-        ax.bar(labels, vals, bottom=bottom, label=mode)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set(ylabel="% of full-solved problems", title="error modes")
-    ax.tick_params(axis="x", labelsize=7, rotation=90)
-    ax.legend()
-    fig.tight_layout()
-    _save(fig, path)
-
-
-def plot_common_length(rows: list[Row], path: Path) -> None:
-    """Mean generated length of commonly-correct samples per method vs sparsity (RLKV Figure 10)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    common = common_length_table(rows)
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for method in _methods(rows):
-        xs = [s for s in common if method in common[s]["lengths"]]
-        ax.plot(xs, [common[s]["lengths"][method] for s in xs], marker="o", label=method)
-    ax.set(xlabel="sparsity", ylabel="mean generated tokens", title="commonly-correct samples")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    _save(fig, path)
-
-
-def plot_gate_heatmap(scores: Any, path: Path, title: str = "head mask scores") -> None:
-    """Heatmap of a head mask's scores [L, H_kv] (RLKV Figure 3)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    data = [list(map(float, row)) for row in scores.tolist()]
-    fig, ax = plt.subplots(figsize=(max(3.0, 0.5 * len(data[0]) + 2), max(3.0, 0.25 * len(data) + 1.5)))
-    image = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
-    ax.set(xlabel="KV head", ylabel="layer", title=title)
-    fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    _save(fig, path)
-
-
-def _save(fig: Any, path: Path) -> None:
-    """Save atomically (temp file + rename) and close the figure."""
-    import matplotlib.pyplot as plt
-
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
 def write_report(out: str | os.PathLike, head_mask: Any = None, plots: bool = True) -> Path:
     """Regenerate report.md, report.json (pass@1 and bootstrap intervals) and the PNGs in `out` from the rows
     its last run asked for; returns the report.md path."""
-    from rlkv.eval.runner import CONFIG_FILE, RESULTS_FILE, current_results
-    from rlkv.eval.sensitivity import ORDER_METHODS, plot_sensitivity
-
     out = Path(out)
     rows = current_results(out)
     if not rows:

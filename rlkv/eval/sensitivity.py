@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from rlkv.eval.plots import save_figure
+from rlkv.eval.tables import accuracy_table
 from rlkv.head_mask import HeadMask, ModelFingerprint
 
 ORDER_METHODS = ("rlkv", "ablation-mask", "random-mask", "duo")
@@ -79,8 +81,6 @@ def plot_sensitivity(rows: list[dict[str, Any]], path: str | os.PathLike) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rlkv.eval.report import _save, accuracy_table
-
     acc = accuracy_table(rows)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for method, by_s in acc.items():
@@ -93,4 +93,4 @@ def plot_sensitivity(rows: list[dict[str, Any]], path: str | os.PathLike) -> Non
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    _save(fig, Path(path))
+    save_figure(fig, Path(path))

@@ -6,11 +6,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from rlkv.errors import UserError
 from rlkv.gates import attention as mixed_attention
 from rlkv.geometry import attention_geometry, text_config
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ValueError, UserError):
     """The model's attention layers do not expose what head-level gating needs."""
 
 

@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
+from rlkv.errors import UserError
 from rlkv.head_mask import HeadMask, HeadMaskError
 
 
-class CompressionConfigError(ValueError):
+class CompressionConfigError(ValueError, UserError):
     """A `CompressionConfig` field with an invalid value (the message names the field and the fix)."""
 
 

@@ -11,13 +11,14 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 
+from rlkv.errors import UserError
 from rlkv.policies.base import CompressionPolicy, keep_forced_only, keep_top_scores
 
 _REGISTRY: dict[str, type[CompressionPolicy]] = {}
 _BUILTINS_LOADED = False
 
 
-class UnknownPolicyError(ValueError):
+class UnknownPolicyError(ValueError, UserError):
     """A policy name that no registered policy has."""
 
 

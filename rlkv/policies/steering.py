@@ -26,13 +26,14 @@ from typing import Any
 import torch
 
 from rlkv._io import atomic_write_text
+from rlkv.errors import UserError
 from rlkv.geometry import text_config
 from rlkv.policies.sentences import DELIMITERS, NON_EXECUTION_KEYWORDS, delimiter_token_mask, sentence_spans
 
 STEERING_FORMAT = "rlkv-steering-v1"
 
 
-class SteeringError(ValueError):
+class SteeringError(ValueError, UserError):
     """A malformed steering-vector file, or one that does not fit the model."""
 
 

@@ -1,0 +1,117 @@
+"""The report's figures (matplotlib, imported lazily): accuracy vs sparsity, error modes, common
+length, the gate heatmap; `save_figure` writes a PNG atomically."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from rlkv.eval.errors import ERROR_MODES
+from rlkv.eval.tables import (
+    Row,
+    _draw_groups,
+    _methods,
+    accuracy_table,
+    common_length_table,
+    draw_means,
+    error_mode_table,
+    format_sparsity,
+)
+
+
+def plot_accuracy(rows: list[Row], path: Path) -> None:
+    """Accuracy vs sparsity, one line per method, one panel per benchmark (RLKV Figure 5)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benches = list(dict.fromkeys(r["benchmark"] for r in rows))
+    fig, axes = plt.subplots(1, len(benches), figsize=(5 * len(benches), 3.8), squeeze=False)
+    for ax, bench in zip(axes[0], benches):
+        acc = accuracy_table([r for r in rows if r["benchmark"] == bench])
+        averaged = {m for members in _draw_groups(acc).values() for m in members}
+        shown = {m: v for m, v in acc.items() if m not in averaged}  # one line per averaged group
+        for method, by_s in {**shown, **draw_means(acc)}.items():
+            if method == "full":
+                ax.axhline(100 * by_s[0.0], color="black", linestyle="--", label="full")
+                continue
+            xs = sorted(by_s)
+            ax.plot(xs, [100 * by_s[x] for x in xs], marker="o", label=method)
+        ax.set(title=bench, xlabel="sparsity (fraction of KV heads compressed)", ylabel="pass@1 (%)")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def plot_error_modes(rows: list[Row], path: Path) -> None:
+    """Stacked error-mode bars per method and sparsity on full-solved problems (RLKV Figure 9)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = error_mode_table(rows)
+    labels = [f"{m}\ns={format_sparsity(s)}" for m, s in table]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels) + 2), 4))
+    if not table:
+        ax.text(
+            0.5, 0.5, "no problem solved by the full model", ha="center", va="center", transform=ax.transAxes
+        )
+    bottom = [0.0] * len(labels)
+    for mode in ERROR_MODES:
+        vals = [100.0 * c[mode] / c["n"] for c in table.values()]
+        ax.bar(labels, vals, bottom=bottom, label=mode)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set(ylabel="% of full-solved problems", title="error modes")
+    ax.tick_params(axis="x", labelsize=7, rotation=90)
+    ax.legend()
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def plot_common_length(rows: list[Row], path: Path) -> None:
+    """Mean generated length of commonly-correct samples per method vs sparsity (RLKV Figure 10)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    common = common_length_table(rows)
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for method in _methods(rows):
+        xs = [s for s in common if method in common[s]["lengths"]]
+        ax.plot(xs, [common[s]["lengths"][method] for s in xs], marker="o", label=method)
+    ax.set(xlabel="sparsity", ylabel="mean generated tokens", title="commonly-correct samples")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def plot_gate_heatmap(scores: Any, path: Path, title: str = "head mask scores") -> None:
+    """Heatmap of a head mask's scores [L, H_kv] (RLKV Figure 3)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = [list(map(float, row)) for row in scores.tolist()]
+    fig, ax = plt.subplots(figsize=(max(3.0, 0.5 * len(data[0]) + 2), max(3.0, 0.25 * len(data) + 1.5)))
+    image = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
+    ax.set(xlabel="KV head", ylabel="layer", title=title)
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Save atomically (temp file + rename) and close the figure."""
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)

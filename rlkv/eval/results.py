@@ -1,0 +1,69 @@
+"""An eval folder's files: results.jsonl (one row per generation, appended, resumable), the keys
+the last run asked for, and its config; `current_results` reads the rows the report counts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RESULTS_FILE = "results.jsonl"
+KEYS_FILE = "eval_keys.json"  # the row keys the last run asked for: what the report counts
+CONFIG_FILE = "eval_config.json"
+
+
+def row_key(benchmark: str, problem_id: str, method: str, sparsity: float, sample: int) -> str:
+    """The resume key of one result row."""
+    return f"{benchmark}|{problem_id}|{method}|{sparsity:g}|{sample}"
+
+
+def read_results(path: str | os.PathLike, repair: bool = False) -> list[dict[str, Any]]:
+    """Rows of a results.jsonl. A torn last line (killed writer) is ignored, and cut off when `repair`."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    rows, good_end, start = [], 0, 0
+    while start < len(data):
+        end = data.find(b"\n", start)
+        line = data[start:] if end < 0 else data[start:end]
+        try:
+            if line.strip():
+                rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if end >= 0 and data[end + 1 :].strip():
+                raise ValueError(
+                    f"{path}: line {len(rows) + 1} is not valid JSON (not a torn last line)"
+                ) from None
+            break
+        if end < 0:
+            good_end = len(data) if line.strip() == b"" else good_end
+            break
+        start = good_end = end + 1
+    if repair and good_end < len(data):
+        logger.warning(
+            "%s: dropping a torn last line (%d bytes) left by an interrupted run", path, len(data) - good_end
+        )
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return rows
+
+
+def current_results(out: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of `out`'s results.jsonl that its last run asked for (the keys in eval_keys.json), one per key.
+
+    results.jsonl keeps every row ever generated there, also those of problems whose text or answer
+    was edited since, or that a smaller `num_problems` or a shorter method list no longer asks.
+    """
+    out = Path(out)
+    keys_path = out / KEYS_FILE
+    wanted = set(json.loads(keys_path.read_text())) if keys_path.exists() else None
+    rows: dict[str, dict[str, Any]] = {}
+    for row in read_results(out / RESULTS_FILE):
+        if wanted is None or row["key"] in wanted:
+            rows.setdefault(row["key"], row)
+    return list(rows.values())
