@@ -14,7 +14,7 @@ from trl import GRPOConfig
 class GateGRPOConfig(GRPOConfig):
     """GRPO settings for training RLKV head gates (only the L x H_kv gates train; the model is frozen).
 
-    RLKV fields (see DESIGN.md, "RLKV"): the L1 penalty added to the loss is
+    RLKV fields (docs/design.md, "Training"): the L1 penalty added to the loss is
     `beta' * mean(|alpha|)` = `beta' / (L * H) * ||alpha||_1` with
     `beta' = 1[r_bar > reward_threshold] * l1_beta * (exp(r_bar) - 1)` when `adaptive_penalty`,
     else the constant `l1_beta`. `r_bar` is the mean raw reward of the step's generation batch.

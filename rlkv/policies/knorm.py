@@ -1,0 +1,37 @@
+"""K-norm (Devoto et al. 2024): keys with a small L2 norm draw the most attention, so keep those.
+
+The worked example of CONTRIBUTING.md ("Adding a policy"): one file, one registered class,
+scores from what the store holds, selection by the shared `keep_top_scores`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkv.policies import register_policy
+from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
+
+
+@register_policy("knorm")
+class KeyNormPolicy(CompressionPolicy):
+    """Keep the evictable tokens whose keys have the smallest L2 norm (per row and KV head).
+
+    buffer: tokens allowed above the budget before compressing again (0: compress every step).
+    """
+
+    default_budget = 0.2  # 20% of each row's real tokens + sink + window, as `h2o`
+
+    def __init__(self, buffer: int = 0):
+        if int(buffer) != buffer or buffer < 0:
+            raise ValueError(f"knorm: buffer={buffer!r} must be an int >= 0")
+        self.buffer = int(buffer)
+
+    def should_compress(self, store: PolicyStore) -> bool:
+        budget = store.budget
+        if budget is None:
+            return False
+        return bool((store.num_evictable() > budget[:, None] + self.buffer).any())
+
+    def select(self, store: PolicyStore) -> torch.Tensor:
+        scores = -store.keys.float().norm(dim=-1)  # [B, H_c, K]: smaller norm = higher score
+        return keep_top_scores(store, scores)

@@ -1,0 +1,76 @@
+"""Every registered policy passes the shared properties (tests/policy_properties.py), and every
+registered policy has a matrix row (tests/policy_matrix.py) and a README table row."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from policy_matrix import POLICY_MATRIX
+from policy_properties import assert_no_eviction_is_identity, assert_rows_independent
+
+from rlkv.policies import available, get_policy, get_policy_class
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+END_OF_POLICY_TABLE = "<!-- policy rows"
+
+
+def readme_policy_names() -> list[str]:
+    """Names in the first column of the README's policy table (the rows above its end marker)."""
+    text = README.read_text()
+    table = text[: text.index(END_OF_POLICY_TABLE)].rsplit("| name | paper |", 1)[1]
+    return re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
+
+
+def shipped_policies() -> list[str]:
+    """Every policy `rlkv.policies.available()` lists from the package itself (test modules register
+    their own helper policies too)."""
+    return [name for name in available() if get_policy_class(name).__module__.startswith("rlkv.")]
+
+
+def test_every_registered_policy_is_in_the_matrix():
+    assert sorted(POLICY_MATRIX) == shipped_policies()
+
+
+def test_every_registered_policy_is_in_the_readme_table():
+    assert sorted(readme_policy_names()) == shipped_policies()
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_MATRIX))
+def test_budget_above_sequence_is_plain_generation(name, make_model, tokenizer, left_padded_batch):
+    entry = POLICY_MATRIX[name]
+    ids, mask = left_padded_batch
+    assert_no_eviction_is_identity(
+        make_model("qwen2"),
+        lambda: get_policy(name, **entry.kwargs(tokenizer)),
+        ids,
+        mask,
+        entry.identity_tokens,
+        **entry.identity,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in POLICY_MATRIX.items() if e.evicting is not None))
+def test_batch_rows_are_compressed_as_alone(name, make_model, tokenizer, left_padded_batch):
+    entry = POLICY_MATRIX[name]
+    ids, mask = left_padded_batch
+    assert_rows_independent(
+        make_model("qwen2"),
+        lambda: get_policy(name, **entry.kwargs(tokenizer)),
+        ids,
+        mask,
+        entry.evicting_tokens,
+        **entry.evicting,
+    )
+
+
+def test_contributing_shows_the_shipped_example_policy():
+    """CONTRIBUTING.md's worked example is rlkv/policies/knorm.py verbatim (< 50 lines), which the
+    matrix above runs like every other policy."""
+    import rlkv.policies.knorm as example
+
+    listing = (README.parent / "CONTRIBUTING.md").read_text().split("```python\n")[1].split("```")[0]
+    assert listing == Path(example.__file__).read_text()
+    assert len(listing.splitlines()) < 50
+    assert "knorm" in POLICY_MATRIX and "knorm" in readme_policy_names()
