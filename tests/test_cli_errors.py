@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from test_trainer_script import load_script
 
+import rlkv.trainers.script as train_script
 from rlkv.cli import main
 from rlkv.data import sandbox
 from rlkv.errors import UserInputError, is_user_error
@@ -112,6 +113,16 @@ def test_train_gates_bad_recipe_is_one_line_not_buried_under_usage(tmp_path, cap
     err = capsys.readouterr().err
     assert "usage:" not in err and len(err.strip().splitlines()) == 1, err
     assert "error: bad recipe" in err and "l1_betta" in err
+
+
+def test_rlkv_train_is_train_gates_main(tmp_path, capsys):
+    """`rlkv train ARGS` runs the same recipe parser as train_gates.py: a bad recipe is one line."""
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model_name_or_path: tiny-missing\nl1_betta: 0.1\n")
+    code, err = run_cli(["train", "--config", str(recipe)], capsys)
+    assert code == 2
+    assert_one_error_line(err, "rlkv train", "bad recipe", "l1_betta")
+    assert load_script().main is train_script.main
 
 
 def test_demo_recipe_on_a_fresh_clone_says_to_build_the_curriculum_first(tmp_path, monkeypatch, capsys):

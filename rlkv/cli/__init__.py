@@ -22,6 +22,7 @@ SUBCOMMANDS = [
     "rlkv.cli.ablation_mask",
     "rlkv.cli.steering",
     "rlkv.cli.eval",
+    "rlkv.cli.train",
 ]
 
 
@@ -58,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `rlkv` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "passes_extra_args", False):
+        args.extra_args = extra  # `rlkv train`: the recipe parser reads them
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     prog = " ".join(["rlkv", args.command, *(v for k, v in vars(args).items() if k.endswith("_command"))])
 
     def run() -> int | None:

@@ -1,0 +1,252 @@
+"""Train RLKV head gates with GRPO: `rlkv train --config recipes/<name>.yaml [--field value ...]`, or under
+accelerate `accelerate launch train_gates.py --config ...` (train_gates.py is a shim over `main` here).
+
+Every field of `ScriptArguments` (data, prompt, rewards), `rlkv.trainers.GateGRPOConfig` (TRL's
+GRPOConfig plus RLKV's l1_beta, reward_threshold, adaptive_penalty, gate_*, target_sparsity) and
+TRL's `ModelConfig` (model_name_or_path, dtype, ...) can be set in the YAML or on the command line
+(`dtype: auto` means bf16 on CPUs with AVX512/AMX-BF16 and on CUDA, fp32 otherwise; the gates stay fp32)
+(the command line wins). Writes checkpoints with the gates and `head_mask.json` / `head_mask.tsv`
+into `output_dir` at every save and at the end.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ScriptArguments:
+    """What to train on and how it is scored."""
+
+    dataset_name: str = field(
+        default="",
+        metadata={
+            "help": "Problem set for rlkv.data.load_problems: a name (gsm8k, deepscaler, chain, reasoning_gym:<task>, "
+            "...), a .jsonl/.json/.parquet file or a save_to_disk folder (e.g. a curriculum) in the problem schema."
+        },
+    )
+    dataset_split: str | None = field(
+        default=None, metadata={"help": "Split (each named set has a default)."}
+    )
+    dataset_num: int | None = field(
+        default=None, metadata={"help": "Use this many problems (seeded sample)."}
+    )
+    dataset_data_files: str | None = field(
+        default=None, metadata={"help": "Local file in the hub layout for a named set (offline machines)."}
+    )
+    prompt_template: str = field(
+        default="auto",
+        metadata={"help": "rlkv.data prompt template: math (RLKV paper), code, plain, or auto (by source)."},
+    )
+    system_prompt: str | None = field(default=None, metadata={"help": "Optional system message."})
+    open_think: bool = field(
+        default=False, metadata={"help": "End the prompt inside an opened <think> block."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start over in an output_dir that holds a run: its checkpoint-* folders and head mask are "
+            "deleted first. Without it (and without resume_from_checkpoint) such an output_dir is refused."
+        },
+    )
+    rewards: list[str] = field(
+        default_factory=lambda: ["verify"],
+        metadata={
+            "help": "Reward functions: verify (the verifier registered for each row's source), math (boxed answer "
+            "vs `answer` with math-verify), or import paths module:function."
+        },
+    )
+
+
+def check_model_geometry(model_name_or_path: str, **load_kwargs) -> None:
+    """Fail fast (before loading weights) when the model config lacks what per-KV-head gates need."""
+    from transformers import AutoConfig
+
+    from rlkv.geometry import attention_geometry, text_config
+
+    config = AutoConfig.from_pretrained(model_name_or_path, **load_kwargs)
+    text = text_config(config)
+    missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(text, a, None) is None]
+    if missing:
+        raise ValueError(
+            f"model {model_name_or_path!r} ({config.model_type}) has no {', '.join(missing)} in its config: rlkv "
+            "gates need a decoder with per-layer (grouped-query) attention such as Llama, Qwen2, Qwen3, Mistral"
+        )
+    geometry = attention_geometry(text)
+    heads, kv = geometry.num_attention_heads, geometry.num_key_value_heads
+    if heads % kv:
+        raise ValueError(
+            f"model {model_name_or_path!r}: num_attention_heads={heads} not divisible by kv heads={kv}"
+        )
+
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_RUN_FILES = ("head_mask.json", "head_mask.tsv", "gates.safetensors")
+
+
+def _checkpoints(output_dir: Path) -> list[Path]:
+    """checkpoint-N folders of `output_dir`, by step."""
+    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and _CHECKPOINT_RE.match(p.name)]
+    return sorted(found, key=lambda p: int(_CHECKPOINT_RE.match(p.name).group(1)))
+
+
+def resolve_output_dir(
+    output_dir: str, resume_from_checkpoint: str | None, overwrite: bool, main_process: bool
+):
+    """The checkpoint to resume from (None: a fresh run), after checking `output_dir` against the request.
+
+    `resume_from_checkpoint`: a checkpoint folder (must be complete: it has trainer_state.json) or
+    "true" (the latest complete checkpoint of output_dir). A fresh run into an output_dir that holds
+    a run is refused unless `overwrite` (the old run's checkpoints and head mask are deleted, on the
+    main process). Raises `UserInputError` naming the way out.
+    """
+    from rlkv.errors import UserInputError
+
+    out = Path(output_dir)
+    complete = [p for p in _checkpoints(out) if (p / "trainer_state.json").is_file()] if out.is_dir() else []
+    latest = f"the last complete one is {complete[-1]}" if complete else f"{out} has no complete checkpoint"
+    if resume_from_checkpoint is not None and resume_from_checkpoint.strip().lower() == "true":
+        if not complete:
+            raise UserInputError(f"resume_from_checkpoint=true: {latest}; start a fresh run instead")
+        return str(complete[-1])
+    if resume_from_checkpoint:
+        if not (Path(resume_from_checkpoint) / "trainer_state.json").is_file():
+            raise UserInputError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} is not a complete checkpoint (no "
+                f"trainer_state.json: missing, or cut short by a kill); {latest}"
+            )
+        return resume_from_checkpoint
+    holds_run = out.is_dir() and (_checkpoints(out) or any((out / f).exists() for f in _RUN_FILES))
+    if holds_run and not overwrite:
+        raise UserInputError(
+            f"output_dir {str(out)!r} already holds a training run; continue it with --resume_from_checkpoint true, "
+            "start over in it with --overwrite_output_dir true, or choose another output_dir"
+        )
+    if holds_run and main_process:
+        for checkpoint in _checkpoints(out):
+            shutil.rmtree(checkpoint)
+        for name in _RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+    return None
+
+
+def build_train_dataset(
+    script_args: ScriptArguments, tokenizer, chat_template_kwargs: dict | None, seed: int
+):
+    """The problems with a `prompt` column (chat-templated string) added; ProblemDataError if unusable or empty."""
+    from rlkv.data import ProblemDataError, build_prompt, load_problems
+    from rlkv.data.verify import check_verifiers
+
+    if not script_args.dataset_name:
+        raise ProblemDataError("dataset_name is empty: set it in the recipe or with --dataset_name")
+    ds = load_problems(
+        script_args.dataset_name,
+        split=script_args.dataset_split,
+        num=script_args.dataset_num,
+        seed=seed,
+        data_files=script_args.dataset_data_files,
+    )
+    if len(ds) == 0:
+        raise ProblemDataError(
+            f"dataset {script_args.dataset_name!r} has no problems after loading/filtering"
+        )
+    if "verify" in script_args.rewards:
+        check_verifiers(ds.unique("source"), f"dataset {script_args.dataset_name!r}")
+
+    def add_prompt(example: dict) -> dict:
+        prompt = build_prompt(
+            example,
+            tokenizer,
+            script_args.prompt_template,
+            system_prompt=script_args.system_prompt,
+            open_think=script_args.open_think,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return {"prompt": prompt}
+
+    return ds.map(add_prompt, desc="prompts")
+
+
+def build_trainer(argv: list[str] | None = None, prog: str | None = None):
+    """Parse and validate the recipe (exit status 2 with a `PROG: error:` line when it is bad); the ready
+    GateGRPOTrainer. `prog` names the command in messages (default: the script's file name)."""
+    import torch
+    from transformers import AutoTokenizer
+    from trl import ModelConfig, TrlParser
+
+    from rlkv.data import ProblemDataError
+    from rlkv.errors import OneLineErrors
+    from rlkv.gates import UnsupportedModelError
+    from rlkv.inference import resolve_dtype
+    from rlkv.trainers import GateGRPOConfig, GateGRPOTrainer, get_reward
+
+    class RecipeParser(OneLineErrors, TrlParser):
+        """TrlParser whose errors are one line, not buried under the usage text of every TRL field."""
+
+    parser = RecipeParser((ScriptArguments, GateGRPOConfig, ModelConfig), **({"prog": prog} if prog else {}))
+    try:
+        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    except ValueError as e:  # unknown recipe fields and invalid values
+        parser.error(f"bad recipe: {e}")
+    if not model_args.model_name_or_path:
+        parser.error("bad recipe: model_name_or_path is not set")
+    training_args.resume_from_checkpoint = resolve_output_dir(
+        training_args.output_dir,
+        training_args.resume_from_checkpoint,
+        script_args.overwrite_output_dir,
+        main_process=training_args.process_index == 0,
+    )
+    load_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+    }
+    try:
+        check_model_geometry(model_args.model_name_or_path, **load_kwargs)
+        reward_funcs = [get_reward(name) for name in script_args.rewards]
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_args.model_name_or_path, padding_side="left", **load_kwargs
+        )
+        train_dataset = build_train_dataset(
+            script_args, tokenizer, training_args.chat_template_kwargs, seed=training_args.seed
+        )
+    except (ValueError, OSError, ProblemDataError) as e:
+        parser.error(f"bad recipe: {e}")
+    device = "cpu" if training_args.use_cpu or not torch.cuda.is_available() else "cuda"
+    training_args.model_init_kwargs = {
+        **(training_args.model_init_kwargs or {}),
+        "revision": model_args.model_revision,
+        **({"dtype": resolve_dtype(model_args.dtype, device)} if model_args.dtype else {}),
+    }
+    try:
+        trainer = GateGRPOTrainer(
+            model=model_args.model_name_or_path,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            processing_class=tokenizer,
+        )
+    except UnsupportedModelError as e:
+        parser.error(f"bad recipe: {e}")
+    return trainer
+
+
+def train(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Train the gates of the recipe's model, then save the final gates and head mask into output_dir."""
+    import torch
+
+    trainer = build_trainer(argv, prog)
+    training_args = trainer.args
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None, prog: str = "train_gates.py") -> int:
+    """`train(argv)`; exit status 2 with one `PROG: error: ...` line for a bad recipe or input."""
+    from rlkv.errors import run_reporting_user_errors
+
+    return run_reporting_user_errors(prog, lambda: train(argv, prog))
