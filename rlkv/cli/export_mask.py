@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from rlkv.head_mask import HeadMaskError
-    from rlkv.trainers.callbacks import head_mask_from_checkpoint
+    from rlkv.trainers.checkpoints import head_mask_from_checkpoint
 
     try:
         mask = head_mask_from_checkpoint(args.checkpoint)

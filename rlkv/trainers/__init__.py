@@ -1,6 +1,6 @@
 """The RLKV gate trainer on TRL: config, trainer, rewards, checkpoint/export callbacks."""
 
-from rlkv.trainers.callbacks import head_mask_from_checkpoint, load_gate_checkpoint
+from rlkv.trainers.checkpoints import head_mask_from_checkpoint, load_gate_checkpoint
 from rlkv.trainers.config import GateGRPOConfig
 from rlkv.trainers.grpo import GateGRPOTrainer, l1_penalty, penalty_weight
 from rlkv.trainers.rewards import boxed_math_reward, get_reward, reward_from_verifier, verifier_reward

@@ -30,9 +30,8 @@ from rlkv.trainers.callbacks import (
     HeadMaskExportCallback,
     full_alpha,
     gate_statistics,
-    load_gate_checkpoint,
-    save_gate_checkpoint,
 )
+from rlkv.trainers.checkpoints import load_gate_checkpoint, save_gate_checkpoint
 from rlkv.trainers.config import GateGRPOConfig
 from rlkv.trainers.logprobs import completion_logps
 
