@@ -220,6 +220,7 @@ def worker_step(args) -> dict:
         gate_sink=GATE_SINK,
         gate_local=GATE_LOCAL,
         gate_init=0.5,
+        torch_threads=args.threads,
         max_steps=args.steps,
         logging_steps=1,
         seed=0,
@@ -256,6 +257,7 @@ def run_worker(kind: str, args, **overrides) -> dict:
         new_tokens=args.new_tokens,
         micro_batch=args.micro_batch,
         steps=args.steps,
+        threads=args.threads,
     )
     opts.update(overrides)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind]
@@ -329,7 +331,7 @@ def report_real(r: dict) -> list[str]:
         f"{g['forward_backward_s']:.1f} s |",
         f"| GRPO step (GateGRPOTrainer) | {s['step_s']:.1f} s, of which generation {s['generate_in_step_s']:.1f} s |",
         f"| peak RSS of the step | {s['step_peak_rss'] / 2**30:.2f} GiB |",
-        f"| cores busy during the step | {s['step_cpu_util']:.2f} of {cores()} ({s['threads']} threads) |",
+        f"| cores busy during the step | {s['step_cpu_util']:.2f} of {cores()} cores ({s['threads']} threads) |",
         f"| step, {r['small_setting']['completions']} x {r['small_setting']['new_tokens']}: bf16 / fp32 | "
         f"{r['small_bf16']['step_s']:.1f} s / {r['small_fp32']['step_s']:.1f} s = {r['bf16_over_fp32']:.2f} |",
         "",
@@ -359,6 +361,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps", type=int, default=2, help="GRPO steps per step measurement (last measured)"
     )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per measurement (0 = every core)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", choices=sorted(WORKERS), required=True)
     add_options(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(cores())  # make bench exports OMP_NUM_THREADS=1 for the synthetic suites
+    torch.set_num_threads(args.threads or cores())  # make bench exports OMP_NUM_THREADS=1 for the others
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
