@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import bench_real
+import bench_serve
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
@@ -418,6 +419,8 @@ def gib(n: float) -> str:
 
 def report(results: dict) -> str:
     lines = bench_real.report_real(results["real"]) + [""] if "real" in results else []
+    if "serve" in results:
+        lines += bench_serve.report_serve(results["serve"])
     if "memory" in results:
         m = results["memory"]
         lines += [
@@ -529,6 +532,10 @@ def plots(results: dict, out: Path) -> list[str]:
             )
         ax.set(xscale="log", xlabel="context (tokens)", ylabel="ms / token", title="decode step (batch 1)")
         ax.legend(fontsize=7)
+    if "serve" in results and (
+        serve_png := bench_serve.plot_serve(results["serve"], out / "bench_serve.png")
+    ):
+        written.append(serve_png)
     fig.tight_layout()
     path = out / "bench.png"
     fig.savefig(path, dpi=110)
@@ -547,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--suite",
         default="all",
-        help="comma list of memory,decode,overhead,train,maxbatch or all; real (needs --model) runs a real LLM",
+        help="comma list of memory,decode,overhead,train,maxbatch or all; real (needs --model) runs a real "
+        "LLM; serve: throughput at a fixed KV cap (--model, or a synthetic model)",
     )
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--device", default="cpu")
@@ -557,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--lengths", help=argparse.SUPPRESS)
     bench_real.add_options(parser)
+    bench_serve.add_options(parser)
     args = parser.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
@@ -595,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             "overhead": suite_overhead,
             "train": suite_train,
             "real": bench_real.suite_real,
+            "serve": bench_serve.suite_serve,
         }[name](args)
     results["wall_seconds"] = time.perf_counter() - started
     text = report(results)

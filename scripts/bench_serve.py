@@ -1,0 +1,547 @@
+"""Serving benchmark: throughput at a fixed KV memory budget (the batch-scaling result).
+
+    python scripts/bench.py --suite serve --model models/qwen2.5-coder-0.5b-instruct --kv-cap-gib 0.25
+    python scripts/bench.py --suite serve --serve-model synthetic --kv-cap-gib 0.125   # Llama-3.1-8B attention
+    python scripts/bench.py --suite serve --quick                                      # a smoke run (seconds)
+
+For every method (full; rlkv head mask at s=0.5 and 0.75 with streaming heads; rkv budget 1024 on
+every head; rlkv+rkv at s=0.5; any registered policy named in --serve-policies) the suite searches
+the largest batch whose resident KV stays under --kv-cap-gib by real runs: batches 1, 2, 4, ...
+until one goes over the cap, then bisection, until the batch that fits and the one above it that
+does not are both measured. Every probe is one generation of --serve-tokens tokens after the
+prompt with EOS suppressed (every row runs to the end), in its own process (clean peak RSS: VmHWM
+is reset after the model is loaded; `--device cuda` reads torch.cuda.max_memory_allocated). A probe
+stops as soon as the resident KV goes over the cap. The run at the largest fitting batch gives:
+
+- steady-state decode tokens/s (the second half of the decode steps) and whole-run tokens/s
+  (prefill included);
+- peak resident KV, read from tensor storage after every step (`HeadMixedCache.resident_bytes()`;
+  DynamicCache's key/value storages for full) and peak process memory;
+- tokens/s / full's tokens/s at the same cap, with PASS/FAIL against the targets below.
+
+The CUDA path (`--device cuda`) is written to run unchanged on a GPU but has not been run (no GPU
+on this project's machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SERVE_TARGETS = {
+    "rlkv s=0.5": (1.5, "rlkv s=0.5 tokens/s >= 1.5x full's at the same KV cap"),
+    "rkv b=1024": (3.0, "rkv budget 1024 tokens/s >= 3x full's at the same KV cap"),
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """One serving configuration: a head mask cut at `sparsity` (None: no mask), a policy and its budget."""
+
+    name: str
+    sparsity: float | None  # None: no head mask (every head compressed), or plain full KV when policy is None
+    policy: str | None  # None: plain transformers (DynamicCache, sdpa)
+    budget: int | None = None
+    policy_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def methods(budget: int, extra_policies: list[str]) -> list[Method]:
+    """The suite's methods; `extra_policies` run on every head at `budget`."""
+    out = [
+        Method("full", None, None),
+        Method("rlkv s=0.5", 0.5, "streaming"),
+        Method("rlkv s=0.75", 0.75, "streaming"),
+        Method(f"rkv b={budget}", None, "rkv", budget),
+        Method("rlkv+rkv s=0.5", 0.5, "rkv", budget),
+    ]
+    return out + [Method(f"{p} b={budget}", None, p, budget) for p in extra_policies]
+
+
+# ------------------------------------------------------------------------------------------ models
+def build_serve_model(spec: str, layers: int, device: str, dtype: str):
+    """(model, prompt token ids [1, P] or None) for "synthetic" (random Llama with Llama-3.1-8B
+    attention geometry, `layers` layers), "tiny:<family>" (rlkv.testing) or a model folder."""
+    from rlkv.inference import load, resolve_dtype
+
+    if spec == "synthetic":
+        from bench import ATTN_SHAPE, build_model
+
+        return build_model(ATTN_SHAPE, layers, device, resolve_dtype(dtype, device)), None
+    model, tok = load(spec, dtype=dtype, device=device)
+    if spec.startswith("tiny:"):
+        return model, None
+    import bench_real
+
+    text = bench_real.prompts(tok, 1)[0]
+    return model, tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+
+
+def kv_resident_bytes(cache) -> int:
+    """Bytes the cache's tensors hold: `resident_bytes()` of a HeadMixedCache, the key/value storages
+    of a plain transformers cache."""
+    if hasattr(cache, "resident_bytes"):
+        return cache.resident_bytes()
+    from rlkv.cache.store import storage_bytes
+
+    return storage_bytes([t for layer in cache.layers for t in (layer.keys, layer.values)])
+
+
+def make_method_cache(model, method: Method, mask_path: str | None, seed: int = 0):
+    """The cache of `method` for `model` (a DynamicCache with stock sdpa for full)."""
+    from transformers import DynamicCache
+
+    from rlkv import HeadMask
+    from rlkv.inference import CompressionConfig, make_cache
+
+    if method.policy is None:
+        model.set_attn_implementation("sdpa")
+        return DynamicCache(config=model.config)
+    mask = None
+    if method.sparsity is not None:
+        mask = HeadMask.from_pretrained(mask_path, model) if mask_path else HeadMask.random(model, seed=seed)
+    config = CompressionConfig(
+        head_mask=mask,
+        sparsity=method.sparsity if method.sparsity is not None else 1.0,
+        policy=method.policy,
+        budget=method.budget,
+        policy_kwargs=dict(method.policy_kwargs),
+    )
+    return make_cache(model, config)
+
+
+# ------------------------------------------------------------------------------------------- probe
+class _StepMeter:
+    """A stopping criterion that reads the resident KV and a timestamp after every generated token,
+    and stops the run once the KV goes over the cap."""
+
+    def __init__(self, cache, cap_bytes: int, device: str) -> None:
+        self.cache, self.cap, self.device = cache, cap_bytes, device
+        self.times: list[float] = []
+        self.peak_kv = 0
+        self.over = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        self.peak_kv = max(self.peak_kv, kv_resident_bytes(self.cache))
+        self.over = self.over or self.peak_kv > self.cap
+        return torch.full((input_ids.shape[0],), self.over, dtype=torch.bool, device=input_ids.device)
+
+
+def serve_probe(
+    model,
+    prompt_ids: torch.Tensor,
+    method: Method,
+    batch: int,
+    new_tokens: int,
+    cap_bytes: int,
+    device: str = "cpu",
+    mask_path: str | None = None,
+    seed: int = 0,
+) -> dict:
+    """One real run: `batch` rows of `prompt_ids` [1, P], `new_tokens` sampled tokens each (EOS
+    suppressed). Returns fits (peak resident KV <= cap for the whole run), peak_kv_bytes,
+    generated (tokens per row; fewer when the run stopped over the cap), tokens/s (whole run and
+    steady-state decode: the second half of the steps) and peak process memory since the call."""
+    from bench_real import peak_rss_bytes, reset_peak_rss
+    from transformers import StoppingCriteriaList
+
+    cache = make_method_cache(model, method, mask_path, seed)
+    meter = _StepMeter(cache, cap_bytes, device)
+    ids = prompt_ids.expand(batch, -1).contiguous()
+    reset_peak_rss()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(seed)
+    oom = False
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=cache,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,  # EOS suppressed: every row runs to the end
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                pad_token_id=0,
+                stopping_criteria=StoppingCriteriaList([meter]),
+            )
+    except torch.OutOfMemoryError:
+        oom = True
+    wall = time.perf_counter() - start
+    generated = len(meter.times)
+    fits = not (meter.over or oom) and generated == new_tokens
+    result = dict(
+        method=method.name,
+        batch=batch,
+        fits=fits,
+        out_of_memory=oom,
+        generated=generated,
+        prompt_tokens=int(prompt_ids.shape[1]),
+        peak_kv_bytes=meter.peak_kv,
+        peak_rss_bytes=peak_rss_bytes(),
+        peak_cuda_bytes=torch.cuda.max_memory_allocated() if device.startswith("cuda") else None,
+        seconds=wall,
+        whole_tokens_per_s=batch * generated / wall if generated else 0.0,
+        decode_tokens_per_s=None,
+    )
+    steps = meter.times
+    if generated >= 4:
+        half = len(steps) // 2
+        result["decode_tokens_per_s"] = batch * (len(steps) - 1 - half) / (steps[-1] - steps[half])
+    del cache
+    return result
+
+
+# ------------------------------------------------------------------------------------------ search
+def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096) -> dict:
+    """Largest batch b with probe(b)["fits"], by doubling from 1 then bisection.
+
+    Returns fit (b, 0 when batch 1 is already over), over (b + 1, None when `max_batch` fits), their
+    probe results (fit_result / over_result) and every probe in the order run. Assumes a batch that
+    fits means every smaller one fits (resident KV grows with the batch).
+    """
+    runs: dict[int, dict] = {}
+
+    def run(b: int) -> bool:
+        runs[b] = probe(b)
+        return bool(runs[b]["fits"])
+
+    lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
+    b = 1
+    while b <= max_batch:
+        if run(b):
+            lo = b
+            b *= 2
+        else:
+            hi = b
+            break
+    if hi is None and lo < max_batch:  # doubling passed max_batch: try max_batch itself
+        if run(max_batch):
+            lo = max_batch
+        else:
+            hi = max_batch
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if run(mid):
+            lo = mid
+        else:
+            hi = mid
+    return dict(
+        fit=lo,
+        over=hi,
+        fit_result=runs.get(lo),
+        over_result=runs.get(hi) if hi is not None else None,
+        probes=list(runs.values()),
+    )
+
+
+# ------------------------------------------------------------------------------------------- suite
+def probe_worker(args) -> dict:
+    """The --worker serve entry: load the model, run one probe, return its JSON."""
+    model, prompt = build_serve_model(args.serve_model_spec, args.serve_layers, args.device, args.dtype)
+    prompt = prompt_for(model, prompt, args.prompt_tokens, args.device)
+    method = next(m for m in methods(args.serve_budget, args.policy_list) if m.name == args.method)
+    return serve_probe(
+        model, prompt, method, args.batch, args.serve_tokens, args.cap_bytes, args.device, args.mask
+    )
+
+
+def prompt_for(model, prompt: torch.Tensor | None, length: int, device: str) -> torch.Tensor:
+    """The given prompt, or `length` random token ids (fixed seed) for a model without a tokenizer."""
+    if prompt is not None:
+        return prompt
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(1, model.config.vocab_size, (1, length), generator=gen).to(device)
+
+
+def worker_command(args, method: Method, batch: int) -> list[str]:
+    """The command line of one probe in its own process."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "serve", "--method", method.name]
+    cmd += ["--batch", str(batch), "--cap-bytes", str(args.cap_bytes), "--device", args.device]
+    cmd += ["--serve-model-spec", args.serve_model_spec, "--serve-layers", str(args.serve_layers)]
+    cmd += ["--dtype", args.dtype, "--serve-tokens", str(args.serve_tokens)]
+    cmd += ["--prompt-tokens", str(args.prompt_tokens), "--serve-budget", str(args.serve_budget)]
+    cmd += ["--serve-policies", ",".join(args.policy_list), "--threads", str(args.threads)]
+    return cmd + (["--mask", args.mask] if args.mask else [])
+
+
+def subprocess_probe(args, method: Method) -> Callable[[int], dict]:
+    """probe(batch) running `worker_command` in a fresh process."""
+
+    def probe(batch: int) -> dict:
+        proc = subprocess.run(worker_command(args, method, batch), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"serve probe {method.name!r} batch {batch} failed:\n{proc.stderr[-3000:]}")
+        return log_probe(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+    return probe
+
+
+def in_process_probe(args, method: Method, model, prompt: torch.Tensor) -> Callable[[int], dict]:
+    """probe(batch) in this process, on an already loaded model."""
+
+    def probe(batch: int) -> dict:
+        r = serve_probe(
+            model, prompt, method, batch, args.serve_tokens, args.cap_bytes, args.device, args.mask
+        )
+        return log_probe(r)
+
+    return probe
+
+
+def log_probe(r: dict) -> dict:
+    """Print one probe's outcome; returns it."""
+    tps = f"{r['whole_tokens_per_s']:.1f} tok/s" if r["fits"] else f"stopped after {r['generated']} tokens"
+    print(
+        f"  serve: {r['method']} B={r['batch']}: {'fits' if r['fits'] else 'over'} "
+        f"(peak KV {r['peak_kv_bytes'] / 2**20:.1f} MiB) {tps}",
+        flush=True,
+    )
+    return r
+
+
+def resolve_serve_args(args) -> None:
+    """Fill the suite's derived settings (model spec, cap in bytes, --quick sizes) on `args`."""
+    if args.serve_model == "auto":
+        args.serve_model_spec = args.model or ("synthetic" if not args.quick else "tiny:llama")
+    else:
+        args.serve_model_spec = args.serve_model
+    args.policy_list = [p for p in (args.serve_policies or "").split(",") if p]
+    if args.quick:  # a smoke run: tiny model, short generations, budget just above sink + window
+        args.serve_tokens, args.prompt_tokens = min(args.serve_tokens, 160), 16
+        args.serve_budget = min(args.serve_budget, 96)
+        if args.kv_cap_gib is None:
+            args.kv_cap_gib = 3 * kv_bytes_estimate(args) / 2**30
+    if args.kv_cap_gib is None:
+        args.kv_cap_gib = 0.25 if args.serve_model_spec != "synthetic" else 0.125
+    args.cap_bytes = int(args.kv_cap_gib * 2**30)
+
+
+def kv_bytes_estimate(args) -> int:
+    """Full-KV bytes of one row at the end of a quick run (only to place the quick run's cap)."""
+    from rlkv.testing import tiny_config
+
+    cfg = tiny_config("llama")
+    return (
+        2
+        * cfg.num_hidden_layers
+        * cfg.num_key_value_heads
+        * cfg.head_dim
+        * 4
+        * (args.serve_tokens + args.prompt_tokens)
+        + 4096
+    )
+
+
+def suite_serve(args) -> dict:
+    """Every method's batch search and measurements under one KV cap, side by side, with verdicts."""
+    resolve_serve_args(args)
+    print(
+        f"  serve: model {args.serve_model_spec}, cap {args.kv_cap_gib:.3f} GiB, "
+        f"{args.serve_tokens} new tokens, device {args.device}",
+        flush=True,
+    )
+    rows = []
+    shared = None
+    if args.quick:  # seconds: probes share one process (peak RSS is then not per probe)
+        model, prompt = build_serve_model(args.serve_model_spec, args.serve_layers, args.device, args.dtype)
+        shared = (model, prompt_for(model, prompt, args.prompt_tokens, args.device))
+    for method in methods(args.serve_budget, args.policy_list):
+        probe = in_process_probe(args, method, *shared) if shared else subprocess_probe(args, method)
+        rows.append(method_row(method, find_max_batch(probe, args.max_batch)))
+    return serve_summary(rows, args)
+
+
+def method_row(method: Method, search: dict) -> dict:
+    """One method's report row from its batch search."""
+    best = search["fit_result"] or {}
+    return dict(
+        method=method.name,
+        policy=method.policy or "none (DynamicCache, sdpa)",
+        sparsity=method.sparsity,
+        budget=method.budget,
+        max_batch=search["fit"],
+        first_over_batch=search["over"],
+        over_peak_kv_bytes=(search["over_result"] or {}).get("peak_kv_bytes"),
+        decode_tokens_per_s=best.get("decode_tokens_per_s"),
+        whole_tokens_per_s=best.get("whole_tokens_per_s"),
+        peak_kv_bytes=best.get("peak_kv_bytes"),
+        peak_rss_bytes=best.get("peak_rss_bytes"),
+        peak_cuda_bytes=best.get("peak_cuda_bytes"),
+        probes=search["probes"],
+    )
+
+
+def serve_summary(rows: list[dict], args) -> dict:
+    """Ratios to full (same cap) and the verdicts of SERVE_TARGETS."""
+    full = next(r for r in rows if r["method"] == "full")
+    for r in rows:
+        for key in ("decode_tokens_per_s", "whole_tokens_per_s"):
+            ok = r[key] is not None and full[key]
+            r[key.replace("tokens_per_s", "vs_full")] = r[key] / full[key] if ok else None
+        r["max_batch_vs_full"] = r["max_batch"] / full["max_batch"] if full["max_batch"] else None
+    verdicts = {}
+    for name, (threshold, _) in SERVE_TARGETS.items():
+        name = name.replace("1024", str(args.serve_budget))
+        row = next((r for r in rows if r["method"] == name), None)
+        if row is not None:
+            verdicts[name] = row["decode_vs_full"] is not None and row["decode_vs_full"] >= threshold
+    return dict(
+        model=args.serve_model_spec,
+        device=args.device,
+        dtype=args.dtype,
+        threads=torch.get_num_threads(),
+        cap_bytes=args.cap_bytes,
+        new_tokens=args.serve_tokens,
+        budget=args.serve_budget,
+        rows=rows,
+        verdicts=verdicts,
+        passed=bool(verdicts) and all(verdicts.values()),
+    )
+
+
+# ------------------------------------------------------------------------------------------ report
+def report_serve(s: dict) -> list[str]:
+    """Markdown lines for the serve suite."""
+    mib = lambda n: "-" if n is None else f"{n / 2**20:.1f} MiB"  # noqa: E731
+    num = lambda x, f=".1f": "-" if x is None else format(x, f)  # noqa: E731
+    memory = "peak CUDA allocated" if s["device"].startswith("cuda") else "peak RSS"
+    lines = [
+        f"## Serving at a fixed KV cap: {os.path.basename(s['model'].rstrip('/'))}, {s['dtype']}, "
+        f"cap {s['cap_bytes'] / 2**20:.1f} MiB, {s['new_tokens']} new tokens (EOS suppressed), "
+        f"{s['threads']} threads, {s['device']}",
+        "",
+        "| method | max batch (fits / over) | decode tok/s | whole-run tok/s | peak KV (over: KV when stopped) "
+        f"| {memory} | decode vs full | batch vs full |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in s["rows"]:
+        over = r["first_over_batch"] if r["first_over_batch"] is not None else "not reached"
+        lines.append(
+            f"| {r['method']} | {r['max_batch']} / {over} | {num(r['decode_tokens_per_s'])} | "
+            f"{num(r['whole_tokens_per_s'])} | {mib(r['peak_kv_bytes'])} ({mib(r['over_peak_kv_bytes'])}) | "
+            f"{mib(r['peak_cuda_bytes'] if s['device'].startswith('cuda') else r['peak_rss_bytes'])} | "
+            f"{num(r['decode_vs_full'], '.2f')} | {num(r['max_batch_vs_full'], '.2f')} |"
+        )
+    lines += ["", "| target | measured | verdict |", "|---|---|---|"]
+    for name, ok in s["verdicts"].items():
+        key = "rkv b=1024" if name.startswith("rkv") else name
+        row = next(r for r in s["rows"] if r["method"] == name)
+        lines.append(
+            f"| {SERVE_TARGETS[key][1]} | {num(row['decode_vs_full'], '.2f')} | {'PASS' if ok else 'FAIL'} |"
+        )
+    return lines + [""]
+
+
+def plot_serve(s: dict, path: Path) -> str | None:
+    """tokens/s vs batch per method (each method's max batch marked) and peak KV vs batch (cap marked)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: pip install 'rlkv[plots]' for PNG plots", file=sys.stderr)
+        return None
+    fig, (ax, ax_kv) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in s["rows"]:
+        fits = sorted((p for p in r["probes"] if p["fits"]), key=lambda p: p["batch"])
+        line = ax.plot(
+            [p["batch"] for p in fits], [p["whole_tokens_per_s"] for p in fits], marker="o", label=r["method"]
+        )
+        if r["max_batch"]:
+            ax.axvline(r["max_batch"], color=line[0].get_color(), ls=":", lw=1)
+        probes = sorted(r["probes"], key=lambda p: p["batch"])
+        ax_kv.plot(
+            [p["batch"] for p in probes],
+            [p["peak_kv_bytes"] / 2**20 for p in probes],
+            marker="o",
+            label=r["method"],
+        )
+    cap = s["cap_bytes"] / 2**20
+    ax_kv.axhline(cap, color="k", ls="--", label=f"cap {cap:.0f} MiB")
+    ax.set(
+        xscale="log",
+        xlabel="batch",
+        ylabel="whole-run tokens/s",
+        title="tokens/s vs batch (dotted: max batch under the cap)",
+    )
+    ax_kv.set(xscale="log", xlabel="batch", ylabel="peak resident KV (MiB)", title="KV vs batch")
+    ax.legend(fontsize=7), ax_kv.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------ options
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The serve suite's options (shared by bench.py --suite serve and the worker command line)."""
+    parser.add_argument(
+        "--kv-cap-gib", type=float, help="KV cap in GiB (default 0.25 real model, 0.125 synthetic)"
+    )
+    parser.add_argument(
+        "--serve-model",
+        default="auto",
+        help="synthetic (Llama-3.1-8B attention, random weights), tiny:llama, a folder; auto: --model or synthetic",
+    )
+    parser.add_argument("--serve-layers", type=int, default=2, help="layers of the synthetic model")
+    parser.add_argument(
+        "--serve-tokens", type=int, default=4096, help="generated tokens per row (EOS suppressed)"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=64, help="prompt length of models without a tokenizer"
+    )
+    parser.add_argument(
+        "--serve-budget", type=int, default=1024, help="token budget of rkv and --serve-policies"
+    )
+    parser.add_argument(
+        "--serve-policies", default="", help="comma list of extra registered policies (all heads)"
+    )
+    parser.add_argument("--mask", help="head mask for the rlkv rows (default: a random mask, seed 0)")
+    parser.add_argument("--max-batch", type=int, default=1024, help="largest batch the search tries")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The probe worker: one measurement in this process, its JSON on the last stdout line."""
+    import bench_real
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worker", choices=["serve"], required=True)
+    parser.add_argument("--method", required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--cap-bytes", type=int, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--serve-model-spec", required=True)
+    add_options(parser)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.policy_list = [p for p in args.serve_policies.split(",") if p]
+    torch.set_num_threads(args.threads or bench_real.cores())
+    print(json.dumps(probe_worker(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())
