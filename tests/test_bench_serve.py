@@ -1,0 +1,143 @@
+"""The serve benchmark (scripts/bench_serve.py): the max-batch search and the report, not speed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_serve  # noqa: E402
+
+from rlkv.testing import tiny_model  # noqa: E402
+
+NEW_TOKENS = 24
+
+
+def fake_probe(per_row: int, cap: int, calls: list[int]):
+    def probe(batch: int) -> dict:
+        calls.append(batch)
+        return dict(batch=batch, fits=batch * per_row <= cap, peak_kv_bytes=batch * per_row)
+
+    return probe
+
+
+@pytest.mark.parametrize("max_fit", [1, 2, 3, 5, 8, 13])
+def test_search_finds_the_batch_that_fits_and_the_one_over(max_fit):
+    calls: list[int] = []
+    out = bench_serve.find_max_batch(fake_probe(100, max_fit * 100 + 50, calls))
+    assert (out["fit"], out["over"]) == (max_fit, max_fit + 1)
+    assert out["fit_result"]["fits"] and not out["over_result"]["fits"]
+    assert {p["batch"] for p in out["probes"]} == set(calls) and len(calls) == len(set(calls))
+    doubling = [b for b in calls if b & (b - 1) == 0]
+    assert calls[: len(doubling)] == [2**i for i in range(len(doubling))]  # 1, 2, 4, ... then bisection
+
+
+def test_search_when_nothing_fits_and_when_the_limit_fits():
+    none = bench_serve.find_max_batch(fake_probe(100, 50, []))
+    assert (none["fit"], none["over"], none["fit_result"]) == (0, 1, None)
+    capped = bench_serve.find_max_batch(fake_probe(1, 10**9, []), max_batch=6)
+    assert (capped["fit"], capped["over"], capped["over_result"]) == (6, None, None)
+
+
+@pytest.fixture(scope="module")
+def model_and_prompt():
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    prompt = torch.randint(1, model.config.vocab_size, (1, 8))
+    return model, prompt
+
+
+def peak_kv(model, prompt, method, batch) -> int:
+    r = bench_serve.serve_probe(model, prompt, method, batch, NEW_TOKENS, cap_bytes=2**40)
+    assert r["fits"] and r["generated"] == NEW_TOKENS
+    return r["peak_kv_bytes"]
+
+
+@pytest.mark.parametrize("name", ["full", "rlkv s=0.5"])
+def test_real_runs_against_a_hand_built_cap(model_and_prompt, name):
+    """A cap between the peak KV of batch 3 and batch 4: the search must report 3 fits, 4 does not."""
+    model, prompt = model_and_prompt
+    method = next(m for m in bench_serve.methods(96, []) if m.name == name)
+    three, four = peak_kv(model, prompt, method, 3), peak_kv(model, prompt, method, 4)
+    assert three < four
+    cap = (three + four) // 2
+
+    def probe(b):
+        return bench_serve.serve_probe(model, prompt, method, b, NEW_TOKENS, cap)
+
+    out = bench_serve.find_max_batch(probe)
+    assert (out["fit"], out["over"]) == (3, 4)
+    fit, over = out["fit_result"], out["over_result"]
+    assert fit["fits"] and fit["generated"] == NEW_TOKENS and fit["peak_kv_bytes"] <= cap
+    assert not over["fits"] and over["peak_kv_bytes"] > cap and over["generated"] < NEW_TOKENS + 1
+    assert fit["whole_tokens_per_s"] > 0 and fit["decode_tokens_per_s"] > 0 and fit["peak_rss_bytes"] > 0
+
+
+def test_full_kv_is_the_dynamic_cache_storage(model_and_prompt):
+    model, prompt = model_and_prompt
+    cfg = model.config
+    full = bench_serve.methods(96, [])[0]
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # K+V, fp32
+    assert peak_kv(model, prompt, full, 2) == 2 * per_token * (prompt.shape[1] + NEW_TOKENS - 1)
+
+
+def test_report_fields_and_verdicts(model_and_prompt, tmp_path):
+    args = argparse.Namespace(
+        quick=True,
+        serve_model="tiny:llama",
+        model=None,
+        serve_policies="",
+        serve_tokens=NEW_TOKENS,
+        prompt_tokens=8,
+        serve_budget=96,
+        kv_cap_gib=None,
+        serve_layers=1,
+        device="cpu",
+        dtype="auto",
+        mask=None,
+        max_batch=8,
+    )
+    s = bench_serve.suite_serve(args)
+    names = [r["method"] for r in s["rows"]]
+    assert names == ["full", "rlkv s=0.5", "rlkv s=0.75", "rkv b=96", "rlkv+rkv s=0.5"]
+    for r in s["rows"]:
+        for key in (
+            "max_batch",
+            "first_over_batch",
+            "decode_tokens_per_s",
+            "whole_tokens_per_s",
+            "peak_kv_bytes",
+            "over_peak_kv_bytes",
+            "peak_rss_bytes",
+            "decode_vs_full",
+            "whole_vs_full",
+            "max_batch_vs_full",
+            "probes",
+        ):
+            assert key in r
+        assert r["max_batch"] >= 1 and r["first_over_batch"] == r["max_batch"] + 1
+        assert r["peak_kv_bytes"] <= s["cap_bytes"] < r["over_peak_kv_bytes"]
+    assert set(s["verdicts"]) == {"rlkv s=0.5", "rkv b=96"}
+    assert s["passed"] == all(s["verdicts"].values())
+    text = "\n".join(bench_serve.report_serve(s))
+    assert "| full | " in text and ("PASS" in text or "FAIL" in text)
+    json.dumps(s)  # the suite's result is written as JSON
+    assert Path(bench_serve.plot_serve(s, tmp_path / "serve.png")).stat().st_size > 0
+
+
+def test_worker_process_prints_one_probe(tmp_path):
+    cmd = [sys.executable, str(SCRIPTS / "bench_serve.py"), "--worker", "serve", "--method", "rlkv s=0.5"]
+    cmd += ["--batch", "2", "--cap-bytes", str(2**30), "--serve-model-spec", "tiny:llama"]
+    cmd += ["--serve-tokens", "6", "--prompt-tokens", "4", "--serve-budget", "96", "--threads", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (r["method"], r["batch"], r["fits"], r["generated"]) == ("rlkv s=0.5", 2, True, 6)
