@@ -126,7 +126,7 @@ def analytic_bytes(cache) -> tuple[int, int]:
     """(KV payload of the tokens kept, payload + the bookkeeping the design declares), from kept counts.
 
     KV: every full head holds each real token; a compressed head holds its valid slots. Bookkeeping:
-    one int64 logical position per compressed slot, the policy's query window and slot buffers.
+    one int32 logical position per compressed slot (store.positions), the policy's query window and slot buffers.
     """
     kv = book = 0
     for layer in cache.layers:

@@ -135,7 +135,7 @@ def assert_no_eviction_is_identity(
 
 def expected_resident_bytes(cache: HeadMixedCache) -> int:
     """Analytic bytes of a head-mixed cache from its shapes: full heads hold every column (padding
-    included), compressed heads their kept slots (K, V fp32; int64 positions), plus the cached
+    included), compressed heads their kept slots (K, V fp32; int32 positions), plus the cached
     queries, the policy's per-slot buffers (fp32) and the O(B + H) bookkeeping (int64 row starts and
     eviction counters, KV and query head indices per layer; the bool [L, H_kv] layout)."""
     total = cache.full_heads.numel()
@@ -152,7 +152,7 @@ def expected_resident_bytes(cache: HeadMixedCache) -> int:
             continue
         _, heads, slots, dim = store.keys.shape
         total += batch * 8  # eviction counter per row
-        total += batch * heads * slots * (2 * dim * store.keys.element_size() + 8)  # keys, values, positions
+        total += batch * heads * slots * (2 * dim * store.keys.element_size() + 4)  # K, V, int32 pos
         total += batch * heads * slots * 4 * len(store._slot_buffers)
         if store.queries is not None:
             num_q = store.queries.shape[3]

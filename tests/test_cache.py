@@ -175,13 +175,13 @@ def test_resident_bytes_match_formula_and_tensors_shrink(make_model, left_padded
     batch, width = input_ids.shape
     length = width + new_tokens - 1  # the last sampled token is never fed back
     cfg = model.config
-    head_dim, fp32, int64 = cfg.head_dim, 4, 8
+    head_dim, fp32, int64, int32 = cfg.head_dim, 4, 8, 4
     full_heads, comp_heads = 1, 1  # per layer, from _mixed_mask at sparsity 0.5
     kept = sink + window  # every row has more real tokens than sink + window by now
     per_layer = (
         2 * batch * full_heads * length * head_dim * fp32
     )  # full heads: keys + values, padding included
-    per_layer += batch * comp_heads * kept * (2 * head_dim * fp32 + int64)  # kept keys + values + positions
+    per_layer += batch * comp_heads * kept * (2 * head_dim * fp32 + int32)  # kept keys + values + positions
     # bookkeeping: row starts + eviction counters (int64 [B]), the full/compressed KV and query head indices
     # per layer, plus the [L, H_kv] bool layout
     per_layer += 2 * batch * int64 + (cfg.num_key_value_heads + cfg.num_attention_heads) * int64
@@ -191,6 +191,7 @@ def test_resident_bytes_match_formula_and_tensors_shrink(make_model, left_padded
     for layer in cache.layers:
         assert layer.store.keys.untyped_storage().nbytes() == batch * comp_heads * kept * head_dim * fp32
         assert bool((layer.store.positions >= 0).all())  # no padding slot was kept
+        assert layer.store.positions.dtype == torch.int32  # counted as 4 bytes a slot above
     full = cfg.num_hidden_layers * 2 * batch * cfg.num_key_value_heads * length * head_dim * fp32
     assert cache.full_resident_bytes() == full
 
@@ -351,3 +352,10 @@ def test_inference_generate_resets_its_cache_itself(make_model, tokenizer, monke
     batched = generate(model, tokenizer, prompts, 12, compression=config, batch_size=1, progress=False)
     assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
     assert [o.cache_stats for o in batched] == [o.cache_stats for o in alone]
+
+
+def test_positions_are_int32_until_they_no_longer_fit():
+    from rlkv.cache.store import position_dtype
+
+    assert position_dtype(2**31) == torch.int32  # positions 0 .. 2**31 - 1
+    assert position_dtype(2**31 + 1) == torch.int64

@@ -15,7 +15,7 @@ from rlkv.rollout.compressed import generate_rollouts
 
 PROMPTS = ["let x be 3 then x + 4", "solve the following math problem", "1 + 2 = 3. 2 * 3 = 6", "wait"]
 ELEM = 4  # fp32 bytes
-POSITION_BYTES = 8  # int64 logical position per kept slot of a compressed head
+POSITION_BYTES = 4  # int32 logical position per kept slot of a compressed head
 # the cache also holds small per-layer index vectors (row starts, head indices, eviction counts)
 BOOKKEEPING_BYTES_PER_LAYER = 256
 
@@ -58,7 +58,7 @@ def assert_kv_bytes(measured, expected, num_layers):
 
 def expected_kv_bytes(full_heads, batch, total_len, kept_compressed, head_dim):
     """(resident, full) bytes of a head-mixed cache: full heads hold every column, compressed heads
-    `kept_compressed` slots (+ their int64 positions)."""
+    `kept_compressed` slots (+ their int32 positions)."""
     resident = 0
     for row in full_heads:
         n_full = int(row.sum())

@@ -104,7 +104,7 @@ def _compressed_mask(layer: HeadMixedLayer, mask: torch.Tensor | None, q_len: in
         allowed = positions[:, :, None, :] <= q_pos[None, None, :, None]
     else:
         rows = mask[:, 0]  # [B, Q, T]: the model's mask is shared by all heads
-        idx = positions.clamp(min=0)[:, :, None, :].expand(batch, heads, q_len, slots)
+        idx = positions.clamp(min=0).long()[:, :, None, :].expand(batch, heads, q_len, slots)
         allowed = rows[:, None].expand(batch, heads, q_len, rows.shape[-1]).gather(3, idx)
     return allowed & (positions >= 0)[:, :, None, :]
 

@@ -26,6 +26,11 @@ def storage_bytes(tensors: list[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
+def position_dtype(end: int) -> torch.dtype:
+    """The dtype of stored logical positions up to `end` (exclusive): int32 while they fit, else int64."""
+    return torch.int32 if end <= 2**31 else torch.int64
+
+
 # Storage grows along the token axis by 1/GROWTH_DIVISOR of what it holds: at most 1/128 (0.8%) of
 # the bytes are spare capacity (none below 128 tokens), and each token is copied O(1) times amortised
 # instead of the whole history once per decode step.
@@ -162,9 +167,16 @@ class CompressedStore:
 
     # what the cache does -----------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Add the new tokens' keys/values [B, H_c, Q, D]; their slots get positions T..T+Q-1."""
+        """Add the new tokens' keys/values [B, H_c, Q, D]; their slots get positions T..T+Q-1
+        (int32 while positions fit, int64 beyond 2**31 tokens: `position_dtype`)."""
         batch, heads, q_len, _ = keys.shape
-        new_pos = torch.arange(self.logical_length, self.logical_length + q_len, device=keys.device)
+        dtype = position_dtype(self.logical_length + q_len)
+        if self.positions is not None and self.positions.dtype != dtype:  # past 2**31 tokens: widen once
+            self.positions = self.positions.to(dtype)
+            self._capacity.pop("positions", None)
+        new_pos = torch.arange(
+            self.logical_length, self.logical_length + q_len, device=keys.device, dtype=dtype
+        )
         new_pos = new_pos.expand(batch, heads, q_len)
         if self.keys is None:
             self.evicted = torch.zeros(batch, dtype=torch.long, device=keys.device)

@@ -37,8 +37,8 @@ policies depend on the protocol only, so nothing under rlkv/policies imports the
 - `layer_idx` int; `head_idx` LongTensor[H_c]: which KV heads of the layer are compressed;
   `num_groups` G: query heads per KV head (GQA), query head `h * G + g` uses KV head `h`.
 - `keys`, `values`: [B, H_c, K, D], keys already rotated (RoPE) at their true position.
-- `positions`: LongTensor[B, H_c, K], the logical position of each slot = its column in the
-  batch's (left-padded) token sequence, 0-based; -1 marks an empty slot (rows and heads may keep
+- `positions`: IntTensor[B, H_c, K] (int32; int64 past 2**31 tokens), the logical position of
+  each slot = its column in the batch's (left-padded) token sequence, 0-based; -1 marks an empty slot (rows and heads may keep
   different counts, the store is padded to the largest). Valid slots of a (row, head) appear in
   increasing position order; empty slots can sit anywhere.
 - `valid()` BoolTensor[B, H_c, K]: slot holds a real token (never padding).

@@ -232,7 +232,7 @@ class SkipKVPolicy(RKVPolicy):
         inside = store.valid() & (gen >= 0) & (gen < self.num_generated)
         batch, heads, slots = gen.shape
         table = self.sentence_of[:, None, :].expand(batch, heads, -1)
-        ids = table.gather(2, gen.clamp(min=0, max=max(self.num_generated - 1, 0)))
+        ids = table.gather(2, gen.clamp(min=0, max=max(self.num_generated - 1, 0)).long())
         return torch.where(inside, ids, -1)
 
     def sentence_cache_ranges(self, store: PolicyStore) -> tuple[torch.Tensor, torch.Tensor]:
