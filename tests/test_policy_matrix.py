@@ -37,31 +37,38 @@ def test_every_registered_policy_is_in_the_readme_table():
     assert sorted(readme_policy_names()) == shipped_policies()
 
 
+def check_property(check, name, make_model, tokenizer, batch, new_tokens, cache_kwargs) -> None:
+    """Run a shared property of tests/policy_properties.py for the policy `name` on a tiny Qwen2."""
+    ids, mask = batch
+    make_policy = lambda: get_policy(name, **POLICY_MATRIX[name].kwargs(tokenizer))  # noqa: E731
+    check(make_model("qwen2"), make_policy, ids, mask, new_tokens, **cache_kwargs)
+
+
 @pytest.mark.parametrize("name", sorted(POLICY_MATRIX))
 def test_budget_above_sequence_is_plain_generation(name, make_model, tokenizer, left_padded_batch):
     entry = POLICY_MATRIX[name]
-    ids, mask = left_padded_batch
-    assert_no_eviction_is_identity(
-        make_model("qwen2"),
-        lambda: get_policy(name, **entry.kwargs(tokenizer)),
-        ids,
-        mask,
+    check_property(
+        assert_no_eviction_is_identity,
+        name,
+        make_model,
+        tokenizer,
+        left_padded_batch,
         entry.identity_tokens,
-        **entry.identity,
+        entry.identity,
     )
 
 
 @pytest.mark.parametrize("name", sorted(n for n, e in POLICY_MATRIX.items() if e.evicting is not None))
 def test_batch_rows_are_compressed_as_alone(name, make_model, tokenizer, left_padded_batch):
     entry = POLICY_MATRIX[name]
-    ids, mask = left_padded_batch
-    assert_rows_independent(
-        make_model("qwen2"),
-        lambda: get_policy(name, **entry.kwargs(tokenizer)),
-        ids,
-        mask,
+    check_property(
+        assert_rows_independent,
+        name,
+        make_model,
+        tokenizer,
+        left_padded_batch,
         entry.evicting_tokens,
-        **entry.evicting,
+        entry.evicting,
     )
 
 
