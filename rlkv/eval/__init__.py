@@ -5,9 +5,11 @@ and PNG plots. Method names and the budget-matching rule are in `rlkv.eval.metho
 rules in `rlkv.eval.errors`.
 """
 
+from rlkv.eval.config import EvalConfig
 from rlkv.eval.errors import ERROR_MODES, RepetitionRule, RepetitionStop, classify_error
 from rlkv.eval.methods import BudgetRule, MethodError, matched_tokens_per_head, method_config, parse_method
-from rlkv.eval.runner import EvalConfig, current_results, read_results, run_eval
+from rlkv.eval.results import current_results, read_results
+from rlkv.eval.runner import run_eval
 
 __all__ = [
     "ERROR_MODES",
