@@ -8,15 +8,18 @@ tracks logical positions, padding validity, the prompt protection and the sink/w
 
 Writing a policy
 ----------------
+    from dataclasses import dataclass
     from rlkv.policies import register_policy
     from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
 
     @register_policy("mine")
+    @dataclass(eq=False, kw_only=True)
     class MyPolicy(CompressionPolicy):
         observe_queries = 8            # store.queries holds the last 8 queries of the compressed heads
+        buffer: int = 128              # fields = the CompressionConfig.policy_kwargs it accepts
 
-        def __init__(self, buffer: int = 128):
-            self.buffer = buffer       # every kwarg of CompressionConfig.policy_kwargs arrives here
+        def __post_init__(self):       # validate the fields here (a clear error naming the policy)
+            ...
 
         def should_compress(self, store):            # called after every forward, per layer
             return store.budget is not None and bool(
@@ -67,7 +70,8 @@ policies depend on the protocol only, so nothing under rlkv/policies imports the
 
 What a policy declares (class attributes) and the hooks it gets
 ----------------------------------------------------------------
-- `observe_queries: int = 0` (above).
+- `observe_queries: int = 0` (above): a class attribute, or a property derived from a field
+  (R-KV / SnapKV: their `window`; RPC: its `selector_window`).
 - `observe_attention: bool = False`: in each forward, `on_attention(store, probs)` with
   probs FloatTensor[B, H_c, G, Q', K] = softmax attention of new queries over the store's slots
   (0 on empty/masked slots). The cache then computes the compressed heads' attention eagerly, in

@@ -14,6 +14,8 @@ config's `sink` tokens are kept on top of the paper's method (they spend budget 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlkv.policies import register_policy
@@ -23,6 +25,7 @@ ACCUMULATED = "h2o_accumulated_attention"
 
 
 @register_policy("h2o")
+@dataclass(eq=False, kw_only=True)
 class H2OPolicy(CompressionPolicy):
     """Accumulated-attention heavy hitters + recent window, evicting whenever a head is over budget.
 
@@ -35,12 +38,14 @@ class H2OPolicy(CompressionPolicy):
     observe_attention = True
     default_budget = 0.2
 
-    def __init__(self, recent_ratio: float = 0.5):
-        if not 0.0 <= recent_ratio <= 1.0:
+    recent_ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError(
-                f"h2o: recent_ratio={recent_ratio} must lie in [0, 1] (share of the budget kept as recent tokens)"
+                f"h2o: recent_ratio={self.recent_ratio} must lie in [0, 1] (share of the budget kept as recent tokens)"
             )
-        self.recent_ratio = float(recent_ratio)
+        self.recent_ratio = float(self.recent_ratio)
 
     def on_attention(self, store: PolicyStore, probs: torch.Tensor) -> None:
         # probs [B, H_c, G, Q, K]: zero on empty/masked slots and for padding queries

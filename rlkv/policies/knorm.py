@@ -6,6 +6,8 @@ scores from what the store holds, selection by the shared `keep_top_scores`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlkv.policies import register_policy
@@ -13,6 +15,7 @@ from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
 
 
 @register_policy("knorm")
+@dataclass(eq=False, kw_only=True)
 class KeyNormPolicy(CompressionPolicy):
     """Keep the evictable tokens whose keys have the smallest L2 norm (per row and KV head).
 
@@ -21,10 +24,12 @@ class KeyNormPolicy(CompressionPolicy):
 
     default_budget = 0.2  # 20% of each row's real tokens + sink + window, as `h2o`
 
-    def __init__(self, buffer: int = 0):
-        if int(buffer) != buffer or buffer < 0:
-            raise ValueError(f"knorm: buffer={buffer!r} must be an int >= 0")
-        self.buffer = int(buffer)
+    buffer: int = 0
+
+    def __post_init__(self) -> None:  # every policy_kwargs key is a field; validate them here
+        if int(self.buffer) != self.buffer or self.buffer < 0:
+            raise ValueError(f"knorm: buffer={self.buffer!r} must be an int >= 0")
+        self.buffer = int(self.buffer)
 
     def should_compress(self, store: PolicyStore) -> bool:
         budget = store.budget

@@ -19,6 +19,8 @@ in row chunks (memory O(chunk * K) per head instead of O(K^2)).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlkv.policies import register_policy
@@ -126,6 +128,7 @@ def _recent_similar(normed: torch.Tensor, threshold: float, exempt: int, chunk: 
 
 
 @register_policy("rkv")
+@dataclass(eq=False, kw_only=True)
 class RKVPolicy(WindowedBufferPolicy):
     """R-KV: importance minus redundancy, compressing to `budget` every time `buffer` tokens accumulate.
 
@@ -141,34 +144,33 @@ class RKVPolicy(WindowedBufferPolicy):
 
     default_budget = 1024
 
-    def __init__(
-        self,
-        window: int = 8,
-        kernel: int = 7,
-        lam: float = 0.1,
-        threshold: float = 0.5,
-        recent_exempt: int = 1,
-        buffer: int = 128,
-        redundancy_chunk: int = 256,
-    ):
-        check_window_and_kernel(self.name, "window", window, kernel)
-        if not 0.0 <= lam <= 1.0:
-            raise ValueError(f"{self.name}: lam={lam} must be in [0, 1] (importance weight)")
-        if threshold < 0:
-            raise ValueError(f"{self.name}: threshold={threshold} must be >= 0 (key cosine similarity)")
-        if recent_exempt < 0:
-            raise ValueError(f"{self.name}: recent_exempt={recent_exempt} must be >= 0")
-        check_buffer(self.name, buffer)
-        if redundancy_chunk < 1:
-            raise ValueError(f"{self.name}: redundancy_chunk={redundancy_chunk} must be >= 1")
-        self.window = int(window)
-        self.kernel = int(kernel)
-        self.lam = float(lam)
-        self.threshold = float(threshold)
-        self.recent_exempt = int(recent_exempt)
-        self.buffer = int(buffer)
-        self.redundancy_chunk = int(redundancy_chunk)
-        self.observe_queries = self.window
+    window: int = 8
+    kernel: int = 7
+    lam: float = 0.1
+    threshold: float = 0.5
+    recent_exempt: int = 1
+    buffer: int = 128
+    redundancy_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        check_window_and_kernel(self.name, "window", self.window, self.kernel)
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"{self.name}: lam={self.lam} must be in [0, 1] (importance weight)")
+        if self.threshold < 0:
+            raise ValueError(f"{self.name}: threshold={self.threshold} must be >= 0 (key cosine similarity)")
+        if self.recent_exempt < 0:
+            raise ValueError(f"{self.name}: recent_exempt={self.recent_exempt} must be >= 0")
+        check_buffer(self.name, self.buffer)
+        if self.redundancy_chunk < 1:
+            raise ValueError(f"{self.name}: redundancy_chunk={self.redundancy_chunk} must be >= 1")
+        self.window, self.kernel, self.buffer = int(self.window), int(self.kernel), int(self.buffer)
+        self.lam, self.threshold = float(self.lam), float(self.threshold)
+        self.recent_exempt, self.redundancy_chunk = int(self.recent_exempt), int(self.redundancy_chunk)
+
+    @property
+    def observe_queries(self) -> int:
+        """The observation window: the cache keeps the last `window` queries."""
+        return self.window
 
     def importance(self, store: PolicyStore) -> torch.Tensor:
         """I: FloatTensor [B, H_c, K], 0 on the observation window and empty slots."""

@@ -21,6 +21,7 @@ With `protect_prompt=False` the prompt joins the candidates and the target cover
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -40,6 +41,7 @@ CYCLES = "rpc_cycles"
 
 
 @register_policy("rpc")
+@dataclass(eq=False, kw_only=True)
 class RPCPolicy(CompressionPolicy):
     """Periodic, layer-wise selection from a selector window of recent queries (RPC).
 
@@ -49,28 +51,40 @@ class RPCPolicy(CompressionPolicy):
     kernel: local pooling window along the candidates (7); pooling "avg" (paper) or "max".
     """
 
-    def __init__(
-        self,
-        interval: int = 4096,
-        selector_window: int = 32,
-        ratio: float = 4.0,
-        kernel: int = 7,
-        pooling: Literal["avg", "max"] = "avg",
-    ):
-        if interval < 1:
-            raise ValueError(f"rpc: interval={interval} must be >= 1 (generated tokens between compressions)")
-        check_window_and_kernel(self.name, "selector_window", selector_window, kernel)
-        if ratio < 1:
-            raise ValueError(f"rpc: ratio={ratio} must be >= 1 (compression ratio of the generated part)")
-        if pooling not in ("avg", "max"):
-            raise ValueError(f"rpc: pooling={pooling!r}: use 'avg' (paper) or 'max'")
-        self.interval = int(interval)
-        self.selector_window = int(selector_window)
-        self.ratio = float(ratio)
-        self.kernel = int(kernel)
-        self.pooling = pooling
-        self.kept_per_cycle = int(self.interval / self.ratio)  # T = P / c, as int(P / c) in the paper's code
-        self.observe_queries = self.selector_window
+    interval: int = 4096
+    selector_window: int = 32
+    ratio: float = 4.0
+    kernel: int = 7
+    pooling: Literal["avg", "max"] = "avg"
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ValueError(
+                f"rpc: interval={self.interval} must be >= 1 (generated tokens between compressions)"
+            )
+        check_window_and_kernel(self.name, "selector_window", self.selector_window, self.kernel)
+        if self.ratio < 1:
+            raise ValueError(
+                f"rpc: ratio={self.ratio} must be >= 1 (compression ratio of the generated part)"
+            )
+        if self.pooling not in ("avg", "max"):
+            raise ValueError(f"rpc: pooling={self.pooling!r}: use 'avg' (paper) or 'max'")
+        self.interval, self.selector_window, self.kernel = (
+            int(self.interval),
+            int(self.selector_window),
+            int(self.kernel),
+        )
+        self.ratio = float(self.ratio)
+
+    @property
+    def kept_per_cycle(self) -> int:
+        """T = P / c generated tokens kept per cycle, as int(P / c) in the paper's code."""
+        return int(self.interval / self.ratio)
+
+    @property
+    def observe_queries(self) -> int:
+        """The selector window: the cache keeps the last `selector_window` queries."""
+        return self.selector_window
 
     def should_compress(self, store: PolicyStore) -> bool:
         cycles = store.state.get(CYCLES, 0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ def _grow(tensor: torch.Tensor, dim: int, size: int, fill: float | int) -> torch
 
 
 @register_policy("skipkv")
+@dataclass(eq=False, kw_only=True)
 class SkipKVPolicy(RKVPolicy):
     """R-KV scores minus a sentence redundancy penalty; optional adaptive steering at delimiters.
 
@@ -69,44 +71,42 @@ class SkipKVPolicy(RKVPolicy):
     observe_tokens = True
     observe_hidden_states = True
 
-    def __init__(
-        self,
-        tokenizer: Any = None,
-        tau: float = 0.95,
-        delimiters: Sequence[str] = DELIMITERS,
-        steering: str | os.PathLike | SteeringVector | None = None,
-        steering_alpha0: float = 1.0,
-        steering_gamma: float = 0.02,
-        keywords: Sequence[str] = NON_EXECUTION_KEYWORDS,
-        **rkv_kwargs: Any,
-    ):
-        super().__init__(**rkv_kwargs)
-        if tokenizer is None:
+    tokenizer: Any = field(default=None, repr=False)
+    tau: float = 0.95
+    delimiters: Sequence[str] = DELIMITERS
+    steering: str | os.PathLike | SteeringVector | None = None
+    steering_alpha0: float = 1.0
+    steering_gamma: float = 0.02
+    keywords: Sequence[str] = NON_EXECUTION_KEYWORDS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tokenizer is None:
             raise ValueError(
                 "skipkv needs the tokenizer to find sentence delimiters: "
                 'CompressionConfig(policy="skipkv", policy_kwargs={"tokenizer": tokenizer_or_its_path})'
             )
-        if isinstance(tokenizer, (str, os.PathLike)):
+        if isinstance(self.tokenizer, (str, os.PathLike)):
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        if not 0.0 < tau <= 1.0:
-            raise ValueError(f"skipkv: tau={tau} must be in (0, 1] (sentence cosine similarity threshold)")
-        if not delimiters:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
+        if not 0.0 < self.tau <= 1.0:
+            raise ValueError(
+                f"skipkv: tau={self.tau} must be in (0, 1] (sentence cosine similarity threshold)"
+            )
+        if not self.delimiters:
             raise ValueError("skipkv: delimiters must name at least one token text, e.g. '\\n'")
-        self.tokenizer = tokenizer
-        self.tau = float(tau)
-        self.is_delimiter = delimiter_token_mask(tokenizer, delimiters)
+        self.tau = float(self.tau)
+        self.is_delimiter = delimiter_token_mask(self.tokenizer, self.delimiters)
         if not bool(self.is_delimiter.any()):
             raise ValueError(
-                f"skipkv: no token of the tokenizer decodes to one of the delimiters {list(delimiters)}"
+                f"skipkv: no token of the tokenizer decodes to one of the delimiters {list(self.delimiters)}"
             )
-        if steering is not None and not hasattr(steering, "vector"):
-            steering = SteeringVector.load(steering)
-        self.steering = steering
-        self.steering_alpha0 = float(steering_alpha0)
-        self.steering_gamma = float(steering_gamma)
-        self.keywords = tuple(keywords)
+        if self.steering is not None and not hasattr(self.steering, "vector"):
+            self.steering = SteeringVector.load(self.steering)
+        self.steering_alpha0 = float(self.steering_alpha0)
+        self.steering_gamma = float(self.steering_gamma)
+        self.keywords = tuple(self.keywords)
         self.reset()
 
     # per-sequence state ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ compresses the prompt with the same attention distribution); protected tokens ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -37,6 +38,7 @@ from rlkv.policies.scoring import (
 
 
 @register_policy("snapkv")
+@dataclass(eq=False, kw_only=True)
 class SnapKVPolicy(WindowedBufferPolicy):
     """Observation-window attention importance, compressing every `buffer` steps once over budget.
 
@@ -50,26 +52,27 @@ class SnapKVPolicy(WindowedBufferPolicy):
 
     default_budget = 1024
 
-    def __init__(
-        self,
-        window: int = 8,
-        kernel: int = 7,
-        pooling: Literal["max", "avg"] = "max",
-        group_pool: Literal["max", "mean"] = "max",
-        buffer: int = 128,
-    ):
-        check_window_and_kernel(self.name, "window", window, kernel)
-        if pooling not in ("max", "avg"):
-            raise ValueError(f"snapkv: pooling={pooling!r}: use 'max' (R-KV's baseline) or 'avg' (SnapKV)")
-        if group_pool not in ("max", "mean"):
-            raise ValueError(f"snapkv: group_pool={group_pool!r}: use 'max' (R-KV) or 'mean' (SnapKV)")
-        check_buffer(self.name, buffer)
-        self.window = int(window)
-        self.kernel = int(kernel)
-        self.pooling = pooling
-        self.group_pool = group_pool
-        self.buffer = int(buffer)
-        self.observe_queries = self.window
+    window: int = 8
+    kernel: int = 7
+    pooling: Literal["max", "avg"] = "max"
+    group_pool: Literal["max", "mean"] = "max"
+    buffer: int = 128
+
+    def __post_init__(self) -> None:
+        check_window_and_kernel(self.name, "window", self.window, self.kernel)
+        if self.pooling not in ("max", "avg"):
+            raise ValueError(
+                f"snapkv: pooling={self.pooling!r}: use 'max' (R-KV's baseline) or 'avg' (SnapKV)"
+            )
+        if self.group_pool not in ("max", "mean"):
+            raise ValueError(f"snapkv: group_pool={self.group_pool!r}: use 'max' (R-KV) or 'mean' (SnapKV)")
+        check_buffer(self.name, self.buffer)
+        self.window, self.kernel, self.buffer = int(self.window), int(self.kernel), int(self.buffer)
+
+    @property
+    def observe_queries(self) -> int:
+        """The observation window: the cache keeps the last `window` queries."""
+        return self.window
 
     def scores(self, store: PolicyStore) -> torch.Tensor:
         """Importance FloatTensor [B, H_c, K]: 0 on the observation window and invalid slots."""
