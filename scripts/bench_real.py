@@ -221,6 +221,7 @@ def worker_step(args) -> dict:
         gate_local=GATE_LOCAL,
         gate_init=0.5,
         torch_threads=args.threads,
+        activation_checkpointing=bool(args.activation_checkpointing),
         max_steps=args.steps,
         logging_steps=1,
         seed=0,
@@ -258,6 +259,7 @@ def run_worker(kind: str, args, **overrides) -> dict:
         micro_batch=args.micro_batch,
         steps=args.steps,
         threads=args.threads,
+        activation_checkpointing=args.activation_checkpointing,
     )
     opts.update(overrides)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind]
@@ -363,6 +365,12 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per measurement (0 = every core)"
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        type=int,
+        default=0,
+        help="1: recompute activations in the loss backward",
     )
 
 
