@@ -87,6 +87,7 @@ class HeadMask:
     def __post_init__(self) -> None:
         self.scores = torch.as_tensor(self.scores, dtype=torch.float32).detach().cpu().clone()
         _validate_scores(self.scores, self.fingerprint, source="scores")
+        _check_unit_interval(self.scores, source="scores")
 
     # construction -------------------------------------------------------------------------
     @classmethod
@@ -310,6 +311,7 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
         except (TypeError, ValueError) as e:
             raise HeadMaskError(f"{source}: field 'scores' holds a non-number ({e})") from None
         _validate_scores(scores, fp, source=f"{source}: field 'scores'")
+        _check_unit_interval(scores, source=f"{source}: field 'scores'")
         try:
             return cls(
                 scores=scores,
@@ -457,6 +459,15 @@ def _check_sparsity(sparsity: float) -> None:
     if not isinstance(sparsity, (int, float)) or math.isnan(sparsity) or not 0.0 <= sparsity <= 1.0:
         raise HeadMaskError(
             f"sparsity={sparsity!r} must be a number in [0, 1] (fraction of KV heads compressed)"
+        )
+
+
+def _check_unit_interval(scores: torch.Tensor, source: str) -> None:
+    if scores.numel() and (scores.min() < 0 or scores.max() > 1):
+        bad = ((scores < 0) | (scores > 1)).nonzero()[0].tolist()
+        raise HeadMaskError(
+            f"{source}: score {scores[bad[0], bad[1]].item():.4g} at layer {bad[0]}, head {bad[1]} is outside "
+            "[0, 1]; scores are clamped gate values (HeadMask.from_tsv clamps a TSV's values for you)"
         )
 
 

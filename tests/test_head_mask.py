@@ -126,6 +126,15 @@ def test_non_finite_scores_are_rejected(mask, tmp_path, bad):
         HeadMask.load(_write(tmp_path, text))
 
 
+@pytest.mark.parametrize("value", [1.5, -0.25])
+def test_scores_outside_unit_interval_are_rejected(mask, tmp_path, value):
+    m, _ = mask
+    doc = m.to_dict()
+    doc["scores"][1][0] = value
+    with pytest.raises(HeadMaskError, match=r"layer 1, head 0 is outside \[0, 1\]"):
+        HeadMask.load(_write(tmp_path, json.dumps(doc)))
+
+
 def test_bad_tsv_is_rejected(mask, tmp_path):
     _, model = mask
     (tmp_path / "a.tsv").write_text("0.1\t0.2\n0.3\tfoo\n0.1\t0.1\n")
