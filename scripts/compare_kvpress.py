@@ -1,0 +1,352 @@
+"""NVIDIA kvpress beside rlkv in one run: same model, prompts, budgets; two environments.
+
+kvpress pins transformers<5.3 and rlkv needs 5.23, so kvpress runs in its own venv
+(`.venv-kvpress/`, created on demand: `python3 -m venv` + `pip install "torch==2.13.0" kvpress`),
+through `scripts/kvpress_worker.py` (imports only torch/transformers/kvpress). This script:
+
+1. writes the spec: the demo model, `--num-problems` chain test problems rendered with rlkv's
+   prompt builder and tokenized here (the worker reads the token ids, so both sides see the same
+   input), and the head mask exported as a DuoAttention pattern folder (`full_attention_heads.tsv`
+   = `HeadMask.to_tsv`, `config.json` with sink_size / recent_size);
+2. runs the worker in `.venv-kvpress/` (kvpress `DuoAttentionPress` with that pattern at each
+   sparsity; `DecodingPress` with SnapKV and KNorm scorers at each token budget) -> kvpress.json;
+3. runs rlkv here (head-mixed cache with the same mask, streaming sink + recent; snapkv / knorm /
+   rkv on every head at the same budget and compression interval) -> rlkv.json;
+4. writes compare.json and compare.md (side by side).
+
+Both sides measure with the worker's helpers: greedy accuracy, resident KV after generation
+(tensor storages reachable from the cache), peak KV during generation (the same walk after every
+forward), VmHWM (reset before each method) and decode tokens/s.
+
+    .venv/bin/python scripts/compare_kvpress.py --out runs/compare-kvpress     # ~10 min on 2 busy cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+KVPRESS_VENV = ROOT / ".venv-kvpress"
+WORKER = ROOT / "scripts" / "kvpress_worker.py"
+
+
+def load_worker():
+    """The worker module (its measurement helpers are shared by both sides)."""
+    spec = importlib.util.spec_from_file_location("kvpress_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ensure_kvpress_venv(venv: Path, log: Path) -> Path:
+    """The venv's python, creating the venv and installing kvpress (torch pinned) when missing.
+
+    Raises RuntimeError with pip's last lines when the install fails.
+    """
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import kvpress, transformers, torch"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    steps = [
+        ["python3", "-m", "venv", str(venv)],
+        [str(venv / "bin" / "pip"), "install", "torch==2.13.0", "kvpress"],
+    ]
+    with log.open("w") as f:
+        for cmd in steps:
+            print("$", " ".join(cmd), file=sys.stderr, flush=True)
+            if subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT) != 0:
+                tail = "\n".join(log.read_text().splitlines()[-15:])
+                raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{tail}")
+    if subprocess.run(probe, capture_output=True).returncode != 0:
+        raise RuntimeError(
+            f"kvpress does not import in {venv}: {subprocess.run(probe, capture_output=True, text=True).stderr}"
+        )
+    return python
+
+
+def build_prompts(tokenizer: Any, num: int, seed: int) -> tuple[list[str], list[list[int]], list[str]]:
+    """Chain test problems as rlkv eval renders them (plain template, chat template): texts, token ids, answers."""
+    from rlkv.data.chain_task import chain_problems
+    from rlkv.data.prompts import build_prompt
+
+    problems = chain_problems("test", num, seed)
+    texts = [build_prompt({"problem": p.problem, "source": "chain"}, tokenizer, "plain") for p in problems]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    return texts, ids, [p.answer for p in problems]
+
+
+def write_duo_pattern(mask: Any, folder: Path, sink: int, recent: int) -> Path:
+    """The head mask as a DuoAttention pattern folder: `full_attention_heads.tsv` + `config.json`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mask.to_tsv(folder / "full_attention_heads.tsv")
+    (folder / "config.json").write_text(json.dumps({"sink_size": sink, "recent_size": recent}) + "\n")
+    return folder
+
+
+def method_specs(sparsities: list[float], budgets: list[int], interval: int) -> list[dict[str, Any]]:
+    """Paired methods: name, kvpress spec, and the rlkv setting it is compared with."""
+    rows: list[dict[str, Any]] = [{"name": "full", "kind": "full"}]
+    for s in sparsities:
+        rows.append({"name": f"head s={s:g}", "kind": "duo", "sparsity": s})
+    for b in budgets:
+        for scorer in ("snapkv", "knorm"):
+            rows.append(
+                {
+                    "name": f"{scorer} budget={b}",
+                    "kind": "decoding",
+                    "scorer": scorer,
+                    "budget": b,
+                    "interval": interval,
+                    "window": 8,
+                    "kernel": 7,
+                }
+            )
+    return rows
+
+
+def rlkv_configs(method: dict[str, Any], mask: Any, sink: int, recent: int) -> dict[str, Any]:
+    """rlkv `CompressionConfig`s compared with one kvpress method (name -> config, None = plain transformers)."""
+    from rlkv.inference import CompressionConfig
+
+    if method["kind"] == "full":
+        return {"full": None}
+    if method["kind"] == "duo":
+        return {
+            "rlkv head-mixed": CompressionConfig(
+                head_mask=mask,
+                sparsity=method["sparsity"],
+                policy="streaming",
+                sink=sink,
+                window=recent,
+                protect_prompt=False,
+            )
+        }
+    # token level: every head compressed, no forced sink/window (kvpress keeps none), compress once
+    # `interval` tokens above the budget (kvpress: every `interval` decode steps)
+    b, interval = method["budget"], method["interval"]
+    policies = {
+        "snapkv": {"window": method["window"], "kernel": method["kernel"], "buffer": interval},
+        "knorm": {"buffer": interval},
+    }
+    out = {
+        f"rlkv {method['scorer']}": CompressionConfig(
+            policy=method["scorer"],
+            policy_kwargs=policies[method["scorer"]],
+            budget=b,
+            sink=0,
+            window=0,
+            protect_prompt=False,
+        )
+    }
+    if method["scorer"] == "snapkv":
+        out["rlkv rkv"] = CompressionConfig(
+            policy="rkv",
+            policy_kwargs={"window": method["window"], "kernel": method["kernel"], "buffer": interval},
+            budget=b,
+            sink=0,
+            window=0,
+            protect_prompt=False,
+        )
+    return out
+
+
+def run_rlkv(spec: dict[str, Any], mask: Any, worker: Any) -> dict[str, Any]:
+    """Every rlkv config paired with the spec's methods, measured with the worker's `run_method`."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlkv.inference import make_cache
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    prompts, answers, new = spec["prompt_ids"], spec["answers"], spec["max_new_tokens"]
+    result: dict[str, Any] = {
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+        "methods": {},
+    }
+    plain = AutoModelForCausalLM.from_pretrained(
+        spec["model"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    plain.eval()
+    worker.run_method(plain, tokenizer, prompts[:1], answers[:1], new, worker._NullContext())
+    for method in spec["methods"]:
+        for name, config in rlkv_configs(method, mask, spec["sink"], spec["recent"]).items():
+            if config is None:
+                model, factory = plain, None
+            else:
+                model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+                model.eval()
+
+                def factory(model=model, config=config):
+                    return make_cache(model, config)
+
+            started = time.perf_counter()
+            row = worker.run_method(model, tokenizer, prompts, answers, new, worker._NullContext(), factory)
+            row["seconds"] = time.perf_counter() - started
+            if config is not None and config.head_mask is not None:
+                row["full_heads"] = config.full_heads(model).int().tolist()
+            result["methods"][f"{method['name']} | {name}"] = row
+            print(f"rlkv {method['name']} | {name}: {row['accuracy']}", file=sys.stderr, flush=True)
+    return result
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.2f}"
+
+
+def _kib(x: float) -> str:
+    return f"{x / 2**10:.1f}"
+
+
+def table(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> str:
+    """Markdown side-by-side table (one row per kvpress method and per rlkv method paired with it)."""
+    lines = [
+        "| setting | side | method | acc % | resident KV KiB | peak KV KiB | VmHWM MiB | decode tok/s | same tokens as own full |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    full_kv = kv["methods"].get("full", {}).get("outputs")
+    full_rl = rl["methods"].get("full | full", {}).get("outputs")
+
+    def same(outputs, ref):
+        if outputs is None or ref is None:
+            return "-"
+        return f"{sum(a == b for a, b in zip(outputs, ref))}/{len(ref)}"
+
+    def row(setting, side, name, r, ref):
+        if "error" in r:
+            return f"| {setting} | {side} | {name} | error: {r['error'][:120]} | | | | | |"
+        return (
+            f"| {setting} | {side} | {name} | {r['accuracy']:.1f} | {_kib(r['resident_kv_bytes'])} | "
+            f"{_kib(r['peak_kv_bytes'])} | {_mib(r['vm_hwm_bytes'])} | {r['decode_tokens_per_s']:.0f} | "
+            f"{same(r.get('outputs'), ref)} |"
+        )
+
+    for method in spec["methods"]:
+        m = method["name"]
+        kv_name = {
+            "full": "DynamicCache (no press)",
+            "duo": "DuoAttentionPress (same mask)",
+            "decoding": f"DecodingPress({method.get('scorer', '')})",
+        }[method["kind"]]
+        if m in kv["methods"]:
+            lines.append(row(m, "kvpress", kv_name, kv["methods"][m], full_kv))
+        for key, r in rl["methods"].items():
+            if key.split(" | ")[0] == m:
+                lines.append(row(m, "rlkv", key.split(" | ")[1], r, full_rl))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="runs/compare-kvpress")
+    parser.add_argument("--model", default=str(ROOT / "data" / "demo-model"))
+    parser.add_argument(
+        "--mask",
+        default=str(ROOT / "runs" / "demo" / "gates"),
+        help="anything HeadMask.from_pretrained reads (`make demo` writes runs/demo/gates)",
+    )
+    parser.add_argument("--num-problems", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--sparsities", default="0.5,0.75")
+    parser.add_argument("--budgets", default="128", help="token budgets per head (kvpress target_size)")
+    parser.add_argument(
+        "--interval",
+        type=int,
+        default=16,
+        help="decode steps between compressions (kvpress compression_interval, rlkv buffer)",
+    )
+    parser.add_argument("--sink", type=int, default=16)
+    parser.add_argument("--recent", type=int, default=64)
+    parser.add_argument("--venv", default=str(KVPRESS_VENV))
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from rlkv import HeadMask
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    worker = load_worker()
+    mask = HeadMask.from_pretrained(args.mask, AutoConfig.from_pretrained(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    texts, ids, answers = build_prompts(tokenizer, args.num_problems, args.seed)
+    spec = {
+        "model": str(Path(args.model).resolve()),
+        "prompts": texts,
+        "prompt_ids": ids,
+        "answers": answers,
+        "max_new_tokens": args.max_new_tokens,
+        "sink": args.sink,
+        "recent": args.recent,
+        "duo_pattern": str(write_duo_pattern(mask, out / "duo_pattern", args.sink, args.recent)),
+        "methods": method_specs(
+            [float(s) for s in args.sparsities.split(",")],
+            [int(b) for b in args.budgets.split(",")],
+            args.interval,
+        ),
+    }
+    (out / "spec.json").write_text(json.dumps(spec))
+
+    started = time.perf_counter()
+    try:
+        python = ensure_kvpress_venv(Path(args.venv), out / "kvpress_install.log")
+        proc = subprocess.run(
+            [str(python), str(WORKER), "--spec", str(out / "spec.json"), "--out", str(out / "kvpress.json")],
+            env={**os.environ, "PYTHONPATH": ""},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        sys.stderr.write(proc.stderr)
+        if proc.returncode != 0:
+            raise RuntimeError(f"kvpress worker exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        kv = json.loads((out / "kvpress.json").read_text())
+    except RuntimeError as e:
+        kv = {"error": str(e), "methods": {}}
+        print(f"kvpress side failed: {e}", file=sys.stderr)
+    kv_seconds = time.perf_counter() - started
+    rl = run_rlkv(spec, mask, worker)
+    (out / "rlkv.json").write_text(json.dumps(rl))
+    md = table(spec, kv, rl)
+    header = (
+        f"kvpress {kv.get('versions', {}).get('kvpress', '?')} (transformers "
+        f"{kv.get('versions', {}).get('transformers', '?')}) vs rlkv (transformers {rl['versions']['transformers']}), "
+        f"torch {rl['versions']['torch']}; {len(ids)} chain test problems, greedy, {args.max_new_tokens} new tokens max, "
+        f"batch 1, fp32, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; kvpress side {kv_seconds:.0f} s\n"
+    )
+    if kv.get("stock_duo_error"):
+        header += (
+            f"\nstock DuoAttentionPress on this model: `{kv['stock_duo_error'].splitlines()[0][:200]}`\n"
+        )
+    (out / "compare.md").write_text(header + "\n" + md + "\n")
+    summary = {
+        "spec": {k: v for k, v in spec.items() if k not in ("prompts", "prompt_ids")},
+        "kvpress": kv,
+        "rlkv": rl,
+    }
+    for side in (summary["kvpress"], summary["rlkv"]):
+        for r in side.get("methods", {}).values():
+            r.pop("outputs", None)
+    (out / "compare.json").write_text(json.dumps(summary, indent=1))
+    print(header + "\n" + md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The rlkv side of scripts/compare_kvpress.py: the measurement helpers and the files the kvpress worker reads.
+
+kvpress itself is never needed (it lives in its own venv); these run offline on the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import compare_kvpress  # noqa: E402
+
+from rlkv import HeadMask  # noqa: E402
+from rlkv.inference import CompressionConfig, make_cache  # noqa: E402
+from rlkv.testing import tiny_model  # noqa: E402
+
+worker = compare_kvpress.load_worker()
+
+
+def test_worker_imports_no_rlkv():
+    source = (SCRIPTS / "kvpress_worker.py").read_text()
+    assert "rlkv" not in "\n".join(line for line in source.splitlines() if "import" in line)
+
+
+def test_storage_walk_counts_each_storage_once_and_skips_modules():
+    a = torch.zeros(10, 4)
+    holder = {
+        "a": a,
+        "view": a[2:5],
+        "again": [a, (a,)],
+        "module": torch.nn.Linear(100, 100),
+        "b": torch.ones(3),
+    }
+    assert worker.tensor_storage_bytes(holder) == a.nbytes + 3 * 4
+
+
+def test_storage_walk_of_a_cache_after_generate():
+    model = tiny_model("llama")
+    ids = torch.randint(5, 300, (1, 40))
+    out = model.generate(
+        input_ids=ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, min_new_tokens=6
+    )
+    cache = out.past_key_values
+    expected = sum(
+        layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+        for layer in cache.layers
+    )
+    assert worker.tensor_storage_bytes(cache) == expected
+    rl = make_cache(
+        model, CompressionConfig(policy="streaming", sink=4, window=8, head_mask=None, protect_prompt=False)
+    )
+    model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, past_key_values=rl, min_new_tokens=6)
+    assert worker.tensor_storage_bytes(rl) == rl.resident_bytes()
+
+
+def test_duo_pattern_folder_round_trips_and_prompts_are_token_ids(tmp_path):
+    model = tiny_model("llama")
+    mask = HeadMask.random(model, seed=3)
+    folder = compare_kvpress.write_duo_pattern(mask, tmp_path / "duo", sink=16, recent=64)
+    assert json.loads((folder / "config.json").read_text()) == {"sink_size": 16, "recent_size": 64}
+    back = HeadMask.from_pretrained(folder, model)
+    assert torch.allclose(back.scores, mask.scores)
+    assert torch.equal(back.full_heads(0.5), mask.full_heads(0.5))
+
+
+def test_method_specs_pair_every_kvpress_method_with_rlkv():
+    specs = compare_kvpress.method_specs([0.5], [128], 16)
+    assert [s["name"] for s in specs] == ["full", "head s=0.5", "snapkv budget=128", "knorm budget=128"]
+    model = tiny_model("llama")
+    mask = HeadMask.random(model, seed=0)
+    for spec in specs:
+        configs = compare_kvpress.rlkv_configs(spec, mask, 16, 64)
+        assert configs
+        for config in configs.values():
+            if config is not None:
+                make_cache(model, config)  # valid for the model
