@@ -138,6 +138,12 @@ _NAMESPACE_PREFIX = [
 ]  # fmt: skip
 
 
+def _sandboxed_python() -> str:
+    """The interpreter's real path: a venv's `bin/python` may live under /tmp, which the sandbox
+    replaces with a fresh tmpfs; programs run isolated (-I) and need only the standard library."""
+    return os.path.realpath(sys.executable)
+
+
 @functools.cache
 def os_sandbox_available() -> bool:
     """True when `unshare` can make the namespaces the `namespace` level needs (checked once per process)."""
@@ -145,7 +151,7 @@ def os_sandbox_available() -> bool:
         return False
     try:
         probe = subprocess.run(
-            [*_NAMESPACE_PREFIX, "true"],
+            [*_NAMESPACE_PREFIX, _sandboxed_python(), "-I", "-c", "pass"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -295,7 +301,7 @@ def _supervise(spec: dict) -> dict:
     try:
         cmd = [sys.executable, "-I", "-B", "-"]
         if spec["os_sandbox"]:
-            cmd = [*_NAMESPACE_PREFIX, *cmd]
+            cmd = [*_NAMESPACE_PREFIX, _sandboxed_python(), "-I", "-B", "-"]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
         env["TMPDIR"] = env["HOME"] = workdir or "/tmp"
         _set_limits(int(timeout_s) + 1)  # on this process too (it needs little): the program inherits them
