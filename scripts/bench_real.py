@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from rlkv.inference import load
+
 GATE_SINK, GATE_LOCAL = 16, 64
 TARGETS = {
     "generate": "gated generate tokens/s / plain >= 0.8",
@@ -87,13 +89,6 @@ class Meter:
         self.result = dict(seconds=wall, cpu_util=cpu / wall / cores(), peak_rss=peak_rss_bytes())
 
 
-def load(model_path: str, dtype: str):
-    from rlkv.inference import load as rlkv_load
-
-    model, tok = rlkv_load(model_path, dtype=dtype)
-    return model, tok
-
-
 def encode(tok, texts: list[str]):
     return tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
 
@@ -118,7 +113,7 @@ def worker_generate(args) -> dict:
     import rlkv
     from rlkv.trainers.logprobs import token_logps
 
-    model, tok = load(args.model, args.dtype)
+    model, tok = load(args.model, dtype=args.dtype)
     enc = encode(tok, prompts(tok, args.completions))
     torch.manual_seed(0)
     alpha = torch.rand(model.config.num_hidden_layers, model.config.num_key_value_heads)
@@ -181,7 +176,7 @@ def worker_step(args) -> dict:
 
     from rlkv.trainers import GateGRPOConfig, GateGRPOTrainer
 
-    model, tok = load(args.model, args.dtype)
+    model, tok = load(args.model, dtype=args.dtype)
     model.train()
     per_prompt = min(args.completions, 8)
     texts = prompts(tok, 64)

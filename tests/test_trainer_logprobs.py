@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
-from datasets import Dataset
+from test_trainer import config, constant_reward, prompts_dataset
 from trl import GRPOTrainer
 
 from rlkv.testing import tiny_model
-from rlkv.trainers import GateGRPOConfig, GateGRPOTrainer
+from rlkv.trainers import GateGRPOTrainer
 from rlkv.trainers.logprobs import token_logps
 
 
@@ -46,23 +46,11 @@ def test_token_logps_refuses_a_trainable_head():
 
 def test_gate_trainer_logps_equal_trls_fused_head_values_and_gate_gradients(tmp_path, tokenizer):
     model = tiny_model("qwen2")
-    args = GateGRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        gate_sink=2,
-        gate_local=4,
-        gate_init=0.6,
-        temperature=0.8,
-    )
     trainer = GateGRPOTrainer(
         model=model,
-        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["a b c"] * 4}),
+        reward_funcs=constant_reward(0.0),
+        args=config(tmp_path, max_completion_length=8, gate_init=0.6, temperature=0.8),
+        train_dataset=prompts_dataset(1),
         processing_class=tokenizer,
     )
     torch.manual_seed(0)
@@ -88,16 +76,9 @@ def test_trainer_sets_cpu_threads_from_config(tmp_path, tokenizer):
         torch.set_num_threads(3)
         GateGRPOTrainer(
             model=tiny_model("llama"),
-            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            args=GateGRPOConfig(
-                output_dir=str(tmp_path / f"out{requested}"),
-                report_to="none",
-                use_cpu=True,
-                per_device_train_batch_size=4,
-                num_generations=4,
-                torch_threads=requested,
-            ),
-            train_dataset=Dataset.from_dict({"prompt": ["a b c"] * 4}),
+            reward_funcs=constant_reward(0.0),
+            args=config(tmp_path / f"run{requested}", torch_threads=requested),
+            train_dataset=prompts_dataset(1),
             processing_class=tokenizer,
         )
         assert torch.get_num_threads() == expected
