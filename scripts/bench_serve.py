@@ -30,41 +30,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import torch
+from bench_serve_probe import Method, find_max_batch, methods, serve_probe
 
 SERVE_TARGETS = {
     "rlkv s=0.5": (1.5, "rlkv s=0.5 tokens/s >= 1.5x full's at the same KV cap"),
     "rkv b=1024": (3.0, "rkv budget 1024 tokens/s >= 3x full's at the same KV cap"),
 }
-
-
-@dataclass(frozen=True)
-class Method:
-    """One serving configuration: a head mask cut at `sparsity` (None: no mask), a policy and its budget."""
-
-    name: str
-    sparsity: float | None  # None: no head mask (every head compressed), or plain full KV when policy is None
-    policy: str | None  # None: plain transformers (DynamicCache, sdpa)
-    budget: int | None = None
-    policy_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-def methods(budget: int, extra_policies: list[str]) -> list[Method]:
-    """The suite's methods; `extra_policies` run on every head at `budget`."""
-    out = [
-        Method("full", None, None),
-        Method("rlkv s=0.5", 0.5, "streaming"),
-        Method("rlkv s=0.75", 0.75, "streaming"),
-        Method(f"rkv b={budget}", None, "rkv", budget),
-        Method("rlkv+rkv s=0.5", 0.5, "rkv", budget),
-    ]
-    return out + [Method(f"{p} b={budget}", None, p, budget) for p in extra_policies]
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -74,7 +48,7 @@ def build_serve_model(spec: str, layers: int, device: str, dtype: str):
     from rlkv.inference import load, resolve_dtype
 
     if spec == "synthetic":
-        from bench import ATTN_SHAPE, build_model
+        from bench_common import ATTN_SHAPE, build_model
 
         return build_model(ATTN_SHAPE, layers, device, resolve_dtype(dtype, device)), None
     model, tok = load(spec, dtype=dtype, device=device)
@@ -84,172 +58,6 @@ def build_serve_model(spec: str, layers: int, device: str, dtype: str):
 
     text = bench_real.prompts(tok, 1)[0]
     return model, tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-
-
-def kv_resident_bytes(cache) -> int:
-    """Bytes the cache's tensors hold: `resident_bytes()` of a HeadMixedCache, the key/value storages
-    of a plain transformers cache."""
-    if hasattr(cache, "resident_bytes"):
-        return cache.resident_bytes()
-    from rlkv.cache.store import storage_bytes
-
-    return storage_bytes([t for layer in cache.layers for t in (layer.keys, layer.values)])
-
-
-def make_method_cache(model, method: Method, mask_path: str | None, seed: int = 0):
-    """The cache of `method` for `model` (a DynamicCache with stock sdpa for full)."""
-    from transformers import DynamicCache
-
-    from rlkv import HeadMask
-    from rlkv.inference import CompressionConfig, make_cache
-
-    if method.policy is None:
-        model.set_attn_implementation("sdpa")
-        return DynamicCache(config=model.config)
-    mask = None
-    if method.sparsity is not None:
-        mask = HeadMask.from_pretrained(mask_path, model) if mask_path else HeadMask.random(model, seed=seed)
-    config = CompressionConfig(
-        head_mask=mask,
-        sparsity=method.sparsity if method.sparsity is not None else 1.0,
-        policy=method.policy,
-        budget=method.budget,
-        policy_kwargs=dict(method.policy_kwargs),
-    )
-    return make_cache(model, config)
-
-
-# ------------------------------------------------------------------------------------------- probe
-class _StepMeter:
-    """A stopping criterion that reads the resident KV and a timestamp after every generated token,
-    and stops the run once the KV goes over the cap."""
-
-    def __init__(self, cache, cap_bytes: int, device: str) -> None:
-        self.cache, self.cap, self.device = cache, cap_bytes, device
-        self.times: list[float] = []
-        self.peak_kv = 0
-        self.over = False
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-        self.peak_kv = max(self.peak_kv, kv_resident_bytes(self.cache))
-        self.over = self.over or self.peak_kv > self.cap
-        return torch.full((input_ids.shape[0],), self.over, dtype=torch.bool, device=input_ids.device)
-
-
-def serve_probe(
-    model,
-    prompt_ids: torch.Tensor,
-    method: Method,
-    batch: int,
-    new_tokens: int,
-    cap_bytes: int,
-    device: str = "cpu",
-    mask_path: str | None = None,
-    seed: int = 0,
-) -> dict:
-    """One real run: `batch` rows of `prompt_ids` [1, P], `new_tokens` sampled tokens each (EOS
-    suppressed). Returns fits (peak resident KV <= cap for the whole run), peak_kv_bytes,
-    generated (tokens per row; fewer when the run stopped over the cap), tokens/s (whole run and
-    steady-state decode: the second half of the steps) and peak process memory since the call."""
-    from bench_real import peak_rss_bytes, reset_peak_rss
-    from transformers import StoppingCriteriaList
-
-    cache = make_method_cache(model, method, mask_path, seed)
-    meter = _StepMeter(cache, cap_bytes, device)
-    ids = prompt_ids.expand(batch, -1).contiguous()
-    reset_peak_rss()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(seed)
-    oom = False
-    start = time.perf_counter()
-    try:
-        with torch.no_grad():
-            model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                past_key_values=cache,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,  # EOS suppressed: every row runs to the end
-                do_sample=True,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                pad_token_id=0,
-                stopping_criteria=StoppingCriteriaList([meter]),
-            )
-    except torch.OutOfMemoryError:
-        oom = True
-    wall = time.perf_counter() - start
-    generated = len(meter.times)
-    fits = not (meter.over or oom) and generated == new_tokens
-    result = dict(
-        method=method.name,
-        batch=batch,
-        fits=fits,
-        out_of_memory=oom,
-        generated=generated,
-        prompt_tokens=int(prompt_ids.shape[1]),
-        peak_kv_bytes=meter.peak_kv,
-        peak_rss_bytes=peak_rss_bytes(),
-        peak_cuda_bytes=torch.cuda.max_memory_allocated() if device.startswith("cuda") else None,
-        seconds=wall,
-        whole_tokens_per_s=batch * generated / wall if generated else 0.0,
-        decode_tokens_per_s=None,
-    )
-    steps = meter.times
-    if generated >= 4:
-        half = len(steps) // 2
-        result["decode_tokens_per_s"] = batch * (len(steps) - 1 - half) / (steps[-1] - steps[half])
-    del cache
-    return result
-
-
-# ------------------------------------------------------------------------------------------ search
-def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096) -> dict:
-    """Largest batch b with probe(b)["fits"], by doubling from 1 then bisection.
-
-    Returns fit (b, 0 when batch 1 is already over), over (b + 1, None when `max_batch` fits), their
-    probe results (fit_result / over_result) and every probe in the order run. Assumes a batch that
-    fits means every smaller one fits (resident KV grows with the batch).
-    """
-    runs: dict[int, dict] = {}
-
-    def run(b: int) -> bool:
-        runs[b] = probe(b)
-        return bool(runs[b]["fits"])
-
-    lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
-    b = 1
-    while b <= max_batch:
-        if run(b):
-            lo = b
-            b *= 2
-        else:
-            hi = b
-            break
-    if hi is None and lo < max_batch:  # doubling passed max_batch: try max_batch itself
-        if run(max_batch):
-            lo = max_batch
-        else:
-            hi = max_batch
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        if run(mid):
-            lo = mid
-        else:
-            hi = mid
-    return dict(
-        fit=lo,
-        over=hi,
-        fit_result=runs.get(lo),
-        over_result=runs.get(hi) if hi is not None else None,
-        probes=list(runs.values()),
-    )
 
 
 # ------------------------------------------------------------------------------------------- suite
@@ -415,80 +223,6 @@ def serve_summary(rows: list[dict], args) -> dict:
         verdicts=verdicts,
         passed=bool(verdicts) and all(verdicts.values()),
     )
-
-
-# ------------------------------------------------------------------------------------------ report
-def report_serve(s: dict) -> list[str]:
-    """Markdown lines for the serve suite."""
-    mib = lambda n: "-" if n is None else f"{n / 2**20:.1f} MiB"  # noqa: E731
-    num = lambda x, f=".1f": "-" if x is None else format(x, f)  # noqa: E731
-    memory = "peak CUDA allocated" if s["device"].startswith("cuda") else "peak RSS"
-    lines = [
-        f"## Serving at a fixed KV cap: {os.path.basename(s['model'].rstrip('/'))}, {s['dtype']}, "
-        f"cap {s['cap_bytes'] / 2**20:.1f} MiB, {s['new_tokens']} new tokens (EOS suppressed), "
-        f"{s['threads']} threads, {s['device']}",
-        "",
-        "| method | max batch (fits / over) | decode tok/s | whole-run tok/s | peak KV (over: KV when stopped) "
-        f"| {memory} | decode vs full | batch vs full |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in s["rows"]:
-        over = r["first_over_batch"] if r["first_over_batch"] is not None else "not reached"
-        lines.append(
-            f"| {r['method']} | {r['max_batch']} / {over} | {num(r['decode_tokens_per_s'])} | "
-            f"{num(r['whole_tokens_per_s'])} | {mib(r['peak_kv_bytes'])} ({mib(r['over_peak_kv_bytes'])}) | "
-            f"{mib(r['peak_cuda_bytes'] if s['device'].startswith('cuda') else r['peak_rss_bytes'])} | "
-            f"{num(r['decode_vs_full'], '.2f')} | {num(r['max_batch_vs_full'], '.2f')} |"
-        )
-    lines += ["", "| target | measured | verdict |", "|---|---|---|"]
-    for name, ok in s["verdicts"].items():
-        key = "rkv b=1024" if name.startswith("rkv") else name
-        row = next(r for r in s["rows"] if r["method"] == name)
-        lines.append(
-            f"| {SERVE_TARGETS[key][1]} | {num(row['decode_vs_full'], '.2f')} | {'PASS' if ok else 'FAIL'} |"
-        )
-    return lines + [""]
-
-
-def plot_serve(s: dict, path: Path) -> str | None:
-    """tokens/s vs batch per method (each method's max batch marked) and peak KV vs batch (cap marked)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: pip install 'rlkv[plots]' for PNG plots", file=sys.stderr)
-        return None
-    fig, (ax, ax_kv) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in s["rows"]:
-        fits = sorted((p for p in r["probes"] if p["fits"]), key=lambda p: p["batch"])
-        line = ax.plot(
-            [p["batch"] for p in fits], [p["whole_tokens_per_s"] for p in fits], marker="o", label=r["method"]
-        )
-        if r["max_batch"]:
-            ax.axvline(r["max_batch"], color=line[0].get_color(), ls=":", lw=1)
-        probes = sorted(r["probes"], key=lambda p: p["batch"])
-        ax_kv.plot(
-            [p["batch"] for p in probes],
-            [p["peak_kv_bytes"] / 2**20 for p in probes],
-            marker="o",
-            label=r["method"],
-        )
-    cap = s["cap_bytes"] / 2**20
-    ax_kv.axhline(cap, color="k", ls="--", label=f"cap {cap:.0f} MiB")
-    ax.set(
-        xscale="log",
-        xlabel="batch",
-        ylabel="whole-run tokens/s",
-        title="tokens/s vs batch (dotted: max batch under the cap)",
-    )
-    ax_kv.set(xscale="log", xlabel="batch", ylabel="peak resident KV (MiB)", title="KV vs batch")
-    ax.legend(fontsize=7), ax_kv.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
 
 
 # ------------------------------------------------------------------------------------------ options

@@ -1,4 +1,5 @@
-"""The serve benchmark (scripts/bench_serve.py): the max-batch search and the report, not speed."""
+"""The serve benchmark (scripts/bench_serve.py, bench_serve_probe.py, bench_serve_report.py): the max-batch
+search and the report, not speed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_serve  # noqa: E402
+import bench_serve_probe  # noqa: E402
+import bench_serve_report  # noqa: E402
 
 from rlkv.testing import tiny_model  # noqa: E402
 
@@ -32,7 +35,7 @@ def fake_probe(per_row: int, cap: int, calls: list[int]):
 @pytest.mark.parametrize("max_fit", [1, 2, 3, 5, 8, 13])
 def test_search_finds_the_batch_that_fits_and_the_one_over(max_fit):
     calls: list[int] = []
-    out = bench_serve.find_max_batch(fake_probe(100, max_fit * 100 + 50, calls))
+    out = bench_serve_probe.find_max_batch(fake_probe(100, max_fit * 100 + 50, calls))
     assert (out["fit"], out["over"]) == (max_fit, max_fit + 1)
     assert out["fit_result"]["fits"] and not out["over_result"]["fits"]
     assert {p["batch"] for p in out["probes"]} == set(calls) and len(calls) == len(set(calls))
@@ -41,9 +44,9 @@ def test_search_finds_the_batch_that_fits_and_the_one_over(max_fit):
 
 
 def test_search_when_nothing_fits_and_when_the_limit_fits():
-    none = bench_serve.find_max_batch(fake_probe(100, 50, []))
+    none = bench_serve_probe.find_max_batch(fake_probe(100, 50, []))
     assert (none["fit"], none["over"], none["fit_result"]) == (0, 1, None)
-    capped = bench_serve.find_max_batch(fake_probe(1, 10**9, []), max_batch=6)
+    capped = bench_serve_probe.find_max_batch(fake_probe(1, 10**9, []), max_batch=6)
     assert (capped["fit"], capped["over"], capped["over_result"]) == (6, None, None)
 
 
@@ -56,7 +59,7 @@ def model_and_prompt():
 
 
 def peak_kv(model, prompt, method, batch) -> int:
-    r = bench_serve.serve_probe(model, prompt, method, batch, NEW_TOKENS, cap_bytes=2**40)
+    r = bench_serve_probe.serve_probe(model, prompt, method, batch, NEW_TOKENS, cap_bytes=2**40)
     assert r["fits"] and r["generated"] == NEW_TOKENS
     return r["peak_kv_bytes"]
 
@@ -65,15 +68,15 @@ def peak_kv(model, prompt, method, batch) -> int:
 def test_real_runs_against_a_hand_built_cap(model_and_prompt, name):
     """A cap between the peak KV of batch 3 and batch 4: the search must report 3 fits, 4 does not."""
     model, prompt = model_and_prompt
-    method = next(m for m in bench_serve.methods(96, []) if m.name == name)
+    method = next(m for m in bench_serve_probe.methods(96, []) if m.name == name)
     three, four = peak_kv(model, prompt, method, 3), peak_kv(model, prompt, method, 4)
     assert three < four
     cap = (three + four) // 2
 
     def probe(b):
-        return bench_serve.serve_probe(model, prompt, method, b, NEW_TOKENS, cap)
+        return bench_serve_probe.serve_probe(model, prompt, method, b, NEW_TOKENS, cap)
 
-    out = bench_serve.find_max_batch(probe)
+    out = bench_serve_probe.find_max_batch(probe)
     assert (out["fit"], out["over"]) == (3, 4)
     fit, over = out["fit_result"], out["over_result"]
     assert fit["fits"] and fit["generated"] == NEW_TOKENS and fit["peak_kv_bytes"] <= cap
@@ -84,7 +87,7 @@ def test_real_runs_against_a_hand_built_cap(model_and_prompt, name):
 def test_full_kv_is_the_dynamic_cache_storage(model_and_prompt):
     model, prompt = model_and_prompt
     cfg = model.config
-    full = bench_serve.methods(96, [])[0]
+    full = bench_serve_probe.methods(96, [])[0]
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # K+V, fp32
     assert peak_kv(model, prompt, full, 2) == 2 * per_token * (prompt.shape[1] + NEW_TOKENS - 1)
 
@@ -127,10 +130,10 @@ def test_report_fields_and_verdicts(model_and_prompt, tmp_path):
         assert r["peak_kv_bytes"] <= s["cap_bytes"] < r["over_peak_kv_bytes"]
     assert set(s["verdicts"]) == {"rlkv s=0.5", "rkv b=96"}
     assert s["passed"] == all(s["verdicts"].values())
-    text = "\n".join(bench_serve.report_serve(s))
+    text = "\n".join(bench_serve_report.report_serve(s))
     assert "| full | " in text and ("PASS" in text or "FAIL" in text)
     json.dumps(s)  # the suite's result is written as JSON
-    assert Path(bench_serve.plot_serve(s, tmp_path / "serve.png")).stat().st_size > 0
+    assert Path(bench_serve_report.plot_serve(s, tmp_path / "serve.png")).stat().st_size > 0
 
 
 def test_worker_process_prints_one_probe(tmp_path):
