@@ -182,3 +182,22 @@ def test_bad_gate_settings_are_rejected():
         rlkv.attach_gates(tiny_model("llama"), init=1.5)
     with pytest.raises(ValueError, match="local"):
         rlkv.attach_gates(tiny_model("llama"), local=0)
+
+
+def test_frozen_head_never_copies_its_weight_per_row(left_padded_batch):
+    """After attach_gates freezes the head, a `logits_to_keep` forward (the sliced, non-contiguous
+    last hidden state) must run the head as one matmul, not a bmm over a per-row copy of the weight."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids, mask = left_padded_batch
+    model = tiny_model("qwen2")
+    ref = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+    rlkv.attach_gates(model, init=1.0)
+    vocab = model.config.vocab_size
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+    expanded = [e for e in prof.events() if e.name == "aten::bmm" and any(vocab in s for s in e.input_shapes)]
+    assert expanded == []
+    torch.testing.assert_close(out, ref)
+    rlkv.detach_gates(model)
+    assert not model.get_output_embeddings()._forward_pre_hooks

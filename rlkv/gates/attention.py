@@ -143,14 +143,17 @@ def mixed_attention_shared_scores(
     lead_pad = (~valid).long().cumprod(dim=1).sum(dim=1)  # [B]
     k_pos = torch.arange(kv_len, device=device)
     is_sink = (k_pos[None, :] >= lead_pad[:, None]) & (k_pos[None, :] < lead_pad[:, None] + sink)  # [B, K]
-    a = alpha.float()[None, :, None, None]  # [1, H_kv, 1, 1]
+    a = alpha.float()[None, :, None, None, None]  # [1, H_kv, 1, 1, 1]
     q = query.view(bsz, n_kv, groups, q_len, dim)
-    k_t = key.transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, D, K]
-    v = value[:, :, None]
+    # Keys and values stay [B, H_kv, K, D]: the G query heads of a group are stacked as rows of one
+    # matmul, so the cache is read in place (a broadcast over G would copy it G times per layer).
+    k_t = key.transpose(-1, -2)  # [B, H_kv, D, K]
     step = max(1, SCORE_CHUNK_ELEMENTS // max(1, bsz * n_heads * kv_len))
+    neg = torch.finfo(torch.float32).min
     outs = []
     for start in range(0, q_len, step):
         stop = min(q_len, start + step)
+        rows = stop - start
         q_pos = kv_len - q_len + torch.arange(start, stop, device=device)  # [C]
         if attention_mask is None:
             allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, C, K]
@@ -159,12 +162,13 @@ def mixed_attention_shared_scores(
             allowed = m if m.dtype == torch.bool else m == 0  # [B, C, K]
         in_band = (q_pos[:, None] - k_pos[None, :]) < local  # [C, K]
         allowed_local = allowed & (in_band[None] | is_sink[:, None, :])  # [B, C, K]
-        scores = (q[:, :, :, start:stop] @ k_t).float() * scaling  # [B, H_kv, G, C, K]
-        neg = torch.finfo(torch.float32).min
+        q_rows = q[:, :, :, start:stop].reshape(bsz, n_kv, groups * rows, dim)
+        scores = ((q_rows @ k_t).float() * scaling).view(bsz, n_kv, groups, rows, kv_len)
         p_full = scores.masked_fill(~allowed[:, None, None], neg).softmax(-1)
         p_local = scores.masked_fill_(~allowed_local[:, None, None], neg).softmax(-1)
-        probs = p_local.mul_(1 - a[..., None]).add_(p_full.mul_(a[..., None]))
-        outs.append(probs.to(value.dtype) @ v)  # [B, H_kv, G, C, D]
+        probs = p_local.mul_(1 - a).add_(p_full.mul_(a))
+        mixed = probs.to(value.dtype).view(bsz, n_kv, groups * rows, kv_len) @ value
+        outs.append(mixed.view(bsz, n_kv, groups, rows, dim))  # [B, H_kv, G, C, D]
     out = torch.cat(outs, dim=3).view(bsz, n_heads, q_len, dim)
     return out.transpose(1, 2)
 
