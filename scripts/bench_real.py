@@ -142,6 +142,7 @@ def worker_generate(args) -> dict:
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     for p in model.parameters():
         p.requires_grad_(False)
+    rlkv.gates.contiguous_head_inputs(model)  # as attach_gates does: the frozen head's fast path
     model.train()
 
     def forward_backward():

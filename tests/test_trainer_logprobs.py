@@ -14,14 +14,19 @@ from rlkv.trainers import GateGRPOTrainer
 from rlkv.trainers.logprobs import token_logps
 
 
+@pytest.mark.parametrize("keep_logits_bytes", [0, 1 << 30], ids=["recompute", "keep"])
+@pytest.mark.parametrize("entropy_grad", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logps_equal_plain_log_softmax_values_entropy_and_gradients(temperature):
+def test_token_logps_equal_plain_log_softmax_values_entropy_and_gradients(
+    temperature, entropy_grad, keep_logits_bytes
+):
     torch.manual_seed(0)
     n, h, v = 37, 16, 101
     hidden = torch.randn(n, h, dtype=torch.float64)
     weight, bias = 0.3 * torch.randn(v, h, dtype=torch.float64), torch.randn(v, dtype=torch.float64)
     targets = torch.randint(0, v, (n,))
     g_lp, g_ent = torch.randn(n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+    g_ent = g_ent if entropy_grad else torch.zeros_like(g_ent)  # GRPO's loss: entropy only logged
 
     ref_h = hidden.clone().requires_grad_()
     log_p = torch.log_softmax((ref_h @ weight.T + bias) / temperature, -1)
@@ -31,9 +36,16 @@ def test_token_logps_equal_plain_log_softmax_values_entropy_and_gradients(temper
 
     our_h = hidden.clone().requires_grad_()
     lp, ent = token_logps(
-        our_h, weight, targets, bias=bias, temperature=temperature, with_entropy=True, chunk=8
+        our_h,
+        weight,
+        targets,
+        bias=bias,
+        temperature=temperature,
+        with_entropy=True,
+        chunk=8,
+        keep_logits_bytes=keep_logits_bytes,
     )
-    (lp * g_lp + ent * g_ent).sum().backward()
+    ((lp * g_lp + ent * g_ent) if entropy_grad else lp * g_lp).sum().backward()
     # softmax statistics are fp32 by design; the reference is float64
     for ours, ref in ((lp, ref_lp), (ent, ref_ent), (our_h.grad, ref_h.grad)):
         torch.testing.assert_close(ours.detach().double(), ref.detach(), rtol=1e-5, atol=1e-5)

@@ -1,9 +1,16 @@
 """RLKV's training-time gates: one learnable alpha per (layer, KV head) mixing full and sink+local attention.
 
-- `heads`: `HeadGates`, `attach_gates` / `detach_gates` (freeze the model, switch its attention);
+- `heads`: `HeadGates`, `attach_gates` / `detach_gates` (freeze the model, switch its attention),
+  `contiguous_head_inputs` (keeps a frozen LM head from copying its weight per row);
 - `attention`: the "rlkv_mixed" attention function the gated model runs (training and generate).
 """
 
-from rlkv.gates.heads import HeadGates, UnsupportedModelError, attach_gates, detach_gates
+from rlkv.gates.heads import (
+    HeadGates,
+    UnsupportedModelError,
+    attach_gates,
+    contiguous_head_inputs,
+    detach_gates,
+)
 
-__all__ = ["HeadGates", "UnsupportedModelError", "attach_gates", "detach_gates"]
+__all__ = ["HeadGates", "UnsupportedModelError", "attach_gates", "contiguous_head_inputs", "detach_gates"]
