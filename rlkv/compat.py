@@ -46,6 +46,13 @@ GATE_TRAINER_API = PrivateAPI(
         "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
         "_compute_loss": ("model", "inputs"),
         "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+        "_generate_single_turn": (
+            "prompt_ids",
+            "images",
+            "multimodal_fields",
+            "num_generations",
+            "has_tool_images",
+        ),
         "_get_per_token_logps_and_entropies": (
             "model",
             "input_ids",
@@ -66,7 +73,14 @@ GATE_TRAINER_API = PrivateAPI(
             "image_position_ids",
         ),
     },
-    attributes=("_metrics", "reward_weights", "temperature"),
+    attributes=(
+        "_metrics",
+        "reward_weights",
+        "temperature",
+        "generation_config",
+        "use_vllm",
+        "use_transformers_continuous_batching",
+    ),
 )
 
 COMPRESSED_ROLLOUT_API = PrivateAPI(

@@ -217,7 +217,7 @@ def test_policy_gradient_raises_gates_of_heads_the_reward_needs_full(tmp_path, t
         reward_funcs=full_attention_evidence_reward(tokenizer, sink, local, init),
         args=config(
             tmp_path,
-            max_steps=6,
+            max_steps=10,
             per_device_train_batch_size=8,
             max_completion_length=16,
             gate_sink=sink,

@@ -34,6 +34,7 @@ from rlkv.trainers.callbacks import (
 from rlkv.trainers.checkpoints import load_gate_checkpoint, save_gate_checkpoint
 from rlkv.trainers.config import GateGRPOConfig
 from rlkv.trainers.logprobs import completion_logps
+from rlkv.trainers.sampling import race_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,18 @@ class GateGRPOTrainer(GRPOTrainer):
     def gates(self):
         """The `HeadGates` module of the (unwrapped) model."""
         return self.accelerator.unwrap_model(self.model).rlkv_gates
+
+    # rollouts -------------------------------------------------------------------------------
+    def _generate_single_turn(self, *args, **kwargs):
+        if not self.args.race_sampling or self.use_vllm or self.use_transformers_continuous_batching:
+            return super()._generate_single_turn(*args, **kwargs)
+        sampling = self.generation_config
+        with race_sampling(self.accelerator.unwrap_model(self.model), sampling) as config:
+            self.generation_config = config
+            try:
+                return super()._generate_single_turn(*args, **kwargs)
+            finally:
+                self.generation_config = sampling
 
     # RLKV objective -------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
