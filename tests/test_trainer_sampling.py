@@ -20,7 +20,10 @@ def draw_frequencies(processors, draws: int = 60000) -> torch.Tensor:
     return torch.bincount(scores.argmax(-1), minlength=LOGITS.numel()).float() / draws
 
 
-def test_race_draws_the_softmax_distribution():
+def test_race_draws_the_softmax_distribution_and_leaves_its_input_alone():
+    scores = LOGITS.expand(4, -1).clone()
+    ExponentialRaceSampler()(None, scores)
+    assert torch.equal(scores, LOGITS.expand(4, -1))  # transformers may keep it as the raw logits
     freq = draw_frequencies(ExponentialRaceSampler())
     # 60000 draws: one standard deviation of a frequency is at most 0.002
     torch.testing.assert_close(freq, LOGITS.softmax(-1), atol=0.01, rtol=0)

@@ -32,8 +32,9 @@ class ExponentialRaceSampler(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         race = torch.rand(scores.shape, dtype=torch.float32, device=scores.device)
-        race.log_().neg_().log_()  # log E, E = -log U ~ Exp(1)
-        return scores.float().sub_(race)
+        # scores - log E with E = -log U ~ Exp(1), built in our own buffer: `scores` may be the raw
+        # logits transformers keeps for `output_logits`, so it is never written to
+        return race.log_().neg_().log_().neg_().add_(scores)
 
 
 def race_processors(config: GenerationConfig) -> LogitsProcessorList | None:
