@@ -1,4 +1,5 @@
-"""`rlkv export-mask CHECKPOINT --out FILE`: write the head mask of a gate-training checkpoint."""
+"""`rlkv export-mask CHECKPOINT --out FILE | --folder DIR`: the head mask of a gate-training checkpoint,
+as one JSON file or as a release folder with its card, training curves and heatmap (`rlkv.eval.release`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "or output_dir) and write the HeadMask JSON (and optionally the official TSV).",
     )
     parser.add_argument("checkpoint", help="checkpoint directory holding gates.safetensors and config.json")
-    parser.add_argument("--out", required=True, help="head-mask JSON file to write")
+    parser.add_argument("--out", default=None, help="head-mask JSON file to write")
+    parser.add_argument(
+        "--folder",
+        default=None,
+        help="write a release folder instead: mask, TSV, card with the training run, curves and gate heatmap",
+    )
+    parser.add_argument(
+        "--recipe", default=None, help="with --folder: the training recipe, quoted in the card"
+    )
+    parser.add_argument(
+        "--eval-table", default=None, help="with --folder: a markdown eval table appended to the card"
+    )
     parser.add_argument(
         "--tsv", default=None, help="also write the official TSV (L rows x H_kv columns) here"
     )
@@ -28,16 +40,24 @@ def run(args: argparse.Namespace) -> int:
     from rlkv.head_mask import HeadMaskError
     from rlkv.trainers.checkpoints import head_mask_from_checkpoint
 
+    if (args.out is None) == (args.folder is None):
+        print("rlkv export-mask: error: give exactly one of --out FILE or --folder DIR", file=sys.stderr)
+        return 2
     try:
-        mask = head_mask_from_checkpoint(args.checkpoint)
+        if args.folder is not None:
+            from rlkv.eval.release import write_mask_release
+
+            mask = write_mask_release(args.checkpoint, args.folder, args.recipe, args.eval_table)
+        else:
+            mask = head_mask_from_checkpoint(args.checkpoint)
+            mask.save(args.out)
     except (FileNotFoundError, OSError, HeadMaskError) as e:
         print(f"rlkv export-mask: error: {e}", file=sys.stderr)
         return 2
-    mask.save(args.out)
     if args.tsv:
         mask.to_tsv(args.tsv)
     print(
-        f"wrote {args.out}: {mask.num_layers} layers x {mask.num_kv_heads} KV heads of "
+        f"wrote {args.out or args.folder}: {mask.num_layers} layers x {mask.num_kv_heads} KV heads of "
         f"{mask.fingerprint.name_or_path or mask.fingerprint.model_type}, "
         f"gates mean {float(mask.scores.mean()):.3f}, {int((mask.scores > 0.5).sum())} above 0.5"
     )

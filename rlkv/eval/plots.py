@@ -115,3 +115,29 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def plot_training_curves(history: list[dict[str, Any]], path: Path) -> None:
+    """Reward (mean +- std) and gate statistics (mean, min, max) per GRPO step, from a trainer log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [row.get("step", i + 1) for i, row in enumerate(history)]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.5, 5.5), sharex=True)
+    reward = [float(row["reward"]) for row in history]
+    std = [float(row.get("reward_std", 0.0)) for row in history]
+    top.plot(steps, reward, marker="o", label="mean reward")
+    top.fill_between(
+        steps, [r - s for r, s in zip(reward, std)], [r + s for r, s in zip(reward, std)], alpha=0.2
+    )
+    top.set(ylabel="reward", title="GRPO on the gates")
+    top.legend(loc="best")
+    for key, style in (("gates/mean", "-"), ("gates/min", ":"), ("gates/max", ":")):
+        if all(key in row for row in history):
+            bottom.plot(steps, [float(row[key]) for row in history], style, label=key.split("/")[1])
+    bottom.set(xlabel="step", ylabel="gate alpha", ylim=(-0.02, 1.02))
+    bottom.legend(loc="best")
+    fig.tight_layout()
+    save_figure(fig, path)

@@ -1,0 +1,103 @@
+"""A shipped head-mask folder: the mask, a card with the training run, curves, heatmap and eval table.
+
+    rlkv export-mask runs/qwen-coder/gates/checkpoint-40 --folder data/masks/qwen2.5-coder-0.5b-instruct \
+        --recipe recipes/qwen2.5-coder-0.5b-instruct.yaml --eval-table runs/qwen-coder/eval/table.md
+
+writes `head_mask.json`, `head_mask.tsv`, `training_curves.png`, `gate_heatmap.png` and `README.md`
+(the mask's own card plus the training summary, the recipe and the eval table), each atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlkv._io import atomic_write_text
+from rlkv.eval.plots import plot_gate_heatmap, plot_training_curves
+from rlkv.head_mask import MASK_JSON, MODEL_CARD, HeadMask
+from rlkv.trainers.checkpoints import head_mask_from_checkpoint
+
+CURVES_PNG = "training_curves.png"
+HEATMAP_PNG = "gate_heatmap.png"
+
+
+def training_history(checkpoint: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The per-step rows of a checkpoint's `trainer_state.json` that carry a reward, and the state."""
+    path = Path(checkpoint) / "trainer_state.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not a trainer checkpoint (no trainer_state.json)")
+    state = json.loads(path.read_text())
+    return [row for row in state.get("log_history", []) if "reward" in row], state
+
+
+def write_mask_release(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    recipe: str | os.PathLike | None = None,
+    eval_table: str | os.PathLike | None = None,
+) -> HeadMask:
+    """Write the release folder `out` for the gates of `checkpoint`; returns the exported mask."""
+    out = Path(out)
+    exported = Path(checkpoint) / MASK_JSON  # the trainer's own export carries the run's metadata
+    mask = HeadMask.load(exported) if exported.is_file() else head_mask_from_checkpoint(checkpoint)
+    history, state = training_history(checkpoint)
+    mask.save_pretrained(out)
+    if history:
+        plot_training_curves(history, out / CURVES_PNG)
+    plot_gate_heatmap(mask.scores, out / HEATMAP_PNG, title="learned gates (alpha)")
+    card = (out / MODEL_CARD).read_text() + _training_section(mask, history, state, recipe)
+    if eval_table is not None:
+        card += "\n## Evaluation\n\n" + Path(eval_table).read_text().strip() + "\n"
+    atomic_write_text(out / MODEL_CARD, card)
+    return mask
+
+
+def _training_section(
+    mask: HeadMask, history: list[dict[str, Any]], state: dict[str, Any], recipe: str | os.PathLike | None
+) -> str:
+    lines = ["", "## Training", ""]
+    steps = state.get("global_step", len(history))
+    wall = sum(float(row.get("step_time", 0.0)) for row in history)
+    lines.append(f"- GRPO steps: {steps}; wall time of the logged steps: {wall / 3600:.2f} h")
+    if history:
+        first, last = history[0], history[-1]
+        lines.append(
+            f"- mean reward: first step {float(first['reward']):.3f}, last step {float(last['reward']):.3f}"
+        )
+    scores = mask.scores
+    lines.append(
+        f"- final gates: mean {float(scores.mean()):.3f}, min {float(scores.min()):.3f}, "
+        f"max {float(scores.max()):.3f}, {int((scores > 0.5).sum())} of {scores.numel()} above 0.5"
+    )
+    trainer_meta = {
+        k: v for k, v in mask.metadata.items() if k in ("l1_beta", "reward_threshold", "adaptive_penalty")
+    }
+    if trainer_meta:
+        lines.append("- objective: " + ", ".join(f"{k} {v}" for k, v in trainer_meta.items()))
+    if history:
+        lines.append(f"- curves: `{CURVES_PNG}`")
+    lines.append(f"- gate heatmap: `{HEATMAP_PNG}`")
+    if recipe is not None:
+        text = Path(recipe).read_text().strip()
+        lines += _dataset_lines(yaml.safe_load(text) or {})
+        lines += ["", f"Recipe (`{recipe}`):", "", "```yaml", text, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _dataset_lines(recipe: dict[str, Any]) -> list[str]:
+    """The recipe's training data, with its size when it is an `rlkv data curriculum` folder."""
+    name = recipe.get("dataset_name")
+    if not name:
+        return []
+    stats = Path(name) / "stats.json"
+    if stats.is_file():
+        doc = json.loads(stats.read_text())
+        return [
+            f"- training data: `{name}`, {doc['selected']} problems selected of a pool of {doc['pool_size']} "
+            f"({doc['solved']} solved by the model itself)"
+        ]
+    return [f"- training data: `{name}`"]

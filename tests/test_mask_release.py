@@ -1,0 +1,54 @@
+"""The release folder of a trained mask: loadable mask, curves and heatmap PNGs, a card with the run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from rlkv.cli import export_mask
+from rlkv.head_mask import HeadMask
+from tests.test_trainer import train_run
+
+
+def test_release_folder_holds_the_mask_plots_and_a_card_with_the_run(tmp_path, tokenizer):
+    model, trainer = train_run(tmp_path, tokenizer, "run", max_steps=2)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    curriculum = tmp_path / "curriculum"
+    curriculum.mkdir()
+    (curriculum / "stats.json").write_text(json.dumps({"selected": 96, "pool_size": 480, "solved": 98}))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"dataset_name: {curriculum}\nmax_steps: 2\n")
+    table = tmp_path / "table.md"
+    table.write_text("| method | pass@1 |\n| --- | --- |\n| full | 0.5 |\n")
+
+    parser = argparse.ArgumentParser()
+    export_mask.register(parser.add_subparsers())
+    out = tmp_path / "release"
+    args = parser.parse_args(
+        [
+            "export-mask",
+            str(checkpoint),
+            "--folder",
+            str(out),
+            "--recipe",
+            str(recipe),
+            "--eval-table",
+            str(table),
+        ]
+    )
+    assert args.func(args) == 0
+
+    mask = HeadMask.from_pretrained(out, model)
+    assert torch.equal(mask.scores, model.rlkv_gates.alpha.detach())
+    for png in ("training_curves.png", "gate_heatmap.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    card = (out / "README.md").read_text()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    assert "GRPO steps: 2" in card and f"last step {rewards[-1]:.3f}" in card and "l1_beta 0.05" in card
+    assert "96 problems selected of a pool of 480" in card and "max_steps: 2" in card
+    assert card.rstrip().endswith("| full | 0.5 |")
+
+    both = parser.parse_args(["export-mask", str(checkpoint), "--folder", str(out), "--out", "x.json"])
+    assert both.func(both) == 2
