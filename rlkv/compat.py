@@ -41,18 +41,21 @@ class PrivateAPI:
     helpers: tuple[str, ...] = ()
 
 
+# TRL's rollout method, overridden by both trainers (GateGRPOTrainer: race sampling; compressed rollouts)
+GENERATE_SINGLE_TURN_PARAMS = (
+    "prompt_ids",
+    "images",
+    "multimodal_fields",
+    "num_generations",
+    "has_tool_images",
+)
+
 GATE_TRAINER_API = PrivateAPI(
     methods={
         "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
         "_compute_loss": ("model", "inputs"),
         "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
-        "_generate_single_turn": (
-            "prompt_ids",
-            "images",
-            "multimodal_fields",
-            "num_generations",
-            "has_tool_images",
-        ),
+        "_generate_single_turn": GENERATE_SINGLE_TURN_PARAMS,
         "_get_per_token_logps_and_entropies": (
             "model",
             "input_ids",
@@ -85,13 +88,7 @@ GATE_TRAINER_API = PrivateAPI(
 
 COMPRESSED_ROLLOUT_API = PrivateAPI(
     methods={
-        "_generate_single_turn": (
-            "prompt_ids",
-            "images",
-            "multimodal_fields",
-            "num_generations",
-            "has_tool_images",
-        ),
+        "_generate_single_turn": GENERATE_SINGLE_TURN_PARAMS,
         "_generate_and_score_completions": ("inputs",),
         "_compute_loss": ("model", "inputs"),
     },
