@@ -6,9 +6,10 @@
 
 For every method (full; rlkv head mask at s=0.5 and 0.75 with streaming heads; rkv budget 1024 on
 every head; rlkv+rkv at s=0.5; any registered policy named in --serve-policies) the suite searches
-the largest batch whose resident KV stays under --kv-cap-gib by real runs: batches 1, 2, 4, ...
-until one goes over the cap, then bisection, until the batch that fits and the one above it that
-does not are both measured. Every probe is one generation of --serve-tokens tokens after the
+the largest batch whose resident KV stays under --kv-cap-gib by real runs: batch 1 first, its
+KV per row scaled to the cap as a first guess, then galloping and bisection from the guess, until
+the batch that fits and the one above it that does not are both measured (a good guess: three
+probes). Every probe is one generation of --serve-tokens tokens after the
 prompt with EOS suppressed (every row runs to the end), in its own process (clean peak RSS: VmHWM
 is reset after the model is loaded; `--device cuda` reads torch.cuda.max_memory_allocated). A probe
 stops as soon as the resident KV goes over the cap. The run at the largest fitting batch gives:
@@ -173,7 +174,7 @@ def suite_serve(args) -> dict:
         shared = (model, prompt_for(model, prompt, args.prompt_tokens, args.device))
     for method in methods(args.serve_budget, args.policy_list):
         probe = in_process_probe(args, method, *shared) if shared else subprocess_probe(args, method)
-        rows.append(method_row(method, find_max_batch(probe, args.max_batch)))
+        rows.append(method_row(method, find_max_batch(probe, args.max_batch, args.cap_bytes)))
     return serve_summary(rows, args)
 
 

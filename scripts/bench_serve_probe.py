@@ -157,8 +157,15 @@ def serve_probe(
     return result
 
 
-def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096) -> dict:
-    """Largest batch b with probe(b)["fits"], by doubling from 1 then bisection.
+def find_max_batch(
+    probe: Callable[[int], dict], max_batch: int = 4096, cap_bytes: int | None = None
+) -> dict:
+    """Largest batch b with probe(b)["fits"], found by real runs.
+
+    Batch 1 runs first; its peak KV per row, scaled to `cap_bytes`, is the first guess g (only a
+    guess: every answer is a probe's outcome). From g the search gallops (g+1, g+2, g+4, ... while
+    they fit; g-1, g-2, g-4, ... while they do not), then bisects, so a good guess costs three
+    probes: 1, g and g+1. Without `cap_bytes` the guess is 2 (plain doubling).
 
     Returns fit (b, 0 when batch 1 is already over), over (b + 1, None when `max_batch` fits), their
     probe results (fit_result / over_result) and every probe in the order run. Assumes a batch that
@@ -171,19 +178,31 @@ def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096) -> dict:
         return bool(runs[b]["fits"])
 
     lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
-    b = 1
-    while b <= max_batch:
-        if run(b):
-            lo = b
-            b *= 2
+    if not run(1):
+        hi = 1
+    elif max_batch == 1:
+        lo = 1
+    else:
+        lo, per_row = 1, runs[1].get("peak_kv_bytes") or 0
+        guess = cap_bytes // per_row if cap_bytes and per_row else 2
+        guess = min(max_batch, max(2, guess))
+        stride = 1
+        if run(guess):
+            lo = guess
+            while hi is None and lo < max_batch:
+                b = min(lo + stride, max_batch)
+                if run(b):
+                    lo, stride = b, stride * 2
+                else:
+                    hi = b
         else:
-            hi = b
-            break
-    if hi is None and lo < max_batch:  # doubling passed max_batch: try max_batch itself
-        if run(max_batch):
-            lo = max_batch
-        else:
-            hi = max_batch
+            hi = guess
+            while hi - lo > 1:
+                b = max(hi - stride, lo + 1)
+                if run(b):
+                    lo = b
+                    break
+                hi, stride = b, stride * 2
     while hi is not None and hi - lo > 1:
         mid = (lo + hi) // 2
         if run(mid):

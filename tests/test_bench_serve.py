@@ -39,15 +39,48 @@ def test_search_finds_the_batch_that_fits_and_the_one_over(max_fit):
     assert (out["fit"], out["over"]) == (max_fit, max_fit + 1)
     assert out["fit_result"]["fits"] and not out["over_result"]["fits"]
     assert {p["batch"] for p in out["probes"]} == set(calls) and len(calls) == len(set(calls))
-    doubling = [b for b in calls if b & (b - 1) == 0]
-    assert calls[: len(doubling)] == [2**i for i in range(len(doubling))]  # 1, 2, 4, ... then bisection
+    assert len(calls) <= 2 * max_fit.bit_length() + 2  # no cap: galloping from 2, then bisection
+
+
+@pytest.mark.parametrize("max_fit", [1, 2, 3, 7, 20])
+def test_search_from_the_cap_guess_costs_three_probes_when_kv_is_linear(max_fit):
+    calls: list[int] = []
+    cap = max_fit * 100 + 50
+    out = bench_serve_probe.find_max_batch(fake_probe(100, cap, calls), cap_bytes=cap)
+    assert (out["fit"], out["over"]) == (max_fit, max_fit + 1)
+    assert calls == ([1, 2] if max_fit == 1 else [1, max_fit, max_fit + 1])
+
+
+def uneven_probe(sizes: dict[int, int], cap: int, calls: list[int]):
+    """KV that is not linear in the batch (batch 1 under-reports per row), as chunked growth can give."""
+
+    def probe(batch: int) -> dict:
+        calls.append(batch)
+        kv = sizes.get(batch, batch * 100 + (batch - 1) * 60)
+        return dict(batch=batch, fits=kv <= cap, peak_kv_bytes=kv)
+
+    return probe
+
+
+@pytest.mark.parametrize("cap", [250, 1000, 1700, 5000])
+def test_search_is_exact_when_the_guess_is_wrong(cap):
+    """The guess from batch 1 is off (each extra row costs 160, batch 1 says 100): probes decide."""
+    calls: list[int] = []
+    out = bench_serve_probe.find_max_batch(uneven_probe({}, cap, calls), cap_bytes=cap)
+    fits = [b for b in range(1, 200) if b * 100 + (b - 1) * 60 <= cap]
+    assert (out["fit"], out["over"]) == (max(fits), max(fits) + 1)
+    assert len(calls) == len(set(calls))
+    over_guess = bench_serve_probe.find_max_batch(uneven_probe({}, cap, []), cap_bytes=cap // 3)
+    assert over_guess["fit"] == max(fits)  # a guess far below the answer gallops up to it
 
 
 def test_search_when_nothing_fits_and_when_the_limit_fits():
-    none = bench_serve_probe.find_max_batch(fake_probe(100, 50, []))
+    none = bench_serve_probe.find_max_batch(fake_probe(100, 50, []), cap_bytes=50)
     assert (none["fit"], none["over"], none["fit_result"]) == (0, 1, None)
-    capped = bench_serve_probe.find_max_batch(fake_probe(1, 10**9, []), max_batch=6)
+    capped = bench_serve_probe.find_max_batch(fake_probe(1, 10**9, []), max_batch=6, cap_bytes=10**9)
     assert (capped["fit"], capped["over"], capped["over_result"]) == (6, None, None)
+    single = bench_serve_probe.find_max_batch(fake_probe(1, 10**9, []), max_batch=1, cap_bytes=10**9)
+    assert (single["fit"], single["over"], len(single["probes"])) == (1, None, 1)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +109,7 @@ def test_real_runs_against_a_hand_built_cap(model_and_prompt, name):
     def probe(b):
         return bench_serve_probe.serve_probe(model, prompt, method, b, NEW_TOKENS, cap)
 
-    out = bench_serve_probe.find_max_batch(probe)
+    out = bench_serve_probe.find_max_batch(probe, cap_bytes=cap)
     assert (out["fit"], out["over"]) == (3, 4)
     fit, over = out["fit_result"], out["over_result"]
     assert fit["fits"] and fit["generated"] == NEW_TOKENS and fit["peak_kv_bytes"] <= cap
