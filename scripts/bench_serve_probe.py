@@ -157,9 +157,7 @@ def serve_probe(
     return result
 
 
-def find_max_batch(
-    probe: Callable[[int], dict], max_batch: int = 4096, cap_bytes: int | None = None
-) -> dict:
+def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096, cap_bytes: int | None = None) -> dict:
     """Largest batch b with probe(b)["fits"], found by real runs.
 
     Batch 1 runs first; its peak KV per row, scaled to `cap_bytes`, is the first guess g (only a
