@@ -6,10 +6,10 @@
 
 For every method (full; rlkv head mask at s=0.5 and 0.75 with streaming heads; rkv budget 1024 on
 every head; rlkv+rkv at s=0.5; any registered policy named in --serve-policies) the suite searches
-the largest batch whose resident KV stays under --kv-cap-gib by real runs: batch 1 first, its
-KV per row scaled to the cap as a first guess, then galloping and bisection from the guess, until
-the batch that fits and the one above it that does not are both measured (a good guess: three
-probes). Every probe is one generation of --serve-tokens tokens after the
+the largest batch whose resident KV stays under --kv-cap-gib by real runs: it starts at the cap
+over an estimate of one row's KV (from the model's geometry and the method's kept tokens) and
+gallops and bisects from there, until the batch that fits and the one above it that does not are
+both measured (a right guess costs two probes). Every probe is one generation of --serve-tokens tokens after the
 prompt with EOS suppressed (every row runs to the end), in its own process (clean peak RSS: VmHWM
 is reset after the model is loaded; `--device cuda` reads torch.cuda.max_memory_allocated). A probe
 stops as soon as the resident KV goes over the cap. The run at the largest fitting batch gives:
@@ -137,26 +137,57 @@ def resolve_serve_args(args) -> None:
         args.serve_tokens, args.prompt_tokens = min(args.serve_tokens, 160), 16
         args.serve_budget = min(args.serve_budget, 96)
         if args.kv_cap_gib is None:
-            args.kv_cap_gib = 3 * kv_bytes_estimate(args) / 2**30
+            full = methods(args.serve_budget, [])[0]
+            args.kv_cap_gib = 3 * row_kv_estimate(args, full, kv_geometry(args)) / 2**30
     if args.kv_cap_gib is None:
         args.kv_cap_gib = 0.25 if args.serve_model_spec != "synthetic" else 0.125
     args.cap_bytes = int(args.kv_cap_gib * 2**30)
 
 
-def kv_bytes_estimate(args) -> int:
-    """Full-KV bytes of one row at the end of a quick run (only to place the quick run's cap)."""
+def kv_geometry(args) -> tuple[int, int, int, int]:
+    """(layers, KV heads, head_dim, bytes per element) of the suite's model, without loading weights."""
+    from transformers import AutoConfig
+
+    from rlkv.inference import resolve_dtype
     from rlkv.testing import tiny_config
 
-    cfg = tiny_config("llama")
-    return (
-        2
-        * cfg.num_hidden_layers
-        * cfg.num_key_value_heads
-        * cfg.head_dim
-        * 4
-        * (args.serve_tokens + args.prompt_tokens)
-        + 4096
-    )
+    spec = args.serve_model_spec
+    if spec == "synthetic":
+        from bench_common import ATTN_SHAPE
+
+        layers, kv_heads, dim = args.serve_layers, ATTN_SHAPE["num_key_value_heads"], ATTN_SHAPE["head_dim"]
+    else:
+        cfg = (
+            tiny_config(spec.split(":", 1)[1])
+            if spec.startswith("tiny:")
+            else AutoConfig.from_pretrained(spec)
+        )
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    elem = torch.empty(0, dtype=resolve_dtype(args.dtype, args.device)).element_size()
+    return layers, kv_heads, dim, elem
+
+
+def row_kv_estimate(args, method: Method, geometry: tuple[int, int, int, int]) -> int:
+    """Rough KV bytes of one row at the end of a probe: the search's starting point, never its answer.
+
+    Full heads hold prompt + generated tokens; compressed heads (int32 position per slot) hold the
+    protected prompt plus the window (streaming) or the budget and one policy buffer.
+    """
+    from rlkv.inference import CompressionConfig
+    from rlkv.policies import get_policy_class
+
+    layers, kv_heads, dim, elem = geometry
+    heads, tokens, per_slot = layers * kv_heads, args.prompt_tokens + args.serve_tokens, 2 * dim * elem
+    if method.policy is None:
+        return heads * tokens * per_slot
+    compressed = heads if method.sparsity is None else round(method.sparsity * heads)
+    if method.policy == "streaming":
+        kept = CompressionConfig.window
+    else:
+        kept = (method.budget or args.serve_budget) + getattr(get_policy_class(method.policy), "buffer", 0)
+    kept = min(tokens, args.prompt_tokens + kept)
+    return (heads - compressed) * tokens * per_slot + compressed * kept * (per_slot + 4)
 
 
 def suite_serve(args) -> dict:
@@ -169,12 +200,14 @@ def suite_serve(args) -> dict:
     )
     rows = []
     shared = None
+    geometry = kv_geometry(args)
     if args.quick:  # seconds: probes share one process (peak RSS is then not per probe)
         model, prompt = build_serve_model(args.serve_model_spec, args.serve_layers, args.device, args.dtype)
         shared = (model, prompt_for(model, prompt, args.prompt_tokens, args.device))
     for method in methods(args.serve_budget, args.policy_list):
         probe = in_process_probe(args, method, *shared) if shared else subprocess_probe(args, method)
-        rows.append(method_row(method, find_max_batch(probe, args.max_batch, args.cap_bytes)))
+        guess = args.cap_bytes // row_kv_estimate(args, method, geometry)
+        rows.append(method_row(method, find_max_batch(probe, args.max_batch, guess)))
     return serve_summary(rows, args)
 
 

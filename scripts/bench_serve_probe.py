@@ -157,13 +157,12 @@ def serve_probe(
     return result
 
 
-def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096, cap_bytes: int | None = None) -> dict:
+def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096, guess: int = 1) -> dict:
     """Largest batch b with probe(b)["fits"], found by real runs.
 
-    Batch 1 runs first; its peak KV per row, scaled to `cap_bytes`, is the first guess g (only a
-    guess: every answer is a probe's outcome). From g the search gallops (g+1, g+2, g+4, ... while
-    they fit; g-1, g-2, g-4, ... while they do not), then bisects, so a good guess costs three
-    probes: 1, g and g+1. Without `cap_bytes` the guess is 2 (plain doubling).
+    The search starts at `guess` (e.g. the cap over an estimate of one row's KV: only a starting
+    point, every answer is a probe's outcome) and gallops: guess+1, +2, +4, ... while they fit, or
+    guess-1, -2, -4, ... while they do not, then bisects. A right guess costs two probes (b, b+1).
 
     Returns fit (b, 0 when batch 1 is already over), over (b + 1, None when `max_batch` fits), their
     probe results (fit_result / over_result) and every probe in the order run. Assumes a batch that
@@ -176,31 +175,23 @@ def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096, cap_byte
         return bool(runs[b]["fits"])
 
     lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
-    if not run(1):
-        hi = 1
-    elif max_batch == 1:
-        lo = 1
+    guess, stride = min(max(1, guess), max_batch), 1
+    if run(guess):
+        lo = guess
+        while hi is None and lo < max_batch:
+            b = min(lo + stride, max_batch)
+            if run(b):
+                lo, stride = b, stride * 2
+            else:
+                hi = b
     else:
-        lo, per_row = 1, runs[1].get("peak_kv_bytes") or 0
-        guess = cap_bytes // per_row if cap_bytes and per_row else 2
-        guess = min(max_batch, max(2, guess))
-        stride = 1
-        if run(guess):
-            lo = guess
-            while hi is None and lo < max_batch:
-                b = min(lo + stride, max_batch)
-                if run(b):
-                    lo, stride = b, stride * 2
-                else:
-                    hi = b
-        else:
-            hi = guess
-            while hi - lo > 1:
-                b = max(hi - stride, lo + 1)
-                if run(b):
-                    lo = b
-                    break
-                hi, stride = b, stride * 2
+        hi = guess
+        while hi - lo > 1:
+            b = max(hi - stride, lo + 1)
+            if run(b):
+                lo = b
+                break
+            hi, stride = b, stride * 2
     while hi is not None and hi - lo > 1:
         mid = (lo + hi) // 2
         if run(mid):

@@ -43,43 +43,29 @@ def test_search_finds_the_batch_that_fits_and_the_one_over(max_fit):
 
 
 @pytest.mark.parametrize("max_fit", [1, 2, 3, 7, 20])
-def test_search_from_the_cap_guess_costs_three_probes_when_kv_is_linear(max_fit):
+def test_search_from_a_right_guess_costs_two_probes(max_fit):
     calls: list[int] = []
-    cap = max_fit * 100 + 50
-    out = bench_serve_probe.find_max_batch(fake_probe(100, cap, calls), cap_bytes=cap)
+    out = bench_serve_probe.find_max_batch(fake_probe(100, max_fit * 100 + 50, calls), guess=max_fit)
     assert (out["fit"], out["over"]) == (max_fit, max_fit + 1)
-    assert calls == ([1, 2] if max_fit == 1 else [1, max_fit, max_fit + 1])
+    assert calls == [max_fit, max_fit + 1]
 
 
-def uneven_probe(sizes: dict[int, int], cap: int, calls: list[int]):
-    """KV that is not linear in the batch (batch 1 under-reports per row), as chunked growth can give."""
-
-    def probe(batch: int) -> dict:
-        calls.append(batch)
-        kv = sizes.get(batch, batch * 100 + (batch - 1) * 60)
-        return dict(batch=batch, fits=kv <= cap, peak_kv_bytes=kv)
-
-    return probe
-
-
-@pytest.mark.parametrize("cap", [250, 1000, 1700, 5000])
-def test_search_is_exact_when_the_guess_is_wrong(cap):
-    """The guess from batch 1 is off (each extra row costs 160, batch 1 says 100): probes decide."""
+@pytest.mark.parametrize("guess", [1, 2, 5, 9, 10, 11, 30, 500])
+def test_search_is_exact_whatever_the_guess(guess):
     calls: list[int] = []
-    out = bench_serve_probe.find_max_batch(uneven_probe({}, cap, calls), cap_bytes=cap)
-    fits = [b for b in range(1, 200) if b * 100 + (b - 1) * 60 <= cap]
-    assert (out["fit"], out["over"]) == (max(fits), max(fits) + 1)
-    assert len(calls) == len(set(calls))
-    over_guess = bench_serve_probe.find_max_batch(uneven_probe({}, cap, []), cap_bytes=cap // 3)
-    assert over_guess["fit"] == max(fits)  # a guess far below the answer gallops up to it
+    out = bench_serve_probe.find_max_batch(fake_probe(100, 1050, calls), guess=guess)
+    assert (out["fit"], out["over"]) == (10, 11)
+    assert out["fit_result"]["batch"] == 10 and out["over_result"]["batch"] == 11
+    assert len(calls) == len(set(calls)) and len(calls) <= 2 * guess.bit_length() + 8
 
 
 def test_search_when_nothing_fits_and_when_the_limit_fits():
-    none = bench_serve_probe.find_max_batch(fake_probe(100, 50, []), cap_bytes=50)
-    assert (none["fit"], none["over"], none["fit_result"]) == (0, 1, None)
-    capped = bench_serve_probe.find_max_batch(fake_probe(1, 10**9, []), max_batch=6, cap_bytes=10**9)
-    assert (capped["fit"], capped["over"], capped["over_result"]) == (6, None, None)
-    single = bench_serve_probe.find_max_batch(fake_probe(1, 10**9, []), max_batch=1, cap_bytes=10**9)
+    for guess in (1, 4):
+        none = bench_serve_probe.find_max_batch(fake_probe(100, 50, []), guess=guess)
+        assert (none["fit"], none["over"], none["fit_result"]) == (0, 1, None)
+        capped = bench_serve_probe.find_max_batch(fake_probe(1, 10**9, []), max_batch=6, guess=guess)
+        assert (capped["fit"], capped["over"], capped["over_result"]) == (6, None, None)
+    single = bench_serve_probe.find_max_batch(fake_probe(1, 10**9, []), max_batch=1, guess=3)
     assert (single["fit"], single["over"], len(single["probes"])) == (1, None, 1)
 
 
@@ -109,12 +95,24 @@ def test_real_runs_against_a_hand_built_cap(model_and_prompt, name):
     def probe(b):
         return bench_serve_probe.serve_probe(model, prompt, method, b, NEW_TOKENS, cap)
 
-    out = bench_serve_probe.find_max_batch(probe, cap_bytes=cap)
+    out = bench_serve_probe.find_max_batch(probe)
     assert (out["fit"], out["over"]) == (3, 4)
     fit, over = out["fit_result"], out["over_result"]
     assert fit["fits"] and fit["generated"] == NEW_TOKENS and fit["peak_kv_bytes"] <= cap
     assert not over["fits"] and over["peak_kv_bytes"] > cap and over["generated"] < NEW_TOKENS + 1
     assert fit["whole_tokens_per_s"] > 0 and fit["decode_tokens_per_s"] > 0 and fit["peak_rss_bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ["full", "rlkv s=0.5", "rkv b=96"])
+def test_the_search_guess_is_near_one_rows_measured_kv(model_and_prompt, name):
+    model, prompt = model_and_prompt
+    method = next(m for m in bench_serve_probe.methods(96, []) if m.name == name)
+    args = argparse.Namespace(
+        serve_model_spec="tiny:llama", serve_layers=2, dtype="float32", device="cpu",
+        prompt_tokens=prompt.shape[1], serve_tokens=NEW_TOKENS, serve_budget=96,
+    )  # fmt: skip
+    estimate = bench_serve.row_kv_estimate(args, method, bench_serve.kv_geometry(args))
+    assert 0.8 < estimate / peak_kv(model, prompt, method, 1) < 1.25
 
 
 def test_full_kv_is_the_dynamic_cache_storage(model_and_prompt):
