@@ -75,7 +75,11 @@ def plot_serve(s: dict, path: Path) -> str | None:
         title="tokens/s vs batch (dotted: max batch under the cap)",
     )
     ax_kv.set(xscale="log", xlabel="batch", ylabel="peak resident KV (MiB)", title="KV vs batch")
-    ax.legend(fontsize=7), ax_kv.legend(fontsize=7)
+    batches = sorted({p["batch"] for r in s["rows"] for p in r["probes"]})
+    for a in (ax, ax_kv):  # plain integer ticks at the batches probed (log axes print 2x10^0 otherwise)
+        a.set_xticks(batches, [str(b) for b in batches])
+        a.minorticks_off()
+        a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
