@@ -8,6 +8,10 @@ arguments). `check_private_api` runs at trainer construction, before TRL does an
 raises `UnsupportedVersionError` naming each difference, the installed versions and the
 supported range declared in pyproject.toml, instead of a `TypeError` deep inside a step.
 
+Forward hooks read the model's cache from the forward's keyword arguments through `forward_cache`:
+transformers 5.24 renamed the argument `past_key_values` to `cache` (the old name is mapped until
+5.40), so a hook that reads only one name misses the cache on the other side of the rename.
+
 transformers' `generate` resetting a user cache through `cache._is_user_defined` is not fenced
 here: `HeadMixedCache.update` refuses a new prefill on a non-empty cache (`StaleCacheError`) and
 rlkv's own call sites reset their caches explicitly.
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PACKAGES = ("trl", "transformers")
-TESTED_VERSIONS = {"trl": "1.16.0", "transformers": "5.23.0"}
+TESTED_VERSIONS = {"trl": "1.16.0", "transformers": "5.23.0 and 5.24.0"}
 
 
 class UnsupportedVersionError(RuntimeError):
@@ -111,6 +115,15 @@ COMPRESSED_ROLLOUT_API = PrivateAPI(
         "trl.trainer.utils:pad",
     ),
 )
+
+
+def forward_cache(kwargs: dict[str, Any]) -> Any:
+    """The cache a model forward was called with, from its keyword arguments (None if none).
+
+    transformers <= 5.23 names it `past_key_values`, 5.24 and later `cache`.
+    """
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
 
 
 def supported_range(package: str) -> str:

@@ -3,6 +3,7 @@
 import importlib.metadata
 
 import pytest
+import torch
 import trl
 from datasets import Dataset
 from trl import GRPOTrainer
@@ -14,6 +15,7 @@ from rlkv.compat import (
     UnsupportedVersionError,
     check_attributes,
     check_private_api,
+    forward_cache,
     supported_range,
 )
 from rlkv.rollout import CompressedRolloutConfig, with_compressed_rollouts
@@ -72,3 +74,16 @@ def test_trainers_check_the_fence_before_trl_runs(tmp_path, make_model, tokenize
             processing_class=tokenizer,
             rollout_compression=CompressedRolloutConfig(sparsity=0.5),
         )
+
+
+def test_forward_cache_reads_the_cache_under_either_name(make_model):
+    """transformers 5.24 renamed the forward argument past_key_values to cache: hooks see both."""
+    from transformers import DynamicCache
+
+    model = make_model("llama")
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(forward_cache(kw)), with_kwargs=True)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
+    assert seen == [cache]
+    assert forward_cache({"cache": cache}) is cache and forward_cache({}) is None

@@ -7,6 +7,7 @@ from peft import LoraConfig
 from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 
+from rlkv.compat import forward_cache
 from rlkv.gates import attach_gates
 from rlkv.head_mask import HeadMask, HeadMaskError
 from rlkv.inference import CompressionConfigError
@@ -210,7 +211,7 @@ def test_lora_compressed_rollouts_train_with_importance_sampling(tmp_path, make_
     forwards = []  # (attention implementation, cache type) of every forward of the transformers model
     model.register_forward_pre_hook(
         lambda m, args, kwargs: forwards.append(
-            (m.config._attn_implementation, type(kwargs.get("past_key_values")).__name__)
+            (m.config._attn_implementation, type(forward_cache(kwargs)).__name__)
         ),
         with_kwargs=True,
     )

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from rlkv.cache.layer import HeadMixedCache
+from rlkv.compat import forward_cache
 
 
 def install_observers(model: torch.nn.Module) -> None:
@@ -30,7 +31,7 @@ def install_observers(model: torch.nn.Module) -> None:
 
     def before_forward(module, args, kwargs):
         active.clear()
-        cache = kwargs.get("past_key_values")
+        cache = forward_cache(kwargs)
         if not isinstance(cache, HeadMixedCache):
             return
         active["cache"] = cache

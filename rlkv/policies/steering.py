@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from rlkv._io import atomic_write_text
+from rlkv.compat import forward_cache
 from rlkv.errors import UserError
 from rlkv.geometry import text_config
 from rlkv.policies.sentences import DELIMITERS, NON_EXECUTION_KEYWORDS, delimiter_token_mask, sentence_spans
@@ -122,7 +123,7 @@ def install_steering(model: torch.nn.Module, steering: SteeringVector) -> None:
 
     def add_steering(module, args, kwargs, output):
         # a HeadMixedCache exposes its policy; any other cache (or none) passes through untouched
-        policy = getattr(kwargs.get("past_key_values"), "policy", None)
+        policy = getattr(forward_cache(kwargs), "policy", None)
         if getattr(policy, "steering", None) is None or policy.steering.layer != layer_idx:
             return None
         hidden = output[0] if isinstance(output, tuple) else output
