@@ -9,7 +9,8 @@ every head; rlkv+rkv at s=0.5; any registered policy named in --serve-policies) 
 the largest batch whose resident KV stays under --kv-cap-gib by real runs: it starts at the cap
 over an estimate of one row's KV (from the model's geometry and the method's kept tokens) and
 gallops and bisects from there, until the batch that fits and the one above it that does not are
-both measured (a right guess costs two probes). Every probe is one generation of --serve-tokens tokens after the
+both measured (a right guess costs two probes). Finished probes are recorded in
+--out/serve_probes.jsonl and reused by a rerun under the same settings (a killed run resumes). Every probe is one generation of --serve-tokens tokens after the
 prompt with EOS suppressed (every row runs to the end), in its own process (clean peak RSS: VmHWM
 is reset after the model is loaded; `--device cuda` reads torch.cuda.max_memory_allocated). A probe
 stops as soon as the resident KV goes over the cap. The run at the largest fitting batch gives:
@@ -34,7 +35,17 @@ import sys
 from collections.abc import Callable
 
 import torch
-from bench_serve_probe import Method, find_max_batch, methods, serve_probe
+from bench_serve_probe import (
+    Method,
+    find_max_batch,
+    kv_geometry,
+    methods,
+    probe_key,
+    probe_log,
+    recorded_probe,
+    row_kv_estimate,
+    serve_probe,
+)
 
 SERVE_TARGETS = {
     "rlkv s=0.5": (1.5, "rlkv s=0.5 tokens/s >= 1.5x full's at the same KV cap"),
@@ -144,52 +155,6 @@ def resolve_serve_args(args) -> None:
     args.cap_bytes = int(args.kv_cap_gib * 2**30)
 
 
-def kv_geometry(args) -> tuple[int, int, int, int]:
-    """(layers, KV heads, head_dim, bytes per element) of the suite's model, without loading weights."""
-    from transformers import AutoConfig
-
-    from rlkv.inference import resolve_dtype
-    from rlkv.testing import tiny_config
-
-    spec = args.serve_model_spec
-    if spec == "synthetic":
-        from bench_common import ATTN_SHAPE
-
-        layers, kv_heads, dim = args.serve_layers, ATTN_SHAPE["num_key_value_heads"], ATTN_SHAPE["head_dim"]
-    else:
-        cfg = (
-            tiny_config(spec.split(":", 1)[1])
-            if spec.startswith("tiny:")
-            else AutoConfig.from_pretrained(spec)
-        )
-        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
-    elem = torch.empty(0, dtype=resolve_dtype(args.dtype, args.device)).element_size()
-    return layers, kv_heads, dim, elem
-
-
-def row_kv_estimate(args, method: Method, geometry: tuple[int, int, int, int]) -> int:
-    """Rough KV bytes of one row at the end of a probe: the search's starting point, never its answer.
-
-    Full heads hold prompt + generated tokens; compressed heads (int32 position per slot) hold the
-    protected prompt plus the window (streaming) or the budget and one policy buffer.
-    """
-    from rlkv.inference import CompressionConfig
-    from rlkv.policies import get_policy_class
-
-    layers, kv_heads, dim, elem = geometry
-    heads, tokens, per_slot = layers * kv_heads, args.prompt_tokens + args.serve_tokens, 2 * dim * elem
-    if method.policy is None:
-        return heads * tokens * per_slot
-    compressed = heads if method.sparsity is None else round(method.sparsity * heads)
-    if method.policy == "streaming":
-        kept = CompressionConfig.window
-    else:
-        kept = (method.budget or args.serve_budget) + getattr(get_policy_class(method.policy), "buffer", 0)
-    kept = min(tokens, args.prompt_tokens + kept)
-    return (heads - compressed) * tokens * per_slot + compressed * kept * (per_slot + 4)
-
-
 def suite_serve(args) -> dict:
     """Every method's batch search and measurements under one KV cap, side by side, with verdicts."""
     resolve_serve_args(args)
@@ -205,7 +170,10 @@ def suite_serve(args) -> dict:
         model, prompt = build_serve_model(args.serve_model_spec, args.serve_layers, args.device, args.dtype)
         shared = (model, prompt_for(model, prompt, args.prompt_tokens, args.device))
     for method in methods(args.serve_budget, args.policy_list):
-        probe = in_process_probe(args, method, *shared) if shared else subprocess_probe(args, method)
+        if shared:
+            probe = in_process_probe(args, method, *shared)
+        else:  # probes take minutes on a real model: recorded under --out, reused by a rerun
+            probe = recorded_probe(subprocess_probe(args, method), probe_log(args), probe_key(args, method))
         guess = args.cap_bytes // row_kv_estimate(args, method, geometry)
         rows.append(method_row(method, find_max_batch(probe, args.max_batch, guess)))
     return serve_summary(rows, args)

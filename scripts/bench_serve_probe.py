@@ -1,11 +1,14 @@
 """One probe of the serve suite (scripts/bench_serve.py): a method's cache, one generation stopped once
-its resident KV goes over the cap, and the search for the largest batch that fits."""
+its resident KV goes over the cap, the search for the largest batch that fits (and its starting
+guess), and the record of finished probes that lets a killed suite resume."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -205,3 +208,91 @@ def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096, guess: i
         over_result=runs.get(hi) if hi is not None else None,
         probes=list(runs.values()),
     )
+
+
+def kv_geometry(args) -> tuple[int, int, int, int]:
+    """(layers, KV heads, head_dim, bytes per element) of the suite's model, without loading weights."""
+    from transformers import AutoConfig
+
+    from rlkv.inference import resolve_dtype
+    from rlkv.testing import tiny_config
+
+    spec = args.serve_model_spec
+    if spec == "synthetic":
+        from bench_common import ATTN_SHAPE
+
+        layers, kv_heads, dim = args.serve_layers, ATTN_SHAPE["num_key_value_heads"], ATTN_SHAPE["head_dim"]
+    else:
+        cfg = (
+            tiny_config(spec.split(":", 1)[1])
+            if spec.startswith("tiny:")
+            else AutoConfig.from_pretrained(spec)
+        )
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    elem = torch.empty(0, dtype=resolve_dtype(args.dtype, args.device)).element_size()
+    return layers, kv_heads, dim, elem
+
+
+def row_kv_estimate(args, method: Method, geometry: tuple[int, int, int, int]) -> int:
+    """Rough KV bytes of one row at the end of a probe: the search's starting point, never its answer.
+
+    Full heads hold prompt + generated tokens; compressed heads (int32 position per slot) hold the
+    protected prompt plus the window (streaming) or the budget and one policy buffer.
+    """
+    from rlkv.inference import CompressionConfig
+    from rlkv.policies import get_policy_class
+
+    layers, kv_heads, dim, elem = geometry
+    heads, tokens, per_slot = layers * kv_heads, args.prompt_tokens + args.serve_tokens, 2 * dim * elem
+    if method.policy is None:
+        return heads * tokens * per_slot
+    compressed = heads if method.sparsity is None else round(method.sparsity * heads)
+    if method.policy == "streaming":
+        kept = CompressionConfig.window
+    else:
+        kept = (method.budget or args.serve_budget) + getattr(get_policy_class(method.policy), "buffer", 0)
+    kept = min(tokens, args.prompt_tokens + kept)
+    return (heads - compressed) * tokens * per_slot + compressed * kept * (per_slot + 4)
+
+
+# --------------------------------------------------------------------------------- recorded probes
+def probe_log(args) -> Path:
+    """The JSON-lines file under --out where the suite records finished probes."""
+    out = Path(getattr(args, "out", None) or "runs/bench")
+    out.mkdir(parents=True, exist_ok=True)
+    return out / "serve_probes.jsonl"
+
+
+def probe_key(args, method: Method) -> dict:
+    """Everything a probe's outcome depends on besides its batch: a recorded probe is reused only
+    under the same key."""
+    keys = ("serve_model_spec", "serve_layers", "cap_bytes", "serve_tokens", "prompt_tokens")
+    keys += ("serve_budget", "dtype", "device", "threads", "mask")
+    return dict(method=method.name, **{k: getattr(args, k, None) for k in keys})
+
+
+def recorded_probe(probe: Callable[[int], dict], path: Path, key: dict) -> Callable[[int], dict]:
+    """probe(batch) that first looks in `path` for a result recorded under `key` and appends every new
+    one as it finishes, so a killed suite reruns only the probes it had not finished (a line cut off
+    by the kill is ignored)."""
+    done: dict[int, dict] = {}
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("key") == key:
+            done[record["result"]["batch"]] = record["result"]
+
+    def run(batch: int) -> dict:
+        if batch in done:
+            print(f"  serve: {key['method']} B={batch}: recorded in {path}", flush=True)
+            return done[batch]
+        result = probe(batch)
+        with path.open("a") as f:
+            f.write(json.dumps(dict(key=key, result=result)) + "\n")
+        return result
+
+    return run

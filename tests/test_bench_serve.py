@@ -111,7 +111,7 @@ def test_the_search_guess_is_near_one_rows_measured_kv(model_and_prompt, name):
         serve_model_spec="tiny:llama", serve_layers=2, dtype="float32", device="cpu",
         prompt_tokens=prompt.shape[1], serve_tokens=NEW_TOKENS, serve_budget=96,
     )  # fmt: skip
-    estimate = bench_serve.row_kv_estimate(args, method, bench_serve.kv_geometry(args))
+    estimate = bench_serve_probe.row_kv_estimate(args, method, bench_serve_probe.kv_geometry(args))
     assert 0.8 < estimate / peak_kv(model, prompt, method, 1) < 1.25
 
 
@@ -175,3 +175,24 @@ def test_worker_process_prints_one_probe(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (r["method"], r["batch"], r["fits"], r["generated"]) == ("rlkv s=0.5", 2, True, 6)
+
+
+def test_recorded_probes_are_reused_by_a_rerun_under_the_same_settings_only(tmp_path):
+    path = tmp_path / "serve_probes.jsonl"
+    key = dict(method="full", cap_bytes=1050, serve_tokens=24)
+    calls: list[int] = []
+    first = bench_serve_probe.find_max_batch(
+        bench_serve_probe.recorded_probe(fake_probe(100, 1050, calls), path, key), guess=4
+    )
+    ran = list(calls)
+    with path.open("a") as f:
+        f.write('{"key": {"method": "full"')  # a line cut off by a kill
+    again: list[int] = []
+    rerun = bench_serve_probe.find_max_batch(
+        bench_serve_probe.recorded_probe(fake_probe(100, 1050, again), path, key), guess=4
+    )
+    assert again == [] and (rerun["fit"], rerun["over"]) == (first["fit"], first["over"]) == (10, 11)
+    assert rerun["probes"] == first["probes"]
+    other: list[int] = []
+    bench_serve_probe.recorded_probe(fake_probe(100, 1050, other), path, dict(key, cap_bytes=2050))(4)
+    assert other == [4] and len(ran) == len(set(ran))
