@@ -10,10 +10,11 @@ the largest batch whose resident KV stays under --kv-cap-gib by real runs: it st
 over an estimate of one row's KV (from the model's geometry and the method's kept tokens) and
 gallops and bisects from there, until the batch that fits and the one above it that does not are
 both measured (a right guess costs two probes). Finished probes are recorded in
---out/serve_probes.jsonl and reused by a rerun under the same settings (a killed run resumes). Every probe is one generation of --serve-tokens tokens after the
-prompt with EOS suppressed (every row runs to the end), in its own process (clean peak RSS: VmHWM
-is reset after the model is loaded; `--device cuda` reads torch.cuda.max_memory_allocated). A probe
-stops as soon as the resident KV goes over the cap. The run at the largest fitting batch gives:
+--out/serve_probes.jsonl and reused by a rerun under the same settings (a killed run resumes).
+Every probe is one generation of --serve-tokens tokens after the prompt with EOS suppressed
+(every row runs to the end), in its own process (clean peak RSS: VmHWM is reset after the model is
+loaded; `--device cuda` reads torch.cuda.max_memory_allocated). A probe stops as soon as the
+resident KV goes over the cap. The run at the largest fitting batch gives:
 
 - steady-state decode tokens/s (the second half of the decode steps) and whole-run tokens/s
   (prefill included);

@@ -212,8 +212,9 @@ def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096, guess: i
 
 def kv_geometry(args) -> tuple[int, int, int, int]:
     """(layers, KV heads, head_dim, bytes per element) of the suite's model, without loading weights."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, LlamaConfig
 
+    from rlkv.geometry import attention_geometry
     from rlkv.inference import resolve_dtype
     from rlkv.testing import tiny_config
 
@@ -221,17 +222,14 @@ def kv_geometry(args) -> tuple[int, int, int, int]:
     if spec == "synthetic":
         from bench_common import ATTN_SHAPE
 
-        layers, kv_heads, dim = args.serve_layers, ATTN_SHAPE["num_key_value_heads"], ATTN_SHAPE["head_dim"]
+        config = LlamaConfig(num_hidden_layers=args.serve_layers, **ATTN_SHAPE)
+    elif spec.startswith("tiny:"):
+        config = tiny_config(spec.split(":", 1)[1])
     else:
-        cfg = (
-            tiny_config(spec.split(":", 1)[1])
-            if spec.startswith("tiny:")
-            else AutoConfig.from_pretrained(spec)
-        )
-        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+        config = AutoConfig.from_pretrained(spec)
+    g = attention_geometry(config)
     elem = torch.empty(0, dtype=resolve_dtype(args.dtype, args.device)).element_size()
-    return layers, kv_heads, dim, elem
+    return g.num_hidden_layers, g.num_key_value_heads, g.head_dim, elem
 
 
 def row_kv_estimate(args, method: Method, geometry: tuple[int, int, int, int]) -> int:
