@@ -20,14 +20,29 @@ def generate_with(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     new_tokens: int,
+    **cache_kwargs,
+) -> tuple[torch.Tensor, HeadMixedCache]:
+    """Greedy-generate exactly `new_tokens` tokens through a `HeadMixedCache`: (tokens [B, new], cache)."""
+    tokens, _, cache = generate_with_logits(
+        model, policy, input_ids, attention_mask, new_tokens, **cache_kwargs
+    )
+    return tokens, cache
+
+
+def generate_with_logits(
+    model,
+    policy: CompressionPolicy,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    new_tokens: int,
     *,
     full_heads: torch.Tensor | None = None,
     sink: int = 0,
     window: int = 0,
     budget: int | float | None = None,
     protect_prompt: bool = True,
-) -> tuple[torch.Tensor, HeadMixedCache]:
-    """Greedy-generate exactly `new_tokens` tokens through a `HeadMixedCache`: (tokens [B, new], cache)."""
+) -> tuple[torch.Tensor, torch.Tensor, HeadMixedCache]:
+    """`generate_with`, plus the logits of every step: (tokens [B, new], logits [new, B, V], cache)."""
     model.set_attn_implementation(register_attention())
     cache = HeadMixedCache(
         model.config,
@@ -46,8 +61,10 @@ def generate_with(
         min_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
     )
-    return out[:, input_ids.shape[1] :], cache
+    return out.sequences[:, input_ids.shape[1] :], torch.stack(out.logits), cache
 
 
 def plain_generate(

@@ -6,12 +6,17 @@ stays in place), the spare capacity is at most 1/128 of the stored tokens and is
 redundancy computed in blocks (symmetric, newest-first) equals the dense K x K matrix.
 """
 
+import pytest
 import torch
+from policy_matrix import POLICY_MATRIX
+from policy_properties import generate_with_logits
 from transformers import DynamicCache
 
 from rlkv import HeadMask
 from rlkv.cache import GROWTH_DIVISOR, append_along_tokens
+from rlkv.cache.store import CompressedStore, CompressionSettings
 from rlkv.inference import CompressionConfig, make_cache
+from rlkv.policies import get_policy
 from rlkv.policies.rkv import key_redundancy
 
 
@@ -105,3 +110,183 @@ def test_blocked_redundancy_equals_the_dense_matrix():
         for chunk in (7, 64, 256, 1000):
             got = key_redundancy(keys, valid, threshold=0.5, recent_exempt=exempt, chunk=chunk)
             torch.testing.assert_close(got.double(), want, atol=1e-7, rtol=1e-5)
+
+
+# --- compaction: whole-row copies when every (row, head) keeps the same count ------------------------
+
+
+def _store_with_spare_capacity(batch: int = 3, heads: int = 2, dim: int = 8) -> CompressedStore:
+    """A store of 301 slots whose keys/values/positions and slot buffer are prefix views of storages
+    with spare capacity (two different capacities: the buffer was created after the first append)."""
+    settings = CompressionSettings(
+        get_policy("streaming"), sink=2, window=4, budget=None, protect_prompt=False
+    )
+    store = CompressedStore(0, torch.arange(heads), 2, settings)
+    store.row_start = torch.zeros(batch, dtype=torch.long)
+    gen = torch.Generator().manual_seed(0)
+    store.append(
+        torch.randn(batch, heads, 300, dim, generator=gen), torch.randn(batch, heads, 300, dim, generator=gen)
+    )
+    store.slot_buffer("score").copy_(torch.rand(batch, heads, 300, generator=gen))
+    store.append(
+        torch.randn(batch, heads, 1, dim, generator=gen), torch.randn(batch, heads, 1, dim, generator=gen)
+    )
+    assert not store.keys.is_contiguous() and not store.slot_buffer("score").is_contiguous()
+    return store
+
+
+def _expected_after_compact(store: CompressedStore, keep: torch.Tensor) -> dict[str, list]:
+    """Per (row, head): the kept slots' keys, values, positions and buffer values, in slot order."""
+    tensors = {
+        "keys": store.keys,
+        "values": store.values,
+        "positions": store.positions,
+        "score": store.slot_buffer("score"),
+    }
+    cells = [(b, h) for b in range(keep.shape[0]) for h in range(keep.shape[1])]
+    return {name: [t[b, h][keep[b, h]].clone() for b, h in cells] for name, t in tensors.items()}
+
+
+def _assert_exactly_sized(tensor: torch.Tensor) -> None:
+    assert tensor.is_contiguous()
+    assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+@pytest.mark.parametrize("equal_counts", [True, False], ids=["equal-counts", "padded"])
+def test_compact_keeps_slots_in_order_in_exactly_sized_new_tensors(equal_counts):
+    store = _store_with_spare_capacity()
+    batch, heads, slots = store.positions.shape
+    gen = torch.Generator().manual_seed(1)
+    if equal_counts:  # 40 random slots per (row, head)
+        keep = torch.rand(batch, heads, slots, generator=gen).argsort(-1) < 40
+    else:
+        keep = torch.rand(batch, heads, slots, generator=gen) < torch.tensor([0.1, 0.3, 0.5])[:, None, None]
+    expected = _expected_after_compact(store, keep)
+    old_storages = {t.untyped_storage().data_ptr() for t in (store.keys, store.values, store.positions)}
+    store.compact(keep)
+    counts = keep.sum(-1)
+    assert store.positions.shape == (batch, heads, int(counts.max()))
+    assert store.all_valid == equal_counts
+    assert store.evicted.tolist() == (slots * heads - counts.sum(-1)).tolist()
+    actual = {
+        "keys": store.keys,
+        "values": store.values,
+        "positions": store.positions,
+        "score": store.slot_buffer("score"),
+    }
+    for name, tensor in actual.items():
+        _assert_exactly_sized(tensor)  # no spare capacity and no view of the old storage
+        assert tensor.untyped_storage().data_ptr() not in old_storages
+        for cell, want in enumerate(expected[name]):
+            got = tensor[cell // heads, cell % heads]
+            assert torch.equal(got[: want.shape[0]], want), f"{name}, (row, head) {divmod(cell, heads)}"
+    assert bool((store.positions.diff(dim=-1)[store.positions[..., 1:] >= 0] > 0).all())  # still in order
+
+
+def _take_slots_spy(monkeypatch) -> list[int]:
+    """Counts the compactions that took the equal-count path."""
+    calls: list[int] = []
+    take = CompressedStore._take_slots
+
+    def spy(self, keep, size):
+        calls.append(size)
+        return take(self, keep, size)
+
+    monkeypatch.setattr(CompressedStore, "_take_slots", spy)
+    return calls
+
+
+def _compact_slot_by_slot(self: CompressedStore, keep: torch.Tensor) -> None:
+    """Reference compaction, one (row, head) at a time: kept slots first in order, then empty slots."""
+    valid = self.valid()
+    keep = keep & valid
+    self.evicted += (valid & ~keep).sum(dim=(1, 2))
+    size = int(keep.sum(-1).max())
+    batch, heads, _ = keep.shape
+    named = {"keys": self.keys, "values": self.values, "positions": self.positions}
+    named |= {f"slot:{name}": buf for name, (buf, _) in self._slot_buffers.items()}
+    fills = {"positions": -1} | {f"slot:{name}": fill for name, (_, fill) in self._slot_buffers.items()}
+    out = {
+        name: torch.full((batch, heads, size, *t.shape[3:]), fills.get(name, 0), dtype=t.dtype)
+        for name, t in named.items()
+    }
+    for b in range(batch):
+        for h in range(heads):
+            for name, t in named.items():
+                kept = t[b, h][keep[b, h]]
+                out[name][b, h, : kept.shape[0]] = kept
+    self.keys, self.values, self.positions = out["keys"], out["values"], out["positions"]
+    for name, (_, fill) in self._slot_buffers.items():
+        self._slot_buffers[name] = (out[f"slot:{name}"], fill)
+    self._capacity.clear()
+    self.all_valid = bool((self.positions >= 0).all())
+    self._forced = None
+
+
+def _greedy_logits(model, policy_name, tokenizer, batch, new_tokens, **cache_kwargs):
+    """(tokens [B, new], logits [new, B, V], cache) of the policy's matrix row on `batch` (ids, mask)."""
+    policy = get_policy(policy_name, **POLICY_MATRIX[policy_name].kwargs(tokenizer))
+    return generate_with_logits(model, policy, *batch, new_tokens, **cache_kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in POLICY_MATRIX.items() if e.evicting is not None))
+def test_every_policy_generates_as_with_slot_by_slot_compaction(
+    name, make_model, tokenizer, left_padded_batch, monkeypatch
+):
+    """The same tokens and bit-identical logits as the reference compaction, on the left-padded batch
+    with the prompt evictable (once rows are past their budget they keep equal counts, unless out of
+    phase: then the padded path) and on its longest row alone (every head keeps the same count)."""
+    entry = POLICY_MATRIX[name]
+    model = make_model("qwen2")
+    input_ids, attention_mask = left_padded_batch
+    longest = int(attention_mask.sum(1).argmax())
+    alone = input_ids[longest : longest + 1, attention_mask[longest].bool()]
+    runs = [
+        (left_padded_batch, dict(entry.evicting, protect_prompt=False)),
+        ((alone, torch.ones_like(alone)), entry.evicting),
+    ]
+    evicted = 0
+    for batch, settings in runs:
+        with monkeypatch.context() as patch:
+            calls = _take_slots_spy(patch)
+            tokens, logits, cache = _greedy_logits(
+                model, name, tokenizer, batch, entry.evicting_tokens, **settings
+            )
+            patch.setattr(CompressedStore, "compact", _compact_slot_by_slot)
+            ref_tokens, ref_logits, _ = _greedy_logits(
+                model, name, tokenizer, batch, entry.evicting_tokens, **settings
+            )
+        evicted += sum(s["evictions"] for s in cache.stats())
+        assert torch.equal(tokens, ref_tokens)
+        assert torch.equal(logits, ref_logits)
+    assert evicted > 0 and calls, "vacuous: nothing evicted, or the equal-count path never ran"
+
+
+def test_streaming_decode_holds_only_kept_tokens(make_model, monkeypatch):
+    """Single-row streaming decode with a full head per layer (the decode benchmark's setting): every
+    compaction takes the equal-count path, the store holds exactly sink + window slots, and each slot
+    holds the key of its logical position (layer 0, checked against a full forward): no evicted token
+    stays in memory."""
+    sink, window, new_tokens = 4, 8, 30
+    model = make_model("llama")
+    full_heads = torch.tensor([[True, False], [False, True]])
+    calls = _take_slots_spy(monkeypatch)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
+    cache_kwargs = dict(full_heads=full_heads, sink=sink, window=window, protect_prompt=False)
+    tokens, _, cache = _greedy_logits(
+        model, "streaming", None, (prompt, torch.ones_like(prompt)), new_tokens, **cache_kwargs
+    )
+    assert len(calls) == 2 * new_tokens and set(calls) == {sink + window}  # prefill, then every step
+    sequence = torch.cat([prompt, tokens[:, :-1]], dim=1)  # the last token was never fed back
+    model.set_attn_implementation("sdpa")
+    reference = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=sequence, past_key_values=reference)
+    ref_keys = reference.layers[0].keys  # [1, H_kv, T, D]: layer 0's keys do not depend on the cache
+    store = cache.layers[0].store
+    expected = list(range(sink)) + list(range(sequence.shape[1] - window, sequence.shape[1]))
+    assert store.positions[0, 0].tolist() == expected
+    for tensor in (store.keys, store.values, store.positions):
+        _assert_exactly_sized(tensor)
+    slot_keys = ref_keys[0, store.head_idx[0], store.positions[0, 0].long()]
+    torch.testing.assert_close(store.keys[0, 0], slot_keys, rtol=0, atol=1e-5)

@@ -215,12 +215,44 @@ class CompressedStore:
         self.queries, self.query_positions = queries, pos
 
     def compact(self, keep: torch.Tensor) -> None:
-        """Keep the slots where `keep` [B, H_c, K] is True (valid ones only), in exactly sized new tensors."""
+        """Keep the slots where `keep` [B, H_c, K] is True (valid ones only), in exactly sized new tensors.
+
+        Kept slots stay in position order. When every (row, head) keeps the same count (steady-state
+        decode: streaming evicts one slot per step), no slot is empty and the kept slots are copied as
+        whole rows with `index_select`, several times faster on CPU than the padded path's gather.
+        """
         valid = self.valid()
         keep = keep & valid
         self.evicted += (valid & ~keep).sum(dim=(1, 2))
         counts = keep.sum(-1)
-        size = int(counts.max()) if counts.numel() else 0
+        fewest, size = (int(c) for c in counts.aminmax()) if counts.numel() else (0, 0)
+        if fewest == size:
+            self._take_slots(keep, size)
+        else:
+            self._gather_padded(keep, counts, size)
+        self._capacity.clear()  # the new tensors are exactly sized; the old storages are freed
+        self.all_valid = fewest == size
+        self._forced = None
+
+    def _take_slots(self, keep: torch.Tensor, size: int) -> None:
+        """Compact when every (row, head) keeps `size` slots: [row * head, slot] indices, in order."""
+        kept = keep.flatten(0, 1).nonzero()
+        self.keys = self._select_rows("keys", self.keys, kept, size)
+        self.values = self._select_rows("values", self.values, kept, size)
+        self.positions = self._select_rows("positions", self.positions, kept, size)
+        for name, (buf, fill) in self._slot_buffers.items():
+            self._slot_buffers[name] = (self._select_rows(f"slot:{name}", buf, kept, size), fill)
+
+    def _select_rows(self, name: str, current: torch.Tensor, kept: torch.Tensor, size: int) -> torch.Tensor:
+        """The slots `kept` ([N, 2]: row * head, slot) of `current` [B, H_c, K, ...] as a new [B, H_c, size, ...]."""
+        # read the storage `current` is a prefix view of (its rows are `capacity` slots apart), not a copy
+        storage = self._capacity.get(name, current).contiguous()
+        rows = kept[:, 0] * storage.shape[2] + kept[:, 1]
+        taken = storage.flatten(0, 2).index_select(0, rows)
+        return taken.view(*current.shape[:2], size, *current.shape[3:])
+
+    def _gather_padded(self, keep: torch.Tensor, counts: torch.Tensor, size: int) -> None:
+        """Compact when (row, head) counts differ: `size` slots each, the missing ones empty (-1)."""
         # stable sort: kept slots first, in their current order
         order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :size]
         filled = torch.arange(size, device=keep.device) < counts[..., None]
@@ -230,9 +262,6 @@ class CompressedStore:
         self.positions = torch.where(filled, self.positions.gather(2, order), -1)
         for name, (buf, fill) in self._slot_buffers.items():
             self._slot_buffers[name] = (buf.gather(2, order), fill)
-        self._capacity.clear()  # the gathered tensors are exactly sized; the old storages are freed
-        self.all_valid = bool((counts == size).all())
-        self._forced = None
 
     def tensors(self) -> list[torch.Tensor | None]:
         """Every tensor the store holds (for resident-byte accounting)."""
