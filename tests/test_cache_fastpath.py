@@ -1,9 +1,12 @@
-"""Fast paths: cache storage that grows in chunks instead of one copy per step; R-KV's blocked redundancy.
+"""Fast paths: cache storage that grows in chunks instead of one copy per step; compaction by whole
+rows; R-KV's blocked redundancy.
 
 Properties: decoding past 128 tokens writes new tokens into spare capacity (the history's storage
 stays in place), the spare capacity is at most 1/128 of the stored tokens and is counted in
-`resident_bytes()`, and the outputs equal a plain `DynamicCache` run exactly as before. The
-redundancy computed in blocks (symmetric, newest-first) equals the dense K x K matrix.
+`resident_bytes()`, and the outputs equal a plain `DynamicCache` run exactly as before. Compaction
+keeps slots in position order in exactly sized new tensors, and every policy generates exactly as
+with a slot-by-slot reference compaction. The redundancy computed in blocks (symmetric,
+newest-first) equals the dense K x K matrix.
 """
 
 import pytest
