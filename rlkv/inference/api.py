@@ -23,6 +23,7 @@ from transformers import (
 
 from rlkv.cache import CacheStats, HeadMixedCache, install_observers, register_attention
 from rlkv.cache.stats import full_cache_stats
+from rlkv.cpu_memory import keep_freed_memory
 from rlkv.inference.config import CompressionConfig
 from rlkv.inference.dtypes import resolve_dtype
 from rlkv.policies import get_policy
@@ -132,6 +133,8 @@ def load(
             tokenizer.pad_token = tokenizer.eos_token
     if device is not None:
         model = model.to(device)
+    if model.device.type == "cpu":
+        keep_freed_memory()  # decode loops free and reallocate [B, vocabulary] tensors every step
     model.eval()
     if compression is not None:
         make_cache(model, compression)  # validates against this model and activates the attention

@@ -24,6 +24,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import create_model_from_path
 
 from rlkv.compat import GATE_TRAINER_API, check_attributes, check_private_api
+from rlkv.cpu_memory import keep_freed_memory
 from rlkv.gates import attach_gates
 from rlkv.trainers.callbacks import (
     GateClampCallback,
@@ -135,6 +136,8 @@ class GateGRPOTrainer(GRPOTrainer):
             HeadMaskExportCallback(run_metadata),
         ]
         set_cpu_threads(args.torch_threads)
+        if args.use_cpu or not torch.cuda.is_available():
+            keep_freed_memory()  # rollouts free and reallocate [B, vocabulary] tensors every step
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, callbacks=callbacks, **kwargs)
         check_attributes(self, GATE_TRAINER_API, feature="GateGRPOTrainer")
         self._run_metadata = run_metadata
