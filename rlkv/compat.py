@@ -12,6 +12,10 @@ Forward hooks read the model's cache from the forward's keyword arguments throug
 transformers 5.24 renamed the argument `past_key_values` to `cache` (the old name is mapped until
 5.40), so a hook that reads only one name misses the cache on the other side of the rename.
 
+torch's private CPU flash-attention op that also returns the log-sum-exp (the split decode of
+`rlkv.cache.decode`) is reached through `cpu_flash_attention_with_lse`, which checks it once
+against the public SDPA and raises `UnsupportedVersionError` if its signature or results changed.
+
 transformers' `generate` resetting a user cache through `cache._is_user_defined` is not fenced
 here: `HeadMixedCache.update` refuses a new prefill on a non-empty cache (`StaleCacheError`) and
 rlkv's own call sites reset their caches explicitly.
@@ -19,11 +23,12 @@ rlkv's own call sites reset their caches explicitly.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +129,44 @@ def forward_cache(kwargs: dict[str, Any]) -> Any:
     """
     cache = kwargs.get("cache")
     return cache if cache is not None else kwargs.get("past_key_values")
+
+
+@functools.cache
+def cpu_flash_attention_with_lse() -> Callable | None:
+    """torch's private `aten::_scaled_dot_product_flash_attention_for_cpu`, checked; None where torch has none.
+
+    Called as op(query [B, H, Q, D], key, value [B, H, K, D], scale=s) -> (output [B, H, Q, D],
+    log-sum-exp [B, H, Q] of the scaled scores). Checked once by `check_flash_with_lse`.
+    """
+    import torch
+
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is not None:
+        check_flash_with_lse(op)
+    return op
+
+
+def check_flash_with_lse(op: Callable) -> None:
+    """Raise UnsupportedVersionError unless `op` gives the public SDPA's output and the scores' log-sum-exp
+    on a small input (a changed signature or result of the private op, caught before any decode uses it)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen) for n in (3, 5, 5))
+    why = "its output or log-sum-exp differs from the public SDPA"
+    try:
+        out, lse = op(q, k, v, scale=0.5)
+        expected_lse = torch.logsumexp(q @ k.transpose(-1, -2) * 0.5, -1)
+        ok = torch.allclose(
+            out, torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5), atol=1e-5
+        ) and torch.allclose(lse.reshape(expected_lse.shape), expected_lse, atol=1e-5)
+    except (TypeError, RuntimeError, ValueError) as err:
+        ok, why = False, f"{type(err).__name__}: {err}"
+    if not ok:
+        raise UnsupportedVersionError(
+            f"torch {torch.__version__}: aten::_scaled_dot_product_flash_attention_for_cpu changed ({why}); "
+            "rlkv's split decode (rlkv/cache/decode.py) needs updating for this torch, or install torch==2.13.0"
+        )
 
 
 def supported_range(package: str) -> str:

@@ -87,3 +87,23 @@ def test_forward_cache_reads_the_cache_under_either_name(make_model):
     model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
     assert seen == [cache]
     assert forward_cache({"cache": cache}) is cache and forward_cache({}) is None
+
+
+def test_private_cpu_flash_op_is_checked_against_public_sdpa():
+    from rlkv.compat import check_flash_with_lse, cpu_flash_attention_with_lse
+
+    op = cpu_flash_attention_with_lse()
+    assert op is not None  # torch 2.13 CPU has it; the split decode relies on it
+    check_flash_with_lse(op)  # passes as is
+
+    def wrong_lse(q, k, v, scale):  # an op whose log-sum-exp changed base
+        out, lse = op(q, k, v, scale=scale)
+        return out, lse / torch.log(torch.tensor(2.0))
+
+    def wrong_signature(q, k, v, scale):
+        return op(q, k, v, 0.0, False, None, scale)
+
+    with pytest.raises(UnsupportedVersionError, match="log-sum-exp differs"):
+        check_flash_with_lse(wrong_lse)
+    with pytest.raises(UnsupportedVersionError, match="TypeError|RuntimeError"):
+        check_flash_with_lse(wrong_signature)

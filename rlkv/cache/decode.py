@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from rlkv.compat import cpu_flash_attention_with_lse
+
 # Each part keeps at least this many keys: below it the extra kernel call and the merge cost more
 # than an idle thread.
 MIN_SPLIT_TOKENS = 1024
-# The CPU flash kernel that also returns the log-sum-exp (private; without it nothing is split).
-_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def decode_splits(keys: torch.Tensor, values: torch.Tensor, threads: int | None = None) -> int:
@@ -28,7 +28,7 @@ def decode_splits(keys: torch.Tensor, values: torch.Tensor, threads: int | None 
     """
     threads = threads or torch.get_num_threads()
     batch, heads, length, _ = keys.shape
-    if _FLASH_WITH_LSE is None or keys.device.type != "cpu" or threads < 2:
+    if keys.device.type != "cpu" or threads < 2 or cpu_flash_attention_with_lse() is None:
         return 1
     if not all(t.stride(0) == heads * t.stride(1) for t in (keys, values)):
         return 1
@@ -55,7 +55,7 @@ def split_attention(
     flat_query = query.flatten(0, 1)[None]
     outs, lses = [], []
     for part_keys, part_values in parts:
-        out, lse = _FLASH_WITH_LSE(
+        out, lse = cpu_flash_attention_with_lse()(
             flat_query.expand(part_keys.shape[0], -1, -1, -1), part_keys, part_values, scale=scale
         )
         outs.append(out)
