@@ -53,9 +53,10 @@ def split_attention(
         tail = slice(splits * chunk, length)
         parts.append((keys[:, :, tail].flatten(0, 1)[None], values[:, :, tail].flatten(0, 1)[None]))
     flat_query = query.flatten(0, 1)[None]
+    flash = cpu_flash_attention_with_lse()
     outs, lses = [], []
     for part_keys, part_values in parts:
-        out, lse = cpu_flash_attention_with_lse()(
+        out, lse = flash(
             flat_query.expand(part_keys.shape[0], -1, -1, -1), part_keys, part_values, scale=scale
         )
         outs.append(out)
