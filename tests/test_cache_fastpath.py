@@ -155,12 +155,16 @@ def _assert_exactly_sized(tensor: torch.Tensor) -> None:
     assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
-@pytest.mark.parametrize("equal_counts", [True, False], ids=["equal-counts", "padded"])
-def test_compact_keeps_slots_in_order_in_exactly_sized_new_tensors(equal_counts):
+@pytest.mark.parametrize("layout", ["same-columns", "equal-counts", "padded"])
+def test_compact_keeps_slots_in_order_in_exactly_sized_new_tensors(layout, monkeypatch):
     store = _store_with_spare_capacity()
     batch, heads, slots = store.positions.shape
     gen = torch.Generator().manual_seed(1)
-    if equal_counts:  # 40 random slots per (row, head)
+    calls = _fast_path_spy(monkeypatch)
+    equal_counts = layout != "padded"
+    if layout == "same-columns":  # the same 40 slots of every (row, head): whole columns
+        keep = (torch.rand(slots, generator=gen).argsort() < 40).expand(batch, heads, slots)
+    elif layout == "equal-counts":  # 40 random slots per (row, head)
         keep = torch.rand(batch, heads, slots, generator=gen).argsort(-1) < 40
     else:
         keep = torch.rand(batch, heads, slots, generator=gen) < torch.tensor([0.1, 0.3, 0.5])[:, None, None]
@@ -184,18 +188,26 @@ def test_compact_keeps_slots_in_order_in_exactly_sized_new_tensors(equal_counts)
             got = tensor[cell // heads, cell % heads]
             assert torch.equal(got[: want.shape[0]], want), f"{name}, (row, head) {divmod(cell, heads)}"
     assert bool((store.positions.diff(dim=-1)[store.positions[..., 1:] >= 0] > 0).all())  # still in order
+    assert [path for path, _ in calls] == {"same-columns": ["columns"], "equal-counts": ["rows"]}.get(
+        layout, []
+    )
 
 
-def _take_slots_spy(monkeypatch) -> list[int]:
-    """Counts the compactions that took the equal-count path."""
-    calls: list[int] = []
-    take = CompressedStore._take_slots
+def _fast_path_spy(monkeypatch) -> list[tuple[str, int]]:
+    """Records the compactions that took a fast path: ("columns" | "rows", slots kept per (row, head))."""
+    calls: list[tuple[str, int]] = []
+    take_slots, take_columns = CompressedStore._take_slots, CompressedStore._take_columns
 
-    def spy(self, keep, size):
-        calls.append(size)
-        return take(self, keep, size)
+    def rows_spy(self, keep, size):
+        calls.append(("rows", size))
+        return take_slots(self, keep, size)
 
-    monkeypatch.setattr(CompressedStore, "_take_slots", spy)
+    def columns_spy(self, columns):
+        calls.append(("columns", columns.numel()))
+        return take_columns(self, columns)
+
+    monkeypatch.setattr(CompressedStore, "_take_slots", rows_spy)
+    monkeypatch.setattr(CompressedStore, "_take_columns", columns_spy)
     return calls
 
 
@@ -223,7 +235,7 @@ def _compact_slot_by_slot(self: CompressedStore, keep: torch.Tensor) -> None:
         self._slot_buffers[name] = (out[f"slot:{name}"], fill)
     self._capacity.clear()
     self.all_valid = bool((self.positions >= 0).all())
-    self._forced = None
+    self._slots_changed()
 
 
 def _greedy_logits(model, policy_name, tokenizer, batch, new_tokens, **cache_kwargs):
@@ -251,7 +263,7 @@ def test_every_policy_generates_as_with_slot_by_slot_compaction(
     evicted = 0
     for batch, settings in runs:
         with monkeypatch.context() as patch:
-            calls = _take_slots_spy(patch)
+            calls = _fast_path_spy(patch)
             tokens, logits, cache = _greedy_logits(
                 model, name, tokenizer, batch, entry.evicting_tokens, **settings
             )
@@ -262,24 +274,25 @@ def test_every_policy_generates_as_with_slot_by_slot_compaction(
         evicted += sum(s["evictions"] for s in cache.stats())
         assert torch.equal(tokens, ref_tokens)
         assert torch.equal(logits, ref_logits)
-    assert evicted > 0 and calls, "vacuous: nothing evicted, or the equal-count path never ran"
+    assert evicted > 0 and calls, "vacuous: nothing evicted, or no fast compaction path ran"
 
 
 def test_streaming_decode_holds_only_kept_tokens(make_model, monkeypatch):
     """Single-row streaming decode with a full head per layer (the decode benchmark's setting): every
-    compaction takes the equal-count path, the store holds exactly sink + window slots, and each slot
+    compaction takes the whole-columns path, the store holds exactly sink + window slots, and each slot
     holds the key of its logical position (layer 0, checked against a full forward): no evicted token
     stays in memory."""
     sink, window, new_tokens = 4, 8, 30
     model = make_model("llama")
     full_heads = torch.tensor([[True, False], [False, True]])
-    calls = _take_slots_spy(monkeypatch)
+    calls = _fast_path_spy(monkeypatch)
     prompt = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
     cache_kwargs = dict(full_heads=full_heads, sink=sink, window=window, protect_prompt=False)
     tokens, _, cache = _greedy_logits(
         model, "streaming", None, (prompt, torch.ones_like(prompt)), new_tokens, **cache_kwargs
     )
-    assert len(calls) == 2 * new_tokens and set(calls) == {sink + window}  # prefill, then every step
+    # prefill, then every step
+    assert len(calls) == 2 * new_tokens and set(calls) == {("columns", sink + window)}
     sequence = torch.cat([prompt, tokens[:, :-1]], dim=1)  # the last token was never fed back
     model.set_attn_implementation("sdpa")
     reference = DynamicCache(config=model.config)
@@ -293,3 +306,39 @@ def test_streaming_decode_holds_only_kept_tokens(make_model, monkeypatch):
         _assert_exactly_sized(tensor)
     slot_keys = ref_keys[0, store.head_idx[0], store.positions[0, 0].long()]
     torch.testing.assert_close(store.keys[0, 0], slot_keys, rtol=0, atol=1e-5)
+
+
+def test_short_store_appends_into_exactly_sized_tensors():
+    """Below GROWTH_DIVISOR tokens an append reserves no spare capacity (a compressed head's sink +
+    window store is copied once per decode step, never held twice over)."""
+    current = torch.randn(2, 3, 80, 4)
+    new = torch.randn(2, 3, 1, 4)
+    grown = append_along_tokens(None, current, new)
+    _assert_exactly_sized(grown)
+    assert torch.equal(grown, torch.cat([current, new], dim=2))
+
+
+def test_valid_and_forced_keep_follow_every_change_of_the_slots():
+    """valid() and forced_keep() are computed once per store state: marking padding, appending and
+    compacting each give fresh answers, equal to their definitions."""
+    store = _store_with_spare_capacity()
+    store.prompt_length = 10
+    store.settings.protect_prompt = True
+
+    def check():
+        pos = store.positions
+        valid = pos >= 0
+        early = (pos < store.prompt_length) | (pos < store.row_start[:, None, None] + store.sink)
+        forced = valid & (early | (pos >= store.logical_length - store.window))
+        assert torch.equal(store.valid(), valid)
+        assert torch.equal(store.forced_keep(), forced)
+
+    check()
+    store.mark_padding(torch.tensor([[True], [False], [True]]))
+    check()
+    # the cache sets row_start between a forward's append and its first forced_keep()
+    store.row_start = torch.tensor([0, 3, 12])  # rows whose sink ends before / after the prompt
+    store.append(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))
+    check()
+    store.compact(store.forced_keep())
+    check()

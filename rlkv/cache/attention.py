@@ -209,7 +209,7 @@ def _after_attention(layer: HeadMixedLayer) -> None:
         keep = policy.select(store)
         if keep.dim() == 2:
             keep = keep[:, None, :].expand_as(store.positions)
-        store.compact((keep | store.forced_keep()) & store.valid())
+        store.compact(keep | store.forced_keep())  # compact keeps valid slots only
 
 
 def rlkv_cache_attention(

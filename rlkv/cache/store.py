@@ -50,7 +50,10 @@ def append_along_tokens(
     used = 0 if current is None else current.shape[2]
     needed = used + new.shape[2]
     if capacity is None or needed > capacity.shape[2]:
-        capacity = new.new_empty((*new.shape[:2], needed + needed // GROWTH_DIVISOR, *new.shape[3:]))
+        spare = needed // GROWTH_DIVISOR
+        if current is not None and not spare:  # short stores (compressed heads): one copy op, no spare
+            return torch.cat([current, new], dim=2)
+        capacity = new.new_empty((*new.shape[:2], needed + spare, *new.shape[3:]))
         if used:
             capacity[:, :, :used] = current
     capacity[:, :, used:needed] = new
@@ -109,7 +112,8 @@ class CompressedStore:
         self._slot_buffers: dict[str, tuple[torch.Tensor, float]] = {}
         # name -> storage that the tensor of that name is a prefix view of (see append_along_tokens)
         self._capacity: dict[str, torch.Tensor] = {}
-        self._forced: torch.Tensor | None = None
+        self._valid: torch.Tensor | None = None  # valid() and forced_keep() of the current slots,
+        self._forced: torch.Tensor | None = None  # computed once per store state (see _slots_changed)
         self.all_valid = True  # no empty slot (lets attention skip building a mask)
 
     # what policies read ------------------------------------------------------------------
@@ -133,7 +137,9 @@ class CompressedStore:
         return torch.full_like(self.row_start, int(spec))
 
     def valid(self) -> torch.Tensor:
-        return self.positions >= 0
+        if self._valid is None:
+            self._valid = self.positions >= 0
+        return self._valid
 
     def protected(self) -> torch.Tensor:
         if not self.settings.protect_prompt:
@@ -149,10 +155,13 @@ class CompressedStore:
     def forced_keep(self) -> torch.Tensor:
         # computed once per store state: should_compress, select and the cache all ask for it
         if self._forced is None:
+            # the prompt (when protected) and the sink are both a prefix of the row: one threshold
+            early_end = self.row_start + self.sink
+            if self.settings.protect_prompt:
+                early_end = early_end.clamp(min=self.prompt_length)
             pos = self.positions
-            in_sink = pos < (self.row_start[:, None, None] + self.sink)
-            in_window = pos >= self.logical_length - self.window
-            self._forced = self.protected() | (self.valid() & (in_sink | in_window))
+            early = pos < early_end[:, None, None]
+            self._forced = self.valid() & (early | (pos >= self.logical_length - self.window))
         return self._forced
 
     def query_valid(self) -> torch.Tensor:
@@ -187,7 +196,7 @@ class CompressedStore:
             pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
             self._slot_buffers[name] = (self._append(f"slot:{name}", buf, pad), fill)
         self.logical_length += q_len
-        self._forced = None
+        self._slots_changed()
 
     def _append(self, name: str, current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         storage = append_along_tokens(self._capacity.get(name), current, new)
@@ -200,7 +209,7 @@ class CompressedStore:
         tail = self.positions[:, :, -q_len:]
         self.positions[:, :, -q_len:] = torch.where(new_valid[:, None, :], tail, torch.full_like(tail, -1))
         self.all_valid = False
-        self._forced = None
+        self._slots_changed()
 
     def remember_queries(self, queries: torch.Tensor, limit: int) -> None:
         """Keep the last `limit` queries [B, H_c, G, Q, D] (and their positions) across steps."""
@@ -217,38 +226,62 @@ class CompressedStore:
     def compact(self, keep: torch.Tensor) -> None:
         """Keep the slots where `keep` [B, H_c, K] is True (valid ones only), in exactly sized new tensors.
 
-        Kept slots stay in position order. When every (row, head) keeps the same count (steady-state
-        decode: streaming evicts one slot per step), no slot is empty and the kept slots are copied as
-        whole rows with `index_select`, several times faster on CPU than the padded path's gather.
+        Kept slots stay in position order. Steady-state decode takes a fast path: when no slot is empty
+        and every (row, head) keeps the same slot indices (streaming evicts the first slot after the
+        sink), whole columns are copied with one `index_select` per tensor. Otherwise, when every
+        (row, head) keeps the same count, the kept slots are copied as rows with `index_select`,
+        several times faster on CPU than the padded path's gather.
         """
-        valid = self.valid()
-        keep = keep & valid
-        self.evicted += (valid & ~keep).sum(dim=(1, 2))
-        counts = keep.sum(-1)
-        fewest, size = (int(c) for c in counts.aminmax()) if counts.numel() else (0, 0)
-        if fewest == size:
-            self._take_slots(keep, size)
+        if self.all_valid and keep.numel() and torch.equal(keep, keep[:1, :1].expand_as(keep)):
+            self._take_columns(keep[0, 0].nonzero().view(-1))
         else:
-            self._gather_padded(keep, counts, size)
+            valid = self.valid()
+            keep = keep & valid
+            self.evicted += (valid > keep).sum(dim=(1, 2))  # valid and not kept
+            counts = keep.sum(-1)
+            fewest, size = (int(c) for c in counts.aminmax()) if counts.numel() else (0, 0)
+            if fewest == size:
+                self._take_slots(keep, size)
+            else:
+                self._gather_padded(keep, counts, size)
+            self.all_valid = fewest == size
         self._capacity.clear()  # the new tensors are exactly sized; the old storages are freed
-        self.all_valid = fewest == size
-        self._forced = None
+        self._slots_changed()
+
+    def _take_columns(self, columns: torch.Tensor) -> None:
+        """Compact when every (row, head) keeps the slots `columns` (LongTensor[N], in order), none empty."""
+        heads, slots = self.positions.shape[1:]
+        self.evicted += heads * (slots - columns.numel())
+        self.keys = self.keys.index_select(2, columns)
+        self.values = self.values.index_select(2, columns)
+        self.positions = self.positions.index_select(2, columns)
+        for name, (buf, fill) in self._slot_buffers.items():
+            self._slot_buffers[name] = (buf.index_select(2, columns), fill)
+
+    def _slots_changed(self) -> None:
+        """Forget valid() and forced_keep(): the slots or their positions changed."""
+        self._valid = self._forced = None
 
     def _take_slots(self, keep: torch.Tensor, size: int) -> None:
         """Compact when every (row, head) keeps `size` slots: [row * head, slot] indices, in order."""
         kept = keep.flatten(0, 1).nonzero()
-        self.keys = self._select_rows("keys", self.keys, kept, size)
-        self.values = self._select_rows("values", self.values, kept, size)
-        self.positions = self._select_rows("positions", self.positions, kept, size)
+        rows: dict[int, torch.Tensor] = {}  # flat row indices per storage length (shared by most tensors)
+        self.keys = self._select_rows("keys", self.keys, kept, size, rows)
+        self.values = self._select_rows("values", self.values, kept, size, rows)
+        self.positions = self._select_rows("positions", self.positions, kept, size, rows)
         for name, (buf, fill) in self._slot_buffers.items():
-            self._slot_buffers[name] = (self._select_rows(f"slot:{name}", buf, kept, size), fill)
+            self._slot_buffers[name] = (self._select_rows(f"slot:{name}", buf, kept, size, rows), fill)
 
-    def _select_rows(self, name: str, current: torch.Tensor, kept: torch.Tensor, size: int) -> torch.Tensor:
+    def _select_rows(
+        self, name: str, current: torch.Tensor, kept: torch.Tensor, size: int, rows: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
         """The slots `kept` ([N, 2]: row * head, slot) of `current` [B, H_c, K, ...] as a new [B, H_c, size, ...]."""
         # read the storage `current` is a prefix view of (its rows are `capacity` slots apart), not a copy
         storage = self._capacity.get(name, current).contiguous()
-        rows = kept[:, 0] * storage.shape[2] + kept[:, 1]
-        taken = storage.flatten(0, 2).index_select(0, rows)
+        stride = storage.shape[2]
+        if stride not in rows:
+            rows[stride] = kept[:, 0] * stride + kept[:, 1]
+        taken = storage.flatten(0, 2).index_select(0, rows[stride])
         return taken.view(*current.shape[:2], size, *current.shape[3:])
 
     def _gather_padded(self, keep: torch.Tensor, counts: torch.Tensor, size: int) -> None:

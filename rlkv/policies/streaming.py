@@ -17,7 +17,7 @@ class StreamingPolicy(CompressionPolicy):
     """
 
     def should_compress(self, store: PolicyStore) -> bool:
-        return bool((store.valid() & ~store.forced_keep()).any())
+        return bool((store.valid() > store.forced_keep()).any())  # a valid slot not forced
 
     def select(self, store: PolicyStore) -> torch.Tensor:
         return keep_forced_only(store)
