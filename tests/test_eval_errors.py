@@ -84,6 +84,25 @@ def test_repetition_stop_ends_only_looping_rows():
     assert flags[15] == [True, False]  # 16 generated tokens: the loop is 16 tokens long
     assert not any(f[0] for f in flags[:15])
     assert stop.stopped_rows == [True, False]
+    assert stop.ended(0, 16) and not stop.ended(1, 40)
     # a new generate call (shorter sequence) starts fresh
     stop(seqs[:, :11], scores=None)
     assert stop.stopped_rows == [False, False]
+
+
+def test_a_row_padded_after_it_finished_was_not_ended_by_repetition():
+    """generate pads a finished row (a stop string after 12 tokens) until the batch is done; the
+    detector flags the run of pads as a loop, but it did not end that row: the row's own 12 tokens
+    are varied. A row that really loops was ended at the check where the loop showed."""
+    rule = RepetitionRule(min_loop_tokens=16, min_repeats=4)
+    stop = RepetitionStop(rule, every=4)
+    pad = 0
+    prompt = torch.arange(10, 20).repeat(2, 1)
+    finished = torch.cat([torch.arange(100, 112), torch.full((28,), pad)])  # ended after 12 tokens
+    looping = torch.tensor([5, 6] * 20)
+    seqs = torch.cat([prompt, torch.stack([finished, looping])], dim=1)
+    for step in range(1, 41):
+        stop(seqs[:, : 10 + step], scores=None)
+    assert stop.stopped_rows == [True, True]  # the pads look like a loop ...
+    assert not stop.ended(0, 12)  # ... after the row's end: a stop-string finish, not repetition
+    assert stop.ended(1, 16)  # the looping row stopped at the check that saw 16 looped tokens

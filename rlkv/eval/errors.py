@@ -90,8 +90,8 @@ def classify_error(
 class RepetitionStop(GeneratedTokens):
     """A transformers stopping criterion that ends a row once its generated tokens are repetitive.
 
-    Rows are checked every `every` steps so the check stays cheap; `stopped_rows` tells which rows
-    of the last batch it ended (use one instance per `generate` call).
+    Rows are checked every `every` steps so the check stays cheap; `ended(row, num_generated)` tells
+    whether it ended a row of the last batch (use one instance per `generate` call).
     """
 
     def __init__(self, rule: RepetitionRule | None = None, every: int = 16):
@@ -100,10 +100,11 @@ class RepetitionStop(GeneratedTokens):
         self.every = max(1, int(every))
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        if self._generated(input_ids) % self.every == 0:
+        generated = self._generated(input_ids)
+        if generated % self.every == 0:
             for row in range(input_ids.shape[0]):
                 if not self._stopped[row] and self.rule.is_repetitive(
                     input_ids[row, self._prompt_length :].tolist()
                 ):
-                    self._stopped[row] = True
+                    self._flag(row, generated)
         return self._stopped.to(input_ids.device).clone()

@@ -252,7 +252,7 @@ def run_eval(
                     if key_of(task, chunk[row_idx]) in done:
                         continue
                     token_ids, finish = output.token_ids, output.finish_reason
-                    if stop is not None and stop.stopped_rows[row_idx] and finish == "stop":
+                    if stop is not None and finish == "stop" and stop.ended(row_idx, len(token_ids)):
                         finish = "repetition"
                     text = tokenizer.decode(token_ids, skip_special_tokens=True)
                     correct = bool(verify(text, dict(example)))

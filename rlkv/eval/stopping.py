@@ -61,12 +61,14 @@ def stop_rule(benchmark: str, stop: dict[str, Any] | None) -> StopRule:
 
 class GeneratedTokens(StoppingCriteria):
     """Base of criteria that read each row's generated tokens: finds the prompt width of every `generate`
-    call from its first check (one token generated) and keeps per-row `stopped` flags of the call."""
+    call from its first check (one token generated) and keeps per-row `stopped` flags of the call, with
+    the number of generated tokens at which each row was flagged."""
 
     def __init__(self) -> None:
         self._prompt_length = 0
         self._last_width = 0
         self._stopped: torch.Tensor | None = None
+        self._stopped_at: list[int | None] = []
 
     def _generated(self, input_ids: torch.Tensor) -> int:
         """Call first in `__call__`: starts a new generate call when needed; returns the tokens generated so far."""
@@ -74,14 +76,30 @@ class GeneratedTokens(StoppingCriteria):
         if self._stopped is None or self._stopped.shape[0] != batch or width <= self._last_width:
             # a new generate call: its first check comes right after the first new token
             self._stopped = torch.zeros(batch, dtype=torch.bool)
+            self._stopped_at = [None] * batch
             self._prompt_length = width - 1
         self._last_width = width
         return width - self._prompt_length
 
+    def _flag(self, row: int, generated: int) -> None:
+        """Mark `row` stopped after `generated` tokens."""
+        self._stopped[row] = True
+        self._stopped_at[row] = generated
+
     @property
     def stopped_rows(self) -> list[bool]:
-        """Per batch row of the last generate call: whether this criterion ended it."""
+        """Per batch row of the last generate call: whether this criterion flagged it."""
         return [] if self._stopped is None else self._stopped.tolist()
+
+    def ended(self, row: int, num_generated: int) -> bool:
+        """Whether this criterion ended `row` of the last call, whose output has `num_generated` tokens.
+
+        A row another criterion ended earlier keeps receiving pad tokens until the whole batch is done,
+        and this criterion may flag it on those (a run of pads looks like a loop); it ended the row only
+        if it flagged it by the row's last real token.
+        """
+        at = self._stopped_at[row] if row < len(self._stopped_at) else None
+        return at is not None and at <= num_generated
 
 
 def closes_first_code_block(text: str) -> bool:
@@ -102,12 +120,13 @@ class CodeBlockStop(GeneratedTokens):
         self.tokenizer = tokenizer
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        self._generated(input_ids)
+        generated = self._generated(input_ids)
         last = self.tokenizer.batch_decode(input_ids[:, -1:].tolist())
         for row, piece in enumerate(last):
             if not self._stopped[row] and "`" in piece:
                 text = self.tokenizer.decode(input_ids[row, self._prompt_length :].tolist())
-                self._stopped[row] = closes_first_code_block(text)
+                if closes_first_code_block(text):
+                    self._flag(row, generated)
         return self._stopped.to(input_ids.device).clone()
 
 
