@@ -1,5 +1,6 @@
 """The evaluation loop on a tiny model: identity at sparsity 0, matched KV from results.jsonl, resume, early stop."""
 
+import dataclasses
 import json
 
 import pytest
@@ -218,6 +219,8 @@ def test_duplicate_list_entries_are_run_once(tmp_path):
         ({"policy_kwargs": {"h2oo": {"recent_ratio": 0.3}}}, "h2oo"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 2.0}, "top_p"),
+        ({"max_new_tokens_by_benchmark": {"chain": 0}}, "max_new_tokens_by_benchmark"),
+        ({"max_new_tokens_by_benchmark": [512]}, "max_new_tokens_by_benchmark"),
     ],
 )
 def test_settings_that_would_be_ignored_are_refused(tmp_path, overrides, needle):
@@ -237,3 +240,39 @@ def test_excluded_problems_leave_every_benchmark(tmp_path):
     rows = read_results(run_eval(cfg, model=model, tokenizer=tiny_tokenizer()) / "results.jsonl")
     digests = {r["problem_id"].split("-")[1] for r in rows}
     assert len(rows) == 2 and problem_id(0, first).split("-")[1] not in digests
+
+
+def test_a_benchmark_cap_replaces_max_new_tokens_for_that_benchmark(tmp_path):
+    """max_new_tokens_by_benchmark: the named benchmark generates up to its own cap, the others up to the
+    default; the report states each benchmark's cap and how often full KV hit it."""
+    bench = tmp_path / "short.jsonl"
+    problems = [{"problem": f"what is {i} + {i}?", "answer": str(2 * i), "source": "math"} for i in range(2)]
+    bench.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    cfg, model = _config(
+        tmp_path,
+        "caps",
+        benchmarks=["chain", str(bench)],
+        methods=["full"],
+        num_problems=2,
+        max_new_tokens=12,
+        max_new_tokens_by_benchmark={str(bench): 5},
+        early_stop_repetition=False,
+    )
+    assert cfg.new_tokens(str(bench)) == 5 and cfg.new_tokens("chain") == 12
+    out = run_eval(cfg, model=model, tokenizer=tiny_tokenizer())
+    rows = read_results(out / "results.jsonl")
+    caps = {r["benchmark"]: set() for r in rows}
+    for r in rows:
+        assert r["num_generated_tokens"] <= cfg.new_tokens(r["benchmark"])
+        if r["finish_reason"] == "length":
+            caps[r["benchmark"]].add(r["num_generated_tokens"])
+    assert caps == {"chain": {12}, str(bench): {5}}  # the random tiny model runs every row to its cap
+    report = (out / "report.md").read_text()
+    assert f"max_new_tokens 12 ({bench}: 5)" in report
+    assert "or 5 new tokens; full KV hit that cap on 2 of 2 (100.0%)" in report
+    # resuming: a cap for a benchmark without rows changes no row; one for a benchmark with rows does
+    more = dataclasses.replace(cfg, max_new_tokens_by_benchmark={str(bench): 5, "gsm8k": 3})
+    run_eval(more, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+    other = dataclasses.replace(cfg, max_new_tokens_by_benchmark={})
+    with pytest.raises(ValueError, match=f"max_new_tokens of {bench}"):
+        run_eval(other, model=model, tokenizer=tiny_tokenizer(), write_report=False)

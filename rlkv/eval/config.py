@@ -37,6 +37,8 @@ class EvalConfig:
     stop: stop rules by benchmark name (`rlkv.eval.stopping.StopRule` mappings: {strings: [...],
         code_block: true}; finish reason "stop"). None (default): code benchmarks (humaneval, mbpp)
         stop at the end of their first fenced code block, others at EOS / max_new_tokens; {} = none.
+    max_new_tokens_by_benchmark: per-benchmark caps that replace `max_new_tokens` for the benchmarks they
+        name (e.g. {humaneval: 1024} where a model explains before its code block); others keep the default.
     repetition: `RepetitionRule` fields.
     model_kwargs: extra `from_pretrained` arguments (e.g. {"gguf_file": "model.gguf"}).
     """
@@ -56,6 +58,7 @@ class EvalConfig:
     sparsities: list[float] = field(default_factory=lambda: [0.2, 0.4, 0.6, 0.8])
     num_problems: int | None = 50
     max_new_tokens: int = 1024
+    max_new_tokens_by_benchmark: dict[str, int] = field(default_factory=dict)
     batch_size: int = 8
     num_samples: int = 1
     temperature: float = 0.0
@@ -90,6 +93,16 @@ class EvalConfig:
         )
         if self.num_samples < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("EvalConfig: num_samples, max_new_tokens and batch_size must be >= 1")
+        if not isinstance(self.max_new_tokens_by_benchmark, dict):
+            raise ValueError(
+                "EvalConfig.max_new_tokens_by_benchmark: a mapping of benchmark name -> token cap, "
+                f"got {self.max_new_tokens_by_benchmark!r}"
+            )
+        for bench, cap in self.max_new_tokens_by_benchmark.items():
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+                raise ValueError(
+                    f"EvalConfig.max_new_tokens_by_benchmark[{bench!r}]: {cap!r} is not a token count >= 1"
+                )
         if self.temperature <= 0 and self.num_samples > 1:
             raise ValueError(
                 f"EvalConfig: num_samples={self.num_samples} needs temperature > 0 (greedy samples are identical)"
@@ -151,6 +164,10 @@ class EvalConfig:
     def repetition_rule(self) -> RepetitionRule:
         """The `RepetitionRule` these settings describe."""
         return RepetitionRule(**self.repetition)
+
+    def new_tokens(self, benchmark: str) -> int:
+        """The generation cap of `benchmark`: its `max_new_tokens_by_benchmark` entry, else `max_new_tokens`."""
+        return self.max_new_tokens_by_benchmark.get(benchmark, self.max_new_tokens)
 
     def stop_rule(self, benchmark: str) -> StopRule:
         """The `StopRule` of `benchmark` (see `stop`)."""

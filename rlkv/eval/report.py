@@ -57,10 +57,16 @@ def _stop_lines(rows: list[Row], benches: list[str], config: dict[str, Any]) -> 
         ]
         full = [r for r in rows if r["benchmark"] == bench and r["method"] == "full"]
         capped = sum(r.get("finish_reason") == "length" for r in full)
+        cap = (config.get("max_new_tokens_by_benchmark") or {}).get(bench, config.get("max_new_tokens"))
         lines.append(
             f"- {bench}: generations stop at EOS"
             + "".join(f", {e}" for e in ends if e)
-            + (f" or max_new_tokens; full KV hit max_new_tokens on {capped} of {len(full)}" if full else "")
+            + f" or {cap} new tokens"
+            + (
+                f"; full KV hit that cap on {capped} of {len(full)} ({capped / len(full):.1%})"
+                if full
+                else ""
+            )
         )
     return lines
 
@@ -81,7 +87,9 @@ def render_markdown(
     lines += [
         f"- model: `{config.get('model', '?')}`; head mask: `{config.get('head_mask')}`",
         f"- benchmarks: {', '.join(f'{b} ({n} problems)' for b, n in n_problems.items())}; "
-        f"max_new_tokens {config.get('max_new_tokens')}; "
+        f"max_new_tokens {config.get('max_new_tokens')}"
+        + "".join(f" ({b}: {n})" for b, n in (config.get("max_new_tokens_by_benchmark") or {}).items())
+        + "; "
         + (
             f"pass@1 over {config.get('num_samples')} samples at temperature {config.get('temperature')}"
             if config.get("temperature", 0) > 0

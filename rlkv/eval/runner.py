@@ -85,13 +85,28 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
                 saved[f.name] = default
         if "stop" not in saved and not any(cfg.stop_rule(b) for b in cfg.benchmarks):
             saved["stop"] = current["stop"]  # saved before stop rules existed: none applied, as now
-        diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-        if diff and read_results(out / RESULTS_FILE):
+        rows = read_results(out / RESULTS_FILE)
+        # caps compare per benchmark that has rows: a cap for a benchmark not yet run changes no row
+        caps = ("max_new_tokens", "max_new_tokens_by_benchmark")
+        diff = sorted(
+            k for k in set(saved) | set(current) if k not in caps and saved.get(k) != current.get(k)
+        )
+        diff += sorted(
+            f"max_new_tokens of {bench}"
+            for bench in {r["benchmark"] for r in rows}
+            if _cap(saved, bench) != cfg.new_tokens(bench)
+        )
+        if diff and rows:
             raise ValueError(
                 f"{out}: results there were made with other settings ({', '.join(diff)} differ); "
                 "use another --out or the same settings to resume"
             )
     atomic_write_text(path, json.dumps(current, indent=1, sort_keys=True) + "\n")
+
+
+def _cap(saved: dict[str, Any], benchmark: str) -> int:
+    """The generation cap a saved eval_config.json gave `benchmark`."""
+    return (saved.get("max_new_tokens_by_benchmark") or {}).get(benchmark, saved["max_new_tokens"])
 
 
 @dataclass
@@ -236,7 +251,7 @@ def run_eval(
                     model,
                     tokenizer,
                     [e[2] for e in chunk],
-                    cfg.max_new_tokens,
+                    cfg.new_tokens(task.benchmark),
                     compression=compression,
                     batch_size=len(chunk),
                     do_sample=sampling,
