@@ -10,7 +10,9 @@ supported range declared in pyproject.toml, instead of a `TypeError` deep inside
 
 Forward hooks read the model's cache from the forward's keyword arguments through `forward_cache`:
 transformers 5.24 renamed the argument `past_key_values` to `cache` (the old name is mapped until
-5.40), so a hook that reads only one name misses the cache on the other side of the rename.
+5.40), so a hook that reads only one name misses the cache on the other side of the rename; calls to
+`generate` pass their cache through `generate_cache_kwargs` (the old name warns from 5.24 and is
+removed in 6).
 
 torch's private CPU flash-attention op that also returns the log-sum-exp (the split decode of
 `rlkv.cache.decode`) is reached through `cpu_flash_attention_with_lse`, which checks it once
@@ -129,6 +131,15 @@ def forward_cache(kwargs: dict[str, Any]) -> Any:
     """
     cache = kwargs.get("cache")
     return cache if cache is not None else kwargs.get("past_key_values")
+
+
+def generate_cache_kwargs(cache: Any) -> dict[str, Any]:
+    """`generate`'s keyword argument for a user cache: {"cache": cache} on transformers >= 5.24, else
+    {"past_key_values": cache} (the name 5.24 deprecated and 6 removes)."""
+    from packaging.version import Version
+
+    renamed = Version(_version("transformers")) >= Version("5.24.0.dev0")
+    return {"cache" if renamed else "past_key_values": cache}
 
 
 @functools.cache

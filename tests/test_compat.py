@@ -16,6 +16,7 @@ from rlkv.compat import (
     check_attributes,
     check_private_api,
     forward_cache,
+    generate_cache_kwargs,
     supported_range,
 )
 from rlkv.rollout import CompressedRolloutConfig, with_compressed_rollouts
@@ -87,6 +88,25 @@ def test_forward_cache_reads_the_cache_under_either_name(make_model):
     model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
     assert seen == [cache]
     assert forward_cache({"cache": cache}) is cache and forward_cache({}) is None
+
+
+def test_generate_gets_the_user_cache_without_a_deprecation_warning(make_model):
+    """generate fills the cache handed over by generate_cache_kwargs, under the installed version's name."""
+    import warnings
+
+    from transformers import DynamicCache
+
+    model = make_model("llama")
+    cache = DynamicCache(config=model.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model.generate(
+            input_ids=torch.tensor([[1, 2, 3]]),
+            max_new_tokens=4,
+            do_sample=False,
+            **generate_cache_kwargs(cache),
+        )
+    assert cache.get_seq_length() == 3 + 4 - 1  # the last sampled token is never fed back
 
 
 def test_private_cpu_flash_op_is_checked_against_public_sdpa():

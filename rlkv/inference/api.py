@@ -23,6 +23,7 @@ from transformers import (
 
 from rlkv.cache import CacheStats, HeadMixedCache, install_observers, register_attention
 from rlkv.cache.stats import full_cache_stats
+from rlkv.compat import generate_cache_kwargs
 from rlkv.cpu_memory import keep_freed_memory
 from rlkv.inference.config import CompressionConfig
 from rlkv.inference.dtypes import resolve_dtype
@@ -269,7 +270,7 @@ def generate(
             sequences = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                past_key_values=batch_cache,
+                **generate_cache_kwargs(batch_cache),
                 max_new_tokens=max_new_tokens,
                 pad_token_id=pad_id,
                 eos_token_id=sorted(eos),
