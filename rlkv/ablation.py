@@ -6,10 +6,14 @@ of the model's own greedy solutions; the score is the increase over all gates at
 batched forward over the sequences per head, so it is the cheap non-RL baseline a learned mask must
 beat. `ablation_mask` generates the solutions, scores the heads and returns a `HeadMask` (scores
 min-max scaled to [0, 1], raw increases in its metadata, `metadata["method"] == "ablation"`).
+`mask_nll` measures the same NLL with a whole mask's compressed heads at a sparsity: a cheap way to
+compare masks (learned, ablation, random) before generating with them.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +82,19 @@ def completion_nll(model: Any, sequences: list[Solution], batch_size: int = 4) -
     return float(total) / count
 
 
+@contextlib.contextmanager
+def _gated(model: Any, sink: int, local: int) -> Iterator[Any]:
+    """RLKV gates (all 1) on `model` for the block; afterwards the model is as it was (attention, flags)."""
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+    gates = attach_gates(model, sink=sink, local=local, init=1.0)
+    try:
+        yield gates
+    finally:
+        detach_gates(model)
+        for name, p in model.named_parameters():
+            p.requires_grad_(trainable[name])
+
+
 def ablation_scores(
     model: Any,
     sequences: list[Solution],
@@ -95,9 +112,7 @@ def ablation_scores(
     """
     from tqdm.auto import tqdm
 
-    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
-    gates = attach_gates(model, sink=sink, local=local, init=1.0)
-    try:
+    with _gated(model, sink, local) as gates:
         base = completion_nll(model, sequences, batch_size)
         num_layers, num_heads = gates.alpha.shape
         delta = torch.zeros(num_layers, num_heads)
@@ -114,10 +129,6 @@ def ablation_scores(
                 bar.update(1)
                 bar.set_postfix_str(f"max +{float(delta.max()):.4f} nats/token", refresh=False)
         bar.close()
-    finally:
-        detach_gates(model)
-        for name, p in model.named_parameters():
-            p.requires_grad_(trainable[name])
     return AblationScores(
         delta_nll=delta,
         base_nll=base,
@@ -126,6 +137,43 @@ def ablation_scores(
         sink=sink,
         local=local,
     )
+
+
+def mask_nll(
+    model: Any,
+    sequences: list[Solution],
+    masks: dict[str, HeadMask],
+    sparsities: list[float],
+    *,
+    sink: int = 16,
+    local: int = 64,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> tuple[float, dict[str, dict[float, float]]]:
+    """Compare head masks without generating: (base NLL, {mask name: {sparsity: NLL increase}}).
+
+    For each mask and sparsity s, the heads `mask.full_heads(s)` leaves out run sink + local
+    attention (gates 0, the rest 1) and the `completion_nll` of `sequences` (nats/token) is compared
+    with full KV. A cheap proxy for pass@1 at a sparsity: a mask whose increase is smaller keeps more
+    of what the model's own solutions need. The model is left as it was.
+    """
+    from tqdm.auto import tqdm
+
+    with _gated(model, sink, local) as gates:
+        base = completion_nll(model, sequences, batch_size)
+        increases: dict[str, dict[float, float]] = {name: {} for name in masks}
+        bar = tqdm(
+            total=len(masks) * len(sparsities), desc="mask nll", disable=not progress, dynamic_ncols=True
+        )
+        for name, mask in masks.items():
+            mask.check_compatible(model)
+            for s in sparsities:
+                with torch.no_grad():
+                    gates.alpha.copy_(mask.full_heads(s).to(gates.alpha))
+                increases[name][s] = completion_nll(model, sequences, batch_size) - base
+                bar.update(1)
+        bar.close()
+    return base, increases
 
 
 def greedy_solutions(

@@ -111,3 +111,43 @@ def test_cli_writes_a_loadable_mask(tmp_path, capsys):
     assert mask.metadata["num_problems"] == 2 and len(mask.metadata["delta_nll"]) == 2
     assert float(mask.scores.min()) == 0.0 and float(mask.scores.max()) == pytest.approx(1.0)
     assert json.loads((out / "head_mask.json").read_text())["train_local"] == 4
+
+
+def test_mask_nll_is_zero_uncompressed_mask_free_when_all_compressed_and_the_ablation_score_for_one_head():
+    from rlkv.ablation import mask_nll
+    from rlkv.eval.sensitivity import mask_from_order
+
+    model = tiny_model("qwen2")
+    sequences = _solutions(model, 12)
+    scores = ablation_scores(model, sequences, sink=2, local=4, batch_size=2, progress=False)
+    order = torch.tensor([[1, 1], [0, 0], [0, 1], [1, 0]])  # (1, 1) compressed first
+    masks = {"order": mask_from_order(order, model), "random": HeadMask.random(model, seed=0)}
+    base, inc = mask_nll(
+        model, sequences, masks, [0.0, 0.25, 1.0], sink=2, local=4, batch_size=2, progress=False
+    )
+    assert base == pytest.approx(scores.base_nll)
+    assert inc["order"][0.0] == 0.0 and inc["random"][0.0] == 0.0
+    assert inc["order"][1.0] == pytest.approx(inc["random"][1.0]) and inc["order"][1.0] > 1e-3
+    assert inc["order"][0.25] == pytest.approx(float(scores.delta_nll[1, 1]), abs=1e-6)
+    assert not hasattr(model, "rlkv_gates")
+
+
+def test_mask_nll_cli_prints_and_writes_the_table(tmp_path, capsys):
+    mask_path = tmp_path / "mask.json"
+    HeadMask.random(tiny_model("llama"), seed=5).save(mask_path)
+    out = tmp_path / "nll.json"
+    argv = ["mask-nll", "--model", "tiny:llama", "--problems", "chain", "--num", "2", "--max-new-tokens", "6"]
+    argv += ["--sink", "1", "--local", "2", "--masks", f"mine={mask_path}", "--random", "2"]
+    argv += ["--sparsities", "0,0.5", "--out", str(out), "--no-progress"]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "full KV:" in printed and "mine" in printed and "random-mask@1" in printed
+    doc = json.loads(out.read_text())
+    assert set(doc["increase"]) == {"mine", "random-mask@0", "random-mask@1"}
+    assert doc["increase"]["mine"]["0.0"] == 0.0 and doc["num_problems"] == 2
+
+
+def test_mask_nll_cli_refuses_nothing_to_compare(capsys):
+    argv = ["mask-nll", "--model", "tiny:llama", "--problems", "chain", "--sparsities", "0.5"]
+    assert cli_main(argv) == 2
+    assert "--masks" in capsys.readouterr().err

@@ -20,6 +20,7 @@ SUBCOMMANDS = [
     "rlkv.cli.data",
     "rlkv.cli.export_mask",
     "rlkv.cli.ablation_mask",
+    "rlkv.cli.mask_nll",
     "rlkv.cli.steering",
     "rlkv.cli.eval",
     "rlkv.cli.train",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from rlkv.cli import positive_int
 
@@ -17,11 +18,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "solutions; the increase is the head's score. Writes OUT/head_mask.json, .tsv and a card "
         "(HeadMask.save_pretrained; metadata method 'ablation' with the raw increases).",
     )
+    add_solution_args(parser)
+    parser.add_argument("--out", required=True, help="mask folder to write")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=run)
+
+
+def add_solution_args(parser: argparse.ArgumentParser) -> None:
+    """The model, problem-set and sink / local flags of commands that score heads on greedy solutions."""
     parser.add_argument("--model", required=True, help="model path / hub id, or tiny:<family>")
     parser.add_argument("--problems", required=True, help="problem set (rlkv.data name or file)")
     parser.add_argument("--split", default=None, help="dataset split (default: the set's own)")
     parser.add_argument("--num", type=positive_int, default=32, help="problems (seeded sample; default 32)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--exclude-problems",
+        dest="exclude_problems",
+        type=lambda t: [x for x in t.split(",") if x],
+        default=[],
+        help="comma-separated problem sets whose texts to leave out (e.g. the training curriculum: held out)",
+    )
     parser.add_argument("--max-new-tokens", dest="max_new_tokens", type=positive_int, default=512)
     parser.add_argument("--batch-size", dest="batch_size", type=positive_int, default=4)
     parser.add_argument("--sink", type=int, default=16, help="compressed head's sink tokens (default 16)")
@@ -29,9 +45,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--template", default="auto", help="prompt template (auto, math, code, plain)")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
     parser.add_argument("--device", default=None, help="e.g. cuda, cpu")
-    parser.add_argument("--out", required=True, help="mask folder to write")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.set_defaults(func=run)
+
+
+def load_for_solutions(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(problems, model, tokenizer) the `add_solution_args` flags name; bad values are one clear error."""
+    from rlkv.data.loaders import load_problems
+    from rlkv.errors import UserInputError
+    from rlkv.inference import load
+
+    if args.sink < 0:
+        raise UserInputError(f"--sink {args.sink}: must be >= 0")
+    excluded = frozenset(text for name in args.exclude_problems for text in load_problems(name)["problem"])
+    problems = load_problems(args.problems, split=args.split, num=args.num, seed=args.seed, exclude=excluded)
+    model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
+    return problems, model, tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,14 +66,8 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from rlkv.ablation import ablation_mask
-    from rlkv.data.loaders import load_problems
-    from rlkv.errors import UserInputError
-    from rlkv.inference import load
 
-    if args.sink < 0:
-        raise UserInputError(f"--sink {args.sink}: must be >= 0")
-    problems = load_problems(args.problems, split=args.split, num=args.num, seed=args.seed)
-    model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
+    problems, model, tokenizer = load_for_solutions(args)
     began = time.perf_counter()
     mask = ablation_mask(
         model,

@@ -1,0 +1,100 @@
+"""`rlkv mask-nll --model PATH --problems SET --masks A,B --random 3 --sparsities 0.5,0.75`: compare head masks
+by the NLL increase of the model's own greedy solutions when each mask's compressed heads run sink + local."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rlkv.cli.ablation_mask import add_solution_args, load_for_solutions
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `mask-nll` subcommand."""
+    parser = subparsers.add_parser(
+        "mask-nll",
+        help="compare head masks at given sparsities by the NLL increase of greedy solutions (no generation)",
+        description="Generate the model's greedy solutions of a problem set (full KV), then for every mask and "
+        "sparsity s run the heads the mask compresses at s with sink + local attention (RLKV gates 0, the rest "
+        "1) and print the teacher-forced NLL increase (nats/token) over full KV: the smaller, the more of the "
+        "solutions the mask keeps. A cheap screen of masks (learned checkpoints, ablation, random) before "
+        "an `rlkv eval` run.",
+    )
+    add_solution_args(parser)
+    parser.add_argument(
+        "--masks",
+        type=lambda t: [x for x in t.split(",") if x],
+        default=[],
+        help="comma-separated head masks (HeadMask.from_pretrained forms), each optionally NAME=PATH",
+    )
+    parser.add_argument(
+        "--random", type=int, default=0, help="also N random masks (the eval's random-mask@0..N-1 draws)"
+    )
+    parser.add_argument(
+        "--sparsities",
+        type=lambda t: [float(x) for x in t.split(",") if x],
+        required=True,
+        help="comma-separated fractions of KV heads compressed",
+    )
+    parser.add_argument("--out", default=None, help="also write the table as JSON here (atomically)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Score every mask at every sparsity and print the table. Returns the exit status."""
+    from rlkv._io import atomic_write_text
+    from rlkv.ablation import greedy_solutions, mask_nll
+    from rlkv.errors import UserInputError
+    from rlkv.head_mask import HeadMask
+
+    if not args.masks and args.random < 1:
+        raise UserInputError("mask-nll: give --masks and/or --random N (N >= 1)")
+    bad = [s for s in args.sparsities if not 0.0 <= s <= 1.0]
+    if bad:
+        raise UserInputError(f"--sparsities {bad}: each must be a fraction of heads in [0, 1]")
+    problems, model, tokenizer = load_for_solutions(args)
+    masks = {}
+    for spec in args.masks:
+        name, _, path = spec.rpartition("=")
+        masks[name or path] = HeadMask.from_pretrained(path, model)
+    for k in range(args.random):
+        masks[f"random-mask@{k}"] = HeadMask.random(model, seed=k)
+    sequences = greedy_solutions(
+        model,
+        tokenizer,
+        problems,
+        args.max_new_tokens,
+        template=args.template,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    base, increases = mask_nll(
+        model,
+        sequences,
+        masks,
+        args.sparsities,
+        sink=args.sink,
+        local=args.local,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    tokens = sum(len(c) for _, c in sequences)
+    print(f"full KV: {base:.4f} nats/token over {len(sequences)} solutions ({tokens} tokens); increases:")
+    width = max(len(n) for n in masks)
+    print(" " * width + "".join(f"  s={s:<7g}" for s in args.sparsities))
+    for name, row in increases.items():
+        print(name.ljust(width) + "".join(f"  +{row[s]:<8.4f}" for s in args.sparsities))
+    if args.out:
+        doc = {
+            "base_nll": base,
+            "num_sequences": len(sequences),
+            "num_tokens": tokens,
+            "sink": args.sink,
+            "local": args.local,
+            "problems": args.problems,
+            "num_problems": len(problems),
+            "increase": {name: {str(s): v for s, v in row.items()} for name, row in increases.items()},
+        }
+        atomic_write_text(args.out, json.dumps(doc, indent=1) + "\n")
+    return 0
