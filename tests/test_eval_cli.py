@@ -108,3 +108,23 @@ def test_unusable_policy_settings_fail_before_generating(tmp_path):
             )
         )
     assert not (tmp_path / "bad" / "results.jsonl").exists()
+
+
+def test_redo_drops_the_named_methods_rows_and_runs_them_again(tmp_path, capsys):
+    args = _recipe(tmp_path, "redo") + [
+        "--methods",
+        "full,streaming",
+        "--sparsities",
+        "0.5",
+        "--num-problems",
+        "2",
+    ]
+    assert main(args) == 0
+    results = tmp_path / "redo" / "results.jsonl"
+    first = read_results(results)
+    capsys.readouterr()
+    assert main(args + ["--redo", "streaming"]) == 0
+    assert "--redo: dropped 2 rows of streaming" in capsys.readouterr().out
+    rows = read_results(results)
+    assert [r["method"] for r in rows] == ["full", "full", "streaming", "streaming"]
+    assert _without_timing(rows) == _without_timing(first)  # greedy: the same rows again

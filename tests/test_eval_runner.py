@@ -178,8 +178,49 @@ def test_resume_refuses_a_changed_mask_file(tmp_path):
     cfg, model = _config(tmp_path, "m", methods=["rlkv"], sparsities=[0.5], num_problems=1, max_new_tokens=4)
     run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
     HeadMask.random(model, seed=99).save(cfg.head_mask)  # retrained at the same path
-    with pytest.raises(ValueError, match="head_mask_sha1"):
+    with pytest.raises(ValueError, match="--redo rlkv"):
         run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+
+
+def test_a_retrained_mask_folder_reruns_only_the_rows_made_with_it(tmp_path):
+    """A mask folder re-exported in place: rows of the methods using it are refused until dropped
+    (`drop_rows`, the CLI's --redo), the other methods' rows are kept; a rewritten card alone changes nothing."""
+    from rlkv.eval.results import drop_rows
+
+    model = tiny_model("qwen2")
+    folder = tmp_path / "mask"
+    HeadMask.random(model, seed=1).save_pretrained(folder)
+    cfg, model = _config(
+        tmp_path, "f", head_mask=str(folder), methods=["full", "rlkv"], sparsities=[0.5], num_problems=2
+    )
+    cfg = dataclasses.replace(cfg, max_new_tokens=6)
+    out = run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+    before = {r["key"]: r for r in read_results(out / "results.jsonl")}
+    (folder / "README.md").write_text("a card with an eval table\n")
+    run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)  # same mask: resumes
+    HeadMask.random(model, seed=2).save_pretrained(folder)
+    with pytest.raises(ValueError, match="--redo rlkv"):
+        run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+    assert drop_rows(out, ["rlkv"]) == 2
+    run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+    after = {r["key"]: r for r in read_results(out / "results.jsonl")}
+    assert after.keys() == before.keys() and len(read_results(out / "results.jsonl")) == 4
+    for key, row in after.items():
+        if row["method"] == "full":
+            assert row == before[key]  # kept, not regenerated
+
+
+def test_a_mask_no_row_was_made_with_may_change(tmp_path):
+    cfg, model = _config(tmp_path, "n", methods=["full"], num_problems=1, max_new_tokens=4)
+    run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+    HeadMask.random(model, seed=7).save(cfg.head_mask)
+    run_eval(
+        dataclasses.replace(cfg, methods=["full", "rlkv"], sparsities=[0.5]),
+        model=model,
+        tokenizer=tiny_tokenizer(),
+        write_report=False,
+    )
+    assert {r["method"] for r in read_results(tmp_path / "n" / "results.jsonl")} == {"full", "rlkv"}
 
 
 def test_report_counts_only_what_the_last_run_asked(tmp_path):

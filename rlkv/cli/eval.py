@@ -102,6 +102,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--report-only", action="store_true", help="only regenerate report.md and plots from OUT"
     )
+    parser.add_argument(
+        "--redo",
+        type=_csv,
+        default=[],
+        metavar="METHODS",
+        help="first drop every row of these methods from OUT/results.jsonl, so they run again "
+        "(e.g. rlkv,rlkv+rkv after retraining the head mask)",
+    )
     parser.set_defaults(func=_run)
 
 
@@ -133,6 +141,13 @@ def _run(args: argparse.Namespace) -> int:
         cfg = EvalConfig.from_dict(base)
     except ValueError as e:
         raise UserInputError(str(e)) from None
+    if args.redo:
+        from pathlib import Path
+
+        from rlkv.eval.results import drop_rows
+
+        folder = Path(cfg.out) / ("sensitivity" if args.sensitivity is not None else "")
+        print(f"--redo: dropped {drop_rows(folder, args.redo)} rows of {', '.join(args.redo)} from {folder}")
     if args.sensitivity is not None:
         from rlkv.eval.methods import num_kv_heads_total
         from rlkv.eval.runner import load_model

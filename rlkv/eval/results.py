@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlkv._io import atomic_write_text
+
 logger = logging.getLogger(__name__)
 
 RESULTS_FILE = "results.jsonl"
@@ -67,3 +69,14 @@ def current_results(out: str | os.PathLike) -> list[dict[str, Any]]:
         if wanted is None or row["key"] in wanted:
             rows.setdefault(row["key"], row)
     return list(rows.values())
+
+
+def drop_rows(out: str | os.PathLike, methods: list[str]) -> int:
+    """Remove every row of `methods` from `out`'s results.jsonl (atomically), so a rerun generates them
+    again (e.g. with a retrained mask); returns how many rows were dropped."""
+    path = Path(out) / RESULTS_FILE
+    rows = read_results(path, repair=True)
+    kept = [r for r in rows if r["method"] not in set(methods)]
+    if len(kept) < len(rows):
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return len(rows) - len(kept)

@@ -70,13 +70,33 @@ def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:
     return masks
 
 
+def mask_digest(path: str | os.PathLike) -> str | None:
+    """sha1 of what defines a head mask at `path`: the file, or a folder's head_mask.json (else its TSVs).
+
+    A mask card (README.md) rewritten with an eval table leaves it unchanged; None: nothing to hash.
+    """
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    elif (path / "head_mask.json").is_file():
+        files = [path / "head_mask.json"]
+    else:
+        files = sorted(path.glob("*.tsv")) if path.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha1()
+    for f in files:
+        digest.update(f.name.encode() + b"\x00" + f.read_bytes())
+    return digest.hexdigest()
+
+
 def _check_resume(out: Path, cfg: EvalConfig) -> None:
     path = out / CONFIG_FILE
     current = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE_FIELDS}
     for name in MASK_FIELDS.values():  # a retrained mask at the same path changes results too
-        mask_path = getattr(cfg, name)
-        if mask_path and Path(mask_path).is_file():
-            current[f"{name}_sha1"] = hashlib.sha1(Path(mask_path).read_bytes()).hexdigest()
+        digest = mask_digest(getattr(cfg, name)) if getattr(cfg, name) else None
+        if digest:
+            current[f"{name}_sha1"] = digest
     if path.exists():
         saved = json.loads(path.read_text())
         for f in fields(EvalConfig):  # fields added later: absent from older saves, whose runs had
@@ -86,19 +106,31 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
         if "stop" not in saved and not any(cfg.stop_rule(b) for b in cfg.benchmarks):
             saved["stop"] = current["stop"]  # saved before stop rules existed: none applied, as now
         rows = read_results(out / RESULTS_FILE)
-        # caps compare per benchmark that has rows: a cap for a benchmark not yet run changes no row
-        caps = ("max_new_tokens", "max_new_tokens_by_benchmark")
+        # caps compare per benchmark that has rows, masks per method that has rows: a cap or a mask
+        # that no row was made with changes no row
+        per_row = {"max_new_tokens", "max_new_tokens_by_benchmark"}
+        for name in MASK_FIELDS.values():
+            per_row |= {name, f"{name}_sha1"}
+            if f"{name}_sha1" not in saved and saved.get(name) == current.get(name):
+                saved[f"{name}_sha1"] = current.get(f"{name}_sha1")  # saved before folders were hashed
         diff = sorted(
-            k for k in set(saved) | set(current) if k not in caps and saved.get(k) != current.get(k)
+            k for k in set(saved) | set(current) if k not in per_row and saved.get(k) != current.get(k)
         )
         diff += sorted(
             f"max_new_tokens of {bench}"
             for bench in {r["benchmark"] for r in rows}
             if _cap(saved, bench) != cfg.new_tokens(bench)
         )
+        for mask, name in MASK_FIELDS.items():
+            stale = sorted({r["method"] for r in rows if parse_method(r["method"]).mask == mask})
+            if stale and any(saved.get(k) != current.get(k) for k in (name, f"{name}_sha1")):
+                diff.append(
+                    f"{name} (the mask of the rows of {', '.join(stale)}: drop them with "
+                    f"--redo {','.join(stale)} to rerun them with the new mask)"
+                )
         if diff and rows:
             raise ValueError(
-                f"{out}: results there were made with other settings ({', '.join(diff)} differ); "
+                f"{out}: results there were made with other settings ({'; '.join(diff)} differ); "
                 "use another --out or the same settings to resume"
             )
     atomic_write_text(path, json.dumps(current, indent=1, sort_keys=True) + "\n")
