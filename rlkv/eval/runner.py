@@ -82,12 +82,12 @@ def mask_digest(path: str | os.PathLike) -> str | None:
         files = [path / "head_mask.json"]
     else:
         files = sorted(path.glob("*.tsv")) if path.is_dir() else []
-    if not files:
-        return None
+    if len(files) == 1:  # a mask file's digest as eval_config.json has always recorded it
+        return hashlib.sha1(files[0].read_bytes()).hexdigest()
     digest = hashlib.sha1()
     for f in files:
         digest.update(f.name.encode() + b"\x00" + f.read_bytes())
-    return digest.hexdigest()
+    return digest.hexdigest() if files else None
 
 
 def _check_resume(out: Path, cfg: EvalConfig) -> None:
