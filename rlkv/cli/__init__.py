@@ -31,6 +31,21 @@ class OneLineErrorParser(OneLineErrors, argparse.ArgumentParser):
     """The `rlkv` parser: usage errors are one line (see `rlkv.errors.OneLineErrors`)."""
 
 
+def csv_list(text: str) -> list[str]:
+    """argparse type: comma-separated names, blanks dropped."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def csv_fractions(text: str) -> list[float]:
+    """argparse type: comma-separated numbers (fractions such as sparsities)."""
+    try:
+        return [float(t) for t in csv_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give comma-separated fractions, e.g. 0.2,0.4,0.6,0.8"
+        ) from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:

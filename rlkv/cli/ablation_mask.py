@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rlkv.cli import positive_int
+from rlkv.cli import csv_list, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,7 +34,7 @@ def add_solution_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exclude-problems",
         dest="exclude_problems",
-        type=lambda t: [x for x in t.split(",") if x],
+        type=csv_list,
         default=[],
         help="comma-separated problem sets whose texts to leave out (e.g. the training curriculum: held out)",
     )

@@ -4,19 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(t) for t in _csv(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give comma-separated fractions, e.g. 0.2,0.4,0.6,0.8"
-        ) from None
-
+from rlkv.cli import csv_fractions, csv_list
 
 # flag dest -> EvalConfig field, for flags that override the recipe
 _OVERRIDES = (
@@ -64,13 +52,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="head mask of `rlkv ablation-mask` for the `ablation-mask` method (same forms as --head-mask)",
     )
     parser.add_argument(
-        "--benchmarks", type=_csv, help="comma-separated problem sets (rlkv.data names or files)"
+        "--benchmarks", type=csv_list, help="comma-separated problem sets (rlkv.data names or files)"
     )
     parser.add_argument("--split", help="dataset split (default test)")
     parser.add_argument(
-        "--methods", type=_csv, help="comma-separated, e.g. full,rlkv,rlkv+rkv,rkv,h2o,random-mask"
+        "--methods", type=csv_list, help="comma-separated, e.g. full,rlkv,rlkv+rkv,rkv,h2o,random-mask"
     )
-    parser.add_argument("--sparsities", type=_floats, help="comma-separated fractions of KV heads compressed")
+    parser.add_argument(
+        "--sparsities", type=csv_fractions, help="comma-separated fractions of KV heads compressed"
+    )
     parser.add_argument("--num-problems", dest="num_problems", type=int)
     parser.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
     parser.add_argument("--batch-size", dest="batch_size", type=int)
@@ -104,7 +94,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--redo",
-        type=_csv,
+        type=csv_list,
         default=[],
         metavar="METHODS",
         help="first drop every row of these methods from OUT/results.jsonl, so they run again "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from rlkv.cli import csv_fractions, csv_list
 from rlkv.cli.ablation_mask import add_solution_args, load_for_solutions
 
 
@@ -23,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_solution_args(parser)
     parser.add_argument(
         "--masks",
-        type=lambda t: [x for x in t.split(",") if x],
+        type=csv_list,
         default=[],
         help="comma-separated head masks (HeadMask.from_pretrained forms), each optionally NAME=PATH",
     )
@@ -32,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--sparsities",
-        type=lambda t: [float(x) for x in t.split(",") if x],
+        type=csv_fractions,
         required=True,
         help="comma-separated fractions of KV heads compressed",
     )

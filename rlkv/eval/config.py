@@ -16,6 +16,11 @@ from rlkv.policies import available
 RESUME_FREE_FIELDS = ("out", "benchmarks", "methods", "sparsities", "num_problems", "batch_size", "progress")
 
 
+def benchmark_cap(config: dict[str, Any], benchmark: str) -> int:
+    """The generation cap a config mapping (EvalConfig fields, e.g. a saved eval_config.json) gives `benchmark`."""
+    return (config.get("max_new_tokens_by_benchmark") or {}).get(benchmark, config["max_new_tokens"])
+
+
 @dataclass
 class EvalConfig:
     """One evaluation run (the fields of `recipes/eval/*.yaml`).
@@ -167,7 +172,7 @@ class EvalConfig:
 
     def new_tokens(self, benchmark: str) -> int:
         """The generation cap of `benchmark`: its `max_new_tokens_by_benchmark` entry, else `max_new_tokens`."""
-        return self.max_new_tokens_by_benchmark.get(benchmark, self.max_new_tokens)
+        return benchmark_cap(vars(self), benchmark)
 
     def stop_rule(self, benchmark: str) -> StopRule:
         """The `StopRule` of `benchmark` (see `stop`)."""

@@ -46,6 +46,7 @@ REPORT_JSON = "report.json"
 
 def _stop_lines(rows: list[Row], benches: list[str], config: dict[str, Any]) -> list[str]:
     """Per benchmark: its stop rule and how often `full` hit max_new_tokens (the protocol's length check)."""
+    from rlkv.eval.config import benchmark_cap
     from rlkv.eval.stopping import stop_rule
 
     lines = []
@@ -57,7 +58,7 @@ def _stop_lines(rows: list[Row], benches: list[str], config: dict[str, Any]) -> 
         ]
         full = [r for r in rows if r["benchmark"] == bench and r["method"] == "full"]
         capped = sum(r.get("finish_reason") == "length" for r in full)
-        cap = (config.get("max_new_tokens_by_benchmark") or {}).get(bench, config.get("max_new_tokens"))
+        cap = benchmark_cap({"max_new_tokens": None, **config}, bench)
         lines.append(
             f"- {bench}: generations stop at EOS"
             + "".join(f", {e}" for e in ends if e)

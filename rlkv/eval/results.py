@@ -75,8 +75,8 @@ def drop_rows(out: str | os.PathLike, methods: list[str]) -> int:
     """Remove every row of `methods` from `out`'s results.jsonl (atomically), so a rerun generates them
     again (e.g. with a retrained mask); returns how many rows were dropped."""
     path = Path(out) / RESULTS_FILE
-    rows = read_results(path, repair=True)
-    kept = [r for r in rows if r["method"] not in set(methods)]
+    rows, dropped = read_results(path, repair=True), set(methods)
+    kept = [r for r in rows if r["method"] not in dropped]
     if len(kept) < len(rows):
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     return len(rows) - len(kept)

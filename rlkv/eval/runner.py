@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rlkv._io import atomic_write_text
-from rlkv.eval.config import RESUME_FREE_FIELDS, EvalConfig
+from rlkv.eval.config import RESUME_FREE_FIELDS, EvalConfig, benchmark_cap
 from rlkv.eval.errors import RepetitionStop, classify_error
 from rlkv.eval.methods import (
     MASK_FIELDS,
@@ -119,7 +119,7 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
         diff += sorted(
             f"max_new_tokens of {bench}"
             for bench in {r["benchmark"] for r in rows}
-            if _cap(saved, bench) != cfg.new_tokens(bench)
+            if benchmark_cap(saved, bench) != cfg.new_tokens(bench)
         )
         for mask, name in MASK_FIELDS.items():
             stale = sorted({r["method"] for r in rows if parse_method(r["method"]).mask == mask})
@@ -134,11 +134,6 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
                 "use another --out or the same settings to resume"
             )
     atomic_write_text(path, json.dumps(current, indent=1, sort_keys=True) + "\n")
-
-
-def _cap(saved: dict[str, Any], benchmark: str) -> int:
-    """The generation cap a saved eval_config.json gave `benchmark`."""
-    return (saved.get("max_new_tokens_by_benchmark") or {}).get(benchmark, saved["max_new_tokens"])
 
 
 @dataclass
