@@ -66,6 +66,7 @@ GATE_TRAINER_API = PrivateAPI(
         "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
         "_compute_loss": ("model", "inputs"),
         "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+        "_get_train_sampler": ("dataset",),
         "_generate_single_turn": GENERATE_SINGLE_TURN_PARAMS,
         "_get_per_token_logps_and_entropies": (
             "model",
@@ -220,9 +221,11 @@ def check_private_api(trainer_cls: type, api: PrivateAPI, feature: str = "rlkv")
 
 
 def check_attributes(trainer: Any, api: PrivateAPI, feature: str = "rlkv") -> None:
-    """After construction: raise `UnsupportedVersionError` naming each attribute of `api` the trainer lacks."""
+    """After construction: raise `UnsupportedVersionError` naming each attribute of `api` the trainer (or
+    another object of TRL's) lacks."""
+    owner = type(trainer).__name__
     _raise(
-        [f"no attribute {name!r} on the trainer" for name in api.attributes if not hasattr(trainer, name)],
+        [f"no attribute {name!r} on {owner}" for name in api.attributes if not hasattr(trainer, name)],
         feature,
     )
 

@@ -237,7 +237,7 @@ def test_policy_gradient_raises_gates_of_heads_the_reward_needs_full(tmp_path, t
 
 
 # checkpoints ----------------------------------------------------------------------------------
-def train_run(tmp_path, tokenizer, out: str, max_steps: int, resume: str | None = None):
+def train_run(tmp_path, tokenizer, out: str, max_steps: int, resume: str | None = None, repeat: int = 8):
     model = tiny_model("qwen2")
     args = config(
         tmp_path,
@@ -253,7 +253,7 @@ def train_run(tmp_path, tokenizer, out: str, max_steps: int, resume: str | None 
         model=model,
         reward_funcs=token_reward,
         args=args,
-        train_dataset=prompts_dataset(),
+        train_dataset=prompts_dataset(repeat),
         processing_class=tokenizer,
     )
     trainer.train(resume_from_checkpoint=resume)
@@ -274,6 +274,50 @@ def test_resume_after_k_steps_equals_uninterrupted_run(tmp_path, tokenizer):
         for t in (straight_trainer, resumed_trainer)
     ]
     assert rewards[0] == rewards[1] and len(rewards[0]) == 5
+
+
+def test_resume_in_a_later_epoch_replays_that_epochs_shuffled_order(tmp_path, tokenizer):
+    """4 prompts = 2 steps per epoch, shuffled (GRPOConfig's default): a run stopped at step 3 (epoch 1)
+    and resumed to 6 sees epoch 1's and 2's prompt orders, not epoch 0's again, so it ends with the
+    gates and rewards of the uninterrupted run."""
+    straight, straight_trainer = train_run(tmp_path, tokenizer, "straight", max_steps=6, repeat=1)
+    assert straight_trainer.args.shuffle_dataset
+    train_run(tmp_path, tokenizer, "stopped", max_steps=4, repeat=1)
+    resumed, resumed_trainer = train_run(
+        tmp_path,
+        tokenizer,
+        "stopped",
+        max_steps=6,
+        repeat=1,
+        resume=str(tmp_path / "stopped" / "checkpoint-4"),
+    )
+    rewards = [
+        [h["reward"] for h in t.state.log_history if "reward" in h]
+        for t in (straight_trainer, resumed_trainer)
+    ]
+    assert rewards[0] == rewards[1] and len(rewards[0]) == 6
+    assert torch.equal(resumed.rlkv_gates.alpha, straight.rlkv_gates.alpha)
+
+
+def test_epoch_seeded_sampler_orders_by_epoch_and_fences_trls_fields():
+    from torch.utils.data import SequentialSampler
+    from trl.trainer.utils import RepeatSampler
+
+    from rlkv.compat import UnsupportedVersionError
+    from rlkv.trainers.data_order import EpochSeededSampler
+
+    def order(epochs_before: int, epoch: int) -> list[int]:
+        sampler = EpochSeededSampler(RepeatSampler(range(16), mini_repeat_count=1, shuffle=True, seed=3))
+        for e in range(epochs_before):  # the passes an uninterrupted run made first
+            sampler.set_epoch(e)
+            list(sampler)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert order(2, 2) == order(0, 2) != order(0, 1)
+    assert order(0, 0) == list(RepeatSampler(range(16), mini_repeat_count=1, shuffle=True, seed=3))
+    with pytest.raises(UnsupportedVersionError, match="no attribute 'shuffle' on SequentialSampler"):
+        EpochSeededSampler(SequentialSampler(range(4)))
 
 
 def test_checkpoint_holds_gates_only_and_exports_a_valid_head_mask(tmp_path, tokenizer, capsys):

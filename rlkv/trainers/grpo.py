@@ -7,6 +7,8 @@ What it changes in TRL (everything else, GRPO included, is TRL's):
   all ranks; `_compute_loss` adds `beta' * mean(|alpha|)` scaled for gradient accumulation as
   TRL scales its loss;
 - the gates are clamped to [0, 1] after each optimizer step (`GateClampCallback`);
+- the prompt sampler is reseeded per epoch (`EpochSeededSampler`), so a run resumed in a later
+  epoch sees the order an uninterrupted run would;
 - checkpoints hold the gates only (`gates.safetensors` + config + head_mask.json/tsv) plus
   transformers' optimizer / scheduler / RNG / trainer state, and resume restores alpha exactly;
 - gate statistics are added to every training log record.
@@ -34,6 +36,7 @@ from rlkv.trainers.callbacks import (
 )
 from rlkv.trainers.checkpoints import load_gate_checkpoint, save_gate_checkpoint
 from rlkv.trainers.config import GateGRPOConfig
+from rlkv.trainers.data_order import EpochSeededSampler
 from rlkv.trainers.logprobs import completion_logps
 from rlkv.trainers.sampling import race_sampling
 
@@ -148,6 +151,10 @@ class GateGRPOTrainer(GRPOTrainer):
     def gates(self):
         """The `HeadGates` module of the (unwrapped) model."""
         return self.accelerator.unwrap_model(self.model).rlkv_gates
+
+    # data order -----------------------------------------------------------------------------
+    def _get_train_sampler(self, dataset=None):
+        return EpochSeededSampler(super()._get_train_sampler(dataset))
 
     # rollouts -------------------------------------------------------------------------------
     def _generate_single_turn(self, *args, **kwargs):
