@@ -91,49 +91,67 @@ def mask_digest(path: str | os.PathLike) -> str | None:
 
 
 def _check_resume(out: Path, cfg: EvalConfig) -> None:
+    """Refuse to add rows to `out` made with other settings than its saved ones; then save `cfg`'s."""
     path = out / CONFIG_FILE
-    current = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE_FIELDS}
-    for name in MASK_FIELDS.values():  # a retrained mask at the same path changes results too
-        digest = mask_digest(getattr(cfg, name)) if getattr(cfg, name) else None
-        if digest:
-            current[f"{name}_sha1"] = digest
-    if path.exists():
-        saved = json.loads(path.read_text())
-        for f in fields(EvalConfig):  # fields added later: absent from older saves, whose runs had
-            if f.name not in saved and f.name in current and f.name != "stop":  # their default's behaviour
-                default = f.default_factory() if f.default_factory is not MISSING else f.default
-                saved[f.name] = default
-        if "stop" not in saved and not any(cfg.stop_rule(b) for b in cfg.benchmarks):
-            saved["stop"] = current["stop"]  # saved before stop rules existed: none applied, as now
-        rows = read_results(out / RESULTS_FILE)
-        # caps compare per benchmark that has rows, masks per method that has rows: a cap or a mask
-        # that no row was made with changes no row
-        per_row = {"max_new_tokens", "max_new_tokens_by_benchmark"}
-        for name in MASK_FIELDS.values():
-            per_row |= {name, f"{name}_sha1"}
-            if f"{name}_sha1" not in saved and saved.get(name) == current.get(name):
-                saved[f"{name}_sha1"] = current.get(f"{name}_sha1")  # saved before folders were hashed
-        diff = sorted(
-            k for k in set(saved) | set(current) if k not in per_row and saved.get(k) != current.get(k)
-        )
-        diff += sorted(
-            f"max_new_tokens of {bench}"
-            for bench in {r["benchmark"] for r in rows}
-            if benchmark_cap(saved, bench) != cfg.new_tokens(bench)
-        )
-        for mask, name in MASK_FIELDS.items():
-            stale = sorted({r["method"] for r in rows if parse_method(r["method"]).mask == mask})
-            if stale and any(saved.get(k) != current.get(k) for k in (name, f"{name}_sha1")):
-                diff.append(
-                    f"{name} (the mask of the rows of {', '.join(stale)}: drop them with "
-                    f"--redo {','.join(stale)} to rerun them with the new mask)"
-                )
-        if diff and rows:
+    current = _settings(cfg)
+    rows = read_results(out / RESULTS_FILE) if path.exists() else []
+    if rows:
+        saved = _upgraded(json.loads(path.read_text()), cfg, current)
+        diff = _differences(saved, current, cfg, rows)
+        if diff:
             raise ValueError(
                 f"{out}: results there were made with other settings ({'; '.join(diff)} differ); "
                 "use another --out or the same settings to resume"
             )
     atomic_write_text(path, json.dumps(current, indent=1, sort_keys=True) + "\n")
+
+
+def _settings(cfg: EvalConfig) -> dict[str, Any]:
+    """The fields of `cfg` that change results, plus each mask's digest (a retrained mask at the same
+    path changes results too)."""
+    current = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE_FIELDS}
+    for name in MASK_FIELDS.values():
+        digest = mask_digest(getattr(cfg, name)) if getattr(cfg, name) else None
+        if digest:
+            current[f"{name}_sha1"] = digest
+    return current
+
+
+def _upgraded(saved: dict[str, Any], cfg: EvalConfig, current: dict[str, Any]) -> dict[str, Any]:
+    """A settings file saved by an older rlkv, completed with what its runs did for fields it lacks."""
+    for f in fields(EvalConfig):  # fields added later: their runs had the default's behaviour
+        if f.name not in saved and f.name in current and f.name != "stop":
+            saved[f.name] = f.default_factory() if f.default_factory is not MISSING else f.default
+    if "stop" not in saved and not any(cfg.stop_rule(b) for b in cfg.benchmarks):
+        saved["stop"] = current["stop"]  # saved before stop rules existed: none applied, as now
+    for name in MASK_FIELDS.values():
+        if f"{name}_sha1" not in saved and saved.get(name) == current.get(name):
+            saved[f"{name}_sha1"] = current.get(f"{name}_sha1")  # saved before folders were hashed
+    return saved
+
+
+def _differences(
+    saved: dict[str, Any], current: dict[str, Any], cfg: EvalConfig, rows: list[dict[str, Any]]
+) -> list[str]:
+    """The settings whose change would mix results. Caps compare per benchmark that has rows, masks
+    per method that has rows: a cap or a mask that no row was made with changes no row."""
+    per_row = {"max_new_tokens", "max_new_tokens_by_benchmark"}
+    for name in MASK_FIELDS.values():
+        per_row |= {name, f"{name}_sha1"}
+    diff = sorted(k for k in set(saved) | set(current) if k not in per_row and saved.get(k) != current.get(k))
+    diff += sorted(
+        f"max_new_tokens of {bench}"
+        for bench in {r["benchmark"] for r in rows}
+        if benchmark_cap(saved, bench) != cfg.new_tokens(bench)
+    )
+    for mask, name in MASK_FIELDS.items():
+        stale = sorted({r["method"] for r in rows if parse_method(r["method"]).mask == mask})
+        if stale and any(saved.get(k) != current.get(k) for k in (name, f"{name}_sha1")):
+            diff.append(
+                f"{name} (the mask of the rows of {', '.join(stale)}: drop them with "
+                f"--redo {','.join(stale)} to rerun them with the new mask)"
+            )
+    return diff
 
 
 @dataclass
