@@ -316,6 +316,9 @@ def test_epoch_seeded_sampler_orders_by_epoch_and_fences_trls_fields():
 
     assert order(2, 2) == order(0, 2) != order(0, 1)
     assert order(0, 0) == list(RepeatSampler(range(16), mini_repeat_count=1, shuffle=True, seed=3))
+    unshuffled = EpochSeededSampler(RepeatSampler(range(4), mini_repeat_count=1, shuffle=False, seed=3))
+    unshuffled.set_epoch(5)
+    assert list(unshuffled) == [0, 1, 2, 3]
     with pytest.raises(UnsupportedVersionError, match="no attribute 'shuffle' on SequentialSampler"):
         EpochSeededSampler(SequentialSampler(range(4)))
 

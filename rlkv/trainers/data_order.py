@@ -16,15 +16,19 @@ from torch.utils.data import Sampler
 
 from rlkv.compat import PrivateAPI, check_attributes
 
-# the RepeatSampler fields this reads (trl.trainer.utils; private)
-REPEAT_SAMPLER_API = PrivateAPI(attributes=("shuffle", "seed", "generator"))
+# the RepeatSampler fields this reads (trl.trainer.utils; private); it has a generator only when it shuffles
+REPEAT_SAMPLER_API = PrivateAPI(attributes=("shuffle", "seed"))
+SHUFFLING_SAMPLER_API = PrivateAPI(attributes=("generator",))
 
 
 class EpochSeededSampler(Sampler):
     """Wraps a TRL `RepeatSampler`; `set_epoch(e)` reseeds its generator with `seed + e` when it shuffles."""
 
     def __init__(self, sampler: Sampler):
-        check_attributes(sampler, REPEAT_SAMPLER_API, feature="GateGRPOTrainer's resumable data order")
+        feature = "GateGRPOTrainer's resumable data order"
+        check_attributes(sampler, REPEAT_SAMPLER_API, feature=feature)
+        if sampler.shuffle:
+            check_attributes(sampler, SHUFFLING_SAMPLER_API, feature=feature)
         self.sampler = sampler
 
     def set_epoch(self, epoch: int) -> None:
