@@ -205,6 +205,31 @@ def _seed_for(cfg: EvalConfig, *parts: Any) -> int:
     return int(digest[:8], 16)
 
 
+def benchmark_prompts(
+    cfg: EvalConfig, tokenizer: Any
+) -> dict[str, list[tuple[str, dict[str, Any], list[dict[str, str]], int]]]:
+    """Each benchmark's problems as the eval runs them: (problem id, example, chat messages, prompt tokens)."""
+    from rlkv.data.loaders import load_problems
+    from rlkv.data.prompts import format_problem
+    from rlkv.data.verify import check_verifiers
+
+    problems = {}
+    excluded = frozenset(text for name in cfg.exclude_problems for text in load_problems(name)["problem"])
+    for bench in cfg.benchmarks:
+        ds = load_problems(bench, split=cfg.split, num=cfg.num_problems, seed=cfg.seed, exclude=excluded)
+        check_verifiers(ds.unique("source"), bench)
+        entries = []
+        for i, example in enumerate(ds):
+            messages = [{"role": "user", "content": format_problem(example, cfg.template)}]
+            if cfg.system_prompt:
+                messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            entries.append((problem_id(i, example), example, messages, length))
+        problems[bench] = entries
+    return problems
+
+
 def run_eval(
     cfg: EvalConfig,
     model: Any = None,
@@ -220,9 +245,7 @@ def run_eval(
     from tqdm.auto import tqdm
 
     from rlkv.data import verify
-    from rlkv.data.loaders import load_problems
-    from rlkv.data.prompts import format_problem
-    from rlkv.data.verify import check_verifiers, extract_boxed, strip_thinking
+    from rlkv.data.verify import extract_boxed, strip_thinking
     from rlkv.inference import generate
 
     out = Path(cfg.out)
@@ -245,20 +268,7 @@ def run_eval(
     # K and V of one token in one KV head (configs without head_dim derive it from hidden size / heads)
     bytes_per_entry = 2 * ModelFingerprint.of(model).head_dim * next(model.parameters()).element_size()
 
-    problems: dict[str, list[tuple[str, dict[str, Any], list[dict[str, str]], int]]] = {}
-    excluded = frozenset(text for name in cfg.exclude_problems for text in load_problems(name)["problem"])
-    for bench in cfg.benchmarks:
-        ds = load_problems(bench, split=cfg.split, num=cfg.num_problems, seed=cfg.seed, exclude=excluded)
-        check_verifiers(ds.unique("source"), bench)
-        entries = []
-        for i, example in enumerate(ds):
-            messages = [{"role": "user", "content": format_problem(example, cfg.template)}]
-            if cfg.system_prompt:
-                messages.insert(0, {"role": "system", "content": cfg.system_prompt})
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-            entries.append((problem_id(i, example), example, messages, length))
-        problems[bench] = entries
+    problems = benchmark_prompts(cfg, tokenizer)
 
     tasks = _tasks(cfg)
     configs = _preflight(cfg, tasks, model, tokenizer, masks, rule)
