@@ -22,10 +22,10 @@ from pathlib import Path
 
 from rlkv.ablation import mask_nll
 from rlkv.cli import csv_fractions
+from rlkv.cli.mask_nll import named_masks, nll_table
 from rlkv.eval.config import EvalConfig
 from rlkv.eval.results import RESULTS_FILE, read_results
 from rlkv.eval.runner import benchmark_prompts
-from rlkv.head_mask import HeadMask
 from rlkv.inference import load
 
 
@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparsities", type=csv_fractions, default=[0.5, 0.75])
     parser.add_argument("--random", type=int, default=0, help="also N random masks (random-mask@0..N-1)")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("masks", nargs="*", help="head masks (HeadMask.from_pretrained forms)")
+    parser.add_argument(
+        "masks", nargs="*", help="head masks (HeadMask.from_pretrained forms), each optionally NAME=PATH"
+    )
     args = parser.parse_args(argv)
 
     cfg = EvalConfig.from_yaml(args.config)
@@ -66,15 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"{cfg.out} has no full-KV rows of {args.benchmark} below the cap: run the eval's full first"
         )
-    masks = {path: HeadMask.from_pretrained(path, model) for path in args.masks}
-    masks |= {f"random-mask@{k}": HeadMask.random(model, seed=k) for k in range(args.random)}
+    masks = named_masks(args.masks, args.random, model)
     base, increases = mask_nll(
         model, sequences, masks, args.sparsities, sink=cfg.sink, local=cfg.window, batch_size=args.batch_size
     )
-    tokens = sum(len(c) for _, c in sequences)
-    print(f"full KV: {base:.4f} nats/token over {len(sequences)} solutions ({tokens} completion tokens)")
-    for name, row in increases.items():
-        print(name, " ".join(f"s={s:g}: +{v:.4f}" for s, v in row.items()))
+    print(nll_table(base, increases, args.sparsities, len(sequences), sum(len(c) for _, c in sequences)))
     return 0
 
 

@@ -277,8 +277,8 @@ def test_resume_after_k_steps_equals_uninterrupted_run(tmp_path, tokenizer):
 
 
 def test_resume_in_a_later_epoch_replays_that_epochs_shuffled_order(tmp_path, tokenizer):
-    """4 prompts = 2 steps per epoch, shuffled (GRPOConfig's default): a run stopped at step 3 (epoch 1)
-    and resumed to 6 sees epoch 1's and 2's prompt orders, not epoch 0's again, so it ends with the
+    """4 prompts = 2 steps per epoch, shuffled (GRPOConfig's default): a run stopped at step 4 (end of
+    epoch 1) and resumed to 6 sees epoch 2's prompt order, not epoch 0's again, so it ends with the
     gates and rewards of the uninterrupted run."""
     straight, straight_trainer = train_run(tmp_path, tokenizer, "straight", max_steps=6, repeat=1)
     assert straight_trainer.args.shuffle_dataset

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from rlkv.cli import csv_fractions, csv_list
 from rlkv.cli.ablation_mask import add_solution_args, load_for_solutions
@@ -47,7 +48,6 @@ def run(args: argparse.Namespace) -> int:
     from rlkv._io import atomic_write_text
     from rlkv.ablation import greedy_solutions, mask_nll
     from rlkv.errors import UserInputError
-    from rlkv.head_mask import HeadMask
 
     if not args.masks and args.random < 1:
         raise UserInputError("mask-nll: give --masks and/or --random N (N >= 1)")
@@ -55,12 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise UserInputError(f"--sparsities {bad}: each must be a fraction of heads in [0, 1]")
     problems, model, tokenizer = load_for_solutions(args)
-    masks = {}
-    for spec in args.masks:
-        name, _, path = spec.rpartition("=")
-        masks[name or path] = HeadMask.from_pretrained(path, model)
-    for k in range(args.random):
-        masks[f"random-mask@{k}"] = HeadMask.random(model, seed=k)
+    masks = named_masks(args.masks, args.random, model)
     sequences = greedy_solutions(
         model,
         tokenizer,
@@ -81,11 +76,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     tokens = sum(len(c) for _, c in sequences)
-    print(f"full KV: {base:.4f} nats/token over {len(sequences)} solutions ({tokens} tokens); increases:")
-    width = max(len(n) for n in masks)
-    print(" " * width + "".join(f"  s={s:<7g}" for s in args.sparsities))
-    for name, row in increases.items():
-        print(name.ljust(width) + "".join(f"  +{row[s]:<8.4f}" for s in args.sparsities))
+    print(nll_table(base, increases, args.sparsities, len(sequences), tokens))
     if args.out:
         doc = {
             "base_nll": base,
@@ -99,3 +90,33 @@ def run(args: argparse.Namespace) -> int:
         }
         atomic_write_text(args.out, json.dumps(doc, indent=1) + "\n")
     return 0
+
+
+def named_masks(specs: list[str], num_random: int, model: Any) -> dict[str, Any]:
+    """{name: HeadMask} of `NAME=PATH` / `PATH` specs (HeadMask.from_pretrained forms, checked against
+    `model`) plus `num_random` random masks named as the eval's random-mask@k draws."""
+    from rlkv.head_mask import HeadMask
+
+    masks = {}
+    for spec in specs:
+        name, _, path = spec.rpartition("=")
+        masks[name or path] = HeadMask.from_pretrained(path, model)
+    for k in range(num_random):
+        masks[f"random-mask@{k}"] = HeadMask.random(model, seed=k)
+    return masks
+
+
+def nll_table(
+    base: float, increases: dict[str, dict[float, float]], sparsities: list[float], num: int, tokens: int
+) -> str:
+    """The printed table: full KV's NLL, then one row of increases (nats/token) per mask."""
+    width = max(len(n) for n in increases)
+    lines = [
+        f"full KV: {base:.4f} nats/token over {num} solutions ({tokens} tokens); increases:",
+        " " * width + "".join(f"  s={s:<7g}" for s in sparsities),
+    ]
+    lines += [
+        name.ljust(width) + "".join(f"  +{row[s]:<8.4f}" for s in sparsities)
+        for name, row in increases.items()
+    ]
+    return "\n".join(lines)
