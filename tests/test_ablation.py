@@ -25,27 +25,29 @@ def _solutions(model, max_new_tokens):
     )
 
 
-def _brute_force_delta(model, sequences, sink, local):
-    """Each head's NLL increase, one unpadded sequence at a time through the full model's logits."""
+def _brute_force_nll(model, sequences):
+    """Mean completion NLL (nats/token), one unpadded sequence at a time through the model's logits."""
+    total, count = 0.0, 0
+    for prompt, completion in sequences:
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logp = model(input_ids=ids).logits[0].double().log_softmax(-1)
+        positions = range(len(prompt) - 1, len(prompt) + len(completion) - 1)
+        total -= sum(float(logp[t, ids[0, t + 1]]) for t in positions)
+        count += len(completion)
+    return total / count
 
-    def nll():
-        total, count = 0.0, 0
-        for prompt, completion in sequences:
-            ids = torch.tensor([prompt + completion])
-            with torch.no_grad():
-                logp = model(input_ids=ids).logits[0].double().log_softmax(-1)
-            positions = range(len(prompt) - 1, len(prompt) + len(completion) - 1)
-            total -= sum(float(logp[t, ids[0, t + 1]]) for t in positions)
-            count += len(completion)
-        return total / count
+
+def _brute_force_delta(model, sequences, sink, local):
+    """Each head's NLL increase, by `_brute_force_nll` with that head alone at sink + local."""
 
     gates = attach_gates(model, sink=sink, local=local)
-    base = nll()
+    base = _brute_force_nll(model, sequences)
     delta = torch.zeros_like(gates.alpha)
     for layer, head in torch.cartesian_prod(*map(torch.arange, gates.alpha.shape)).tolist():
         with torch.no_grad():
             gates.alpha.fill_(1.0)[layer, head] = 0.0
-        delta[layer, head] = nll() - base
+        delta[layer, head] = _brute_force_nll(model, sequences) - base
     detach_gates(model)
     return delta
 
@@ -151,3 +153,87 @@ def test_mask_nll_cli_refuses_nothing_to_compare(capsys):
     argv = ["mask-nll", "--model", "tiny:llama", "--problems", "chain", "--sparsities", "0.5"]
     assert cli_main(argv) == 2
     assert "--masks" in capsys.readouterr().err
+
+
+def _eval_folder(tmp_path, stopped):
+    """A tiny eval recipe (YAML) whose folder holds `full` rows of 4 chain problems, those of `stopped`
+    (problem indices) marked as ended before the cap (a random tiny model never emits its EOS)."""
+    import yaml
+
+    from rlkv.eval import EvalConfig, read_results, run_eval
+
+    doc = dict(
+        model="tiny:qwen2",
+        out=str(tmp_path / "eval"),
+        benchmarks=["chain"],
+        methods=["full"],
+        sparsities=[0.5],
+        num_problems=4,
+        max_new_tokens=6,
+        batch_size=2,
+        sink=2,
+        window=4,
+        combo_sink=1,
+        combo_window=1,
+        progress=False,
+    )
+    recipe = tmp_path / "eval.yaml"
+    recipe.write_text(yaml.safe_dump(doc))
+    out = run_eval(EvalConfig.from_yaml(recipe), tokenizer=tiny_tokenizer())
+    rows = read_results(out / "results.jsonl")
+    order = sorted({r["problem_id"] for r in rows})
+    for r in rows:
+        if order.index(r["problem_id"]) in stopped:
+            r["finish_reason"] = "stop"
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return recipe, {r["problem_id"]: r for r in rows}
+
+
+def test_mask_nll_solutions_from_an_eval_folder_scores_its_rows_below_the_cap(tmp_path):
+    from rlkv.eval import EvalConfig
+    from rlkv.eval.runner import benchmark_prompts
+    from rlkv.inference import encode_prompts, load
+
+    recipe, rows = _eval_folder(tmp_path, stopped={0, 2, 3})
+    out = tmp_path / "nll.json"
+    argv = ["mask-nll", "--solutions-from", str(recipe), "--num", "2", "--random", "1"]
+    assert cli_main([*argv, "--sparsities", "0,1", "--out", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    # the first two rows below the cap in problem order, prompts as the eval encoded them
+    model, tokenizer = load("tiny:qwen2")
+    prompts = benchmark_prompts(EvalConfig.from_yaml(recipe), tokenizer)["chain"]
+    kept = [(pid, messages) for pid, _, messages, _ in prompts if rows[pid]["finish_reason"] == "stop"][:2]
+    expected = [
+        (
+            encode_prompts(tokenizer, [m])[0],
+            tokenizer(rows[pid]["completion"], add_special_tokens=False)["input_ids"],
+        )
+        for pid, m in kept
+    ]
+    assert [len(p) for p, _ in expected] == [rows[pid]["num_prompt_tokens"] for pid, _ in kept]
+    assert doc["num_sequences"] == 2 and doc["num_tokens"] == sum(len(c) for _, c in expected)
+    assert doc["base_nll"] == pytest.approx(_brute_force_nll(model, expected), rel=1e-5)
+    assert (doc["sink"], doc["local"]) == (2, 4)  # the window the eval compressed with
+    assert doc["increase"]["random-mask@0"]["0.0"] == 0.0 and doc["increase"]["random-mask@0"]["1.0"] > 0
+    assert cli_main([*argv, "--sparsities", "1", "--sink", "1", "--out", str(out), "--no-progress"]) == 0
+    assert (json.loads(out.read_text())["sink"], json.loads(out.read_text())["local"]) == (1, 4)
+
+
+@pytest.mark.parametrize(
+    "extra, stopped, needle",
+    [
+        (["--problems", "chain"], {0}, "--problems: not used with --solutions-from"),
+        (["--benchmark", "humaneval"], {0}, "'humaneval' is not one of the eval recipe's benchmarks"),
+        ([], set(), "no full-KV row of chain that ended before the length cap"),
+    ],
+)
+def test_mask_nll_solutions_from_refuses_what_it_cannot_use(tmp_path, capsys, extra, stopped, needle):
+    recipe, _ = _eval_folder(tmp_path, stopped)
+    argv = ["mask-nll", "--solutions-from", str(recipe), "--random", "1", "--sparsities", "0.5", *extra]
+    assert cli_main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_mask_nll_needs_a_source_of_solutions(capsys):
+    assert cli_main(["mask-nll", "--random", "1", "--sparsities", "0.5"]) == 2
+    assert "--solutions-from EVAL_RECIPE" in capsys.readouterr().err

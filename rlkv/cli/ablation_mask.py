@@ -24,10 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def add_solution_args(parser: argparse.ArgumentParser) -> None:
-    """The model, problem-set and sink / local flags of commands that score heads on greedy solutions."""
-    parser.add_argument("--model", required=True, help="model path / hub id, or tiny:<family>")
-    parser.add_argument("--problems", required=True, help="problem set (rlkv.data name or file)")
+def add_solution_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """The model, problem-set and sink / local flags of commands that score heads on greedy solutions
+    (`required=False`: --model and --problems may come from elsewhere; the command checks)."""
+    parser.add_argument("--model", required=required, help="model path / hub id, or tiny:<family>")
+    parser.add_argument("--problems", required=required, help="problem set (rlkv.data name or file)")
     parser.add_argument("--split", default=None, help="dataset split (default: the set's own)")
     parser.add_argument("--num", type=positive_int, default=32, help="problems (seeded sample; default 32)")
     parser.add_argument("--seed", type=int, default=0)
@@ -40,8 +41,10 @@ def add_solution_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", dest="max_new_tokens", type=positive_int, default=512)
     parser.add_argument("--batch-size", dest="batch_size", type=positive_int, default=4)
-    parser.add_argument("--sink", type=int, default=16, help="compressed head's sink tokens (default 16)")
-    parser.add_argument("--local", type=positive_int, default=64, help="compressed head's local window (64)")
+    parser.add_argument("--sink", type=int, default=None, help="compressed head's sink tokens (default 16)")
+    parser.add_argument(
+        "--local", type=positive_int, default=None, help="compressed head's local window (64)"
+    )
     parser.add_argument("--template", default="auto", help="prompt template (auto, math, code, plain)")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
     parser.add_argument("--device", default=None, help="e.g. cuda, cpu")
@@ -50,15 +53,23 @@ def add_solution_args(parser: argparse.ArgumentParser) -> None:
 def load_for_solutions(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(problems, model, tokenizer) the `add_solution_args` flags name; bad values are one clear error."""
     from rlkv.data.loaders import load_problems
-    from rlkv.errors import UserInputError
     from rlkv.inference import load
 
-    if args.sink < 0:
-        raise UserInputError(f"--sink {args.sink}: must be >= 0")
+    sink_local(args)  # checked before the model loads
     excluded = frozenset(text for name in args.exclude_problems for text in load_problems(name)["problem"])
     problems = load_problems(args.problems, split=args.split, num=args.num, seed=args.seed, exclude=excluded)
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     return problems, model, tokenizer
+
+
+def sink_local(args: argparse.Namespace, default: tuple[int, int] = (16, 64)) -> tuple[int, int]:
+    """(sink, local) of the compressed heads: the flags where given, else `default`; a bad value is one error."""
+    from rlkv.errors import UserInputError
+
+    sink = default[0] if args.sink is None else args.sink
+    if sink < 0:
+        raise UserInputError(f"--sink {sink}: must be >= 0")
+    return sink, default[1] if args.local is None else args.local
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,14 +79,15 @@ def run(args: argparse.Namespace) -> int:
     from rlkv.ablation import ablation_mask
 
     problems, model, tokenizer = load_for_solutions(args)
+    sink, local = sink_local(args)
     began = time.perf_counter()
     mask = ablation_mask(
         model,
         tokenizer,
         problems,
         max_new_tokens=args.max_new_tokens,
-        sink=args.sink,
-        local=args.local,
+        sink=sink,
+        local=local,
         batch_size=args.batch_size,
         template=args.template,
         progress=not args.no_progress,

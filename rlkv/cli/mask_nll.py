@@ -1,5 +1,6 @@
 """`rlkv mask-nll --model PATH --problems SET --masks A,B --random 3 --sparsities 0.5,0.75`: compare head masks
-by the NLL increase of the model's own greedy solutions when each mask's compressed heads run sink + local."""
+by the NLL increase of the model's own greedy solutions when each mask's compressed heads run sink + local.
+`--solutions-from EVAL_RECIPE` scores an `rlkv eval` folder's full-KV solutions instead of generating."""
 
 from __future__ import annotations
 
@@ -8,7 +9,19 @@ import json
 from typing import Any
 
 from rlkv.cli import csv_fractions, csv_list
-from rlkv.cli.ablation_mask import add_solution_args, load_for_solutions
+from rlkv.cli.ablation_mask import add_solution_args, load_for_solutions, sink_local
+
+# flags that only shape generated solutions: meaningless with --solutions-from (the eval recipe set them)
+_GENERATION_ONLY = (
+    "model",
+    "problems",
+    "split",
+    "seed",
+    "exclude_problems",
+    "max_new_tokens",
+    "template",
+    "dtype",
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,9 +33,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "sparsity s run the heads the mask compresses at s with sink + local attention (RLKV gates 0, the rest "
         "1) and print the teacher-forced NLL increase (nats/token) over full KV: the smaller, the more of the "
         "solutions the mask keeps. A cheap screen of masks (learned checkpoints, ablation, random) before "
-        "an `rlkv eval` run.",
+        "an `rlkv eval` run. With --solutions-from, the solutions are an eval folder's own full-KV rows (no "
+        "generation; model, prompts, sink and window from the eval recipe).",
     )
-    add_solution_args(parser)
+    add_solution_args(parser, required=False)
+    parser.add_argument(
+        "--solutions-from",
+        dest="solutions_from",
+        default=None,
+        metavar="EVAL_RECIPE",
+        help="score the full-KV rows of this eval recipe's out folder (the first --num that ended before the "
+        "cap, in problem order) instead of generating; replaces --model / --problems",
+    )
+    parser.add_argument(
+        "--benchmark",
+        default=None,
+        help="with --solutions-from: which of its benchmarks (default: the first)",
+    )
     parser.add_argument(
         "--masks",
         type=csv_list,
@@ -40,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--out", default=None, help="also write the table as JSON here (atomically)")
     parser.add_argument("--no-progress", action="store_true")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, generation_defaults={k: parser.get_default(k) for k in _GENERATION_ONLY})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,24 +81,35 @@ def run(args: argparse.Namespace) -> int:
     bad = [s for s in args.sparsities if not 0.0 <= s <= 1.0]
     if bad:
         raise UserInputError(f"--sparsities {bad}: each must be a fraction of heads in [0, 1]")
-    problems, model, tokenizer = load_for_solutions(args)
+    if args.solutions_from:
+        model, sequences, (sink, local) = _eval_solutions(args)
+        source, num_problems = f"{args.solutions_from}:{args.benchmark}", len(sequences)
+    elif not (args.model and args.problems):
+        raise UserInputError(
+            "mask-nll: give --model and --problems (greedy solutions generated here), "
+            "or --solutions-from EVAL_RECIPE (an eval folder's full-KV solutions)"
+        )
+    else:
+        problems, model, tokenizer = load_for_solutions(args)
+        sink, local = sink_local(args)
+        sequences = greedy_solutions(
+            model,
+            tokenizer,
+            problems,
+            args.max_new_tokens,
+            template=args.template,
+            batch_size=args.batch_size,
+            progress=not args.no_progress,
+        )
+        source, num_problems = args.problems, len(problems)
     masks = named_masks(args.masks, args.random, model)
-    sequences = greedy_solutions(
-        model,
-        tokenizer,
-        problems,
-        args.max_new_tokens,
-        template=args.template,
-        batch_size=args.batch_size,
-        progress=not args.no_progress,
-    )
     base, increases = mask_nll(
         model,
         sequences,
         masks,
         args.sparsities,
-        sink=args.sink,
-        local=args.local,
+        sink=sink,
+        local=local,
         batch_size=args.batch_size,
         progress=not args.no_progress,
     )
@@ -82,14 +120,39 @@ def run(args: argparse.Namespace) -> int:
             "base_nll": base,
             "num_sequences": len(sequences),
             "num_tokens": tokens,
-            "sink": args.sink,
-            "local": args.local,
-            "problems": args.problems,
-            "num_problems": len(problems),
+            "sink": sink,
+            "local": local,
+            "problems": source,
+            "num_problems": num_problems,
             "increase": {name: {str(s): v for s, v in row.items()} for name, row in increases.items()},
         }
         atomic_write_text(args.out, json.dumps(doc, indent=1) + "\n")
     return 0
+
+
+def _eval_solutions(
+    args: argparse.Namespace,
+) -> tuple[Any, list[tuple[list[int], list[int]]], tuple[int, int]]:
+    """(model, solutions, (sink, local)) for --solutions-from; sink / local not given are the recipe's."""
+    from rlkv.errors import UserInputError
+    from rlkv.eval.config import EvalConfig
+    from rlkv.eval.solutions import full_kv_solutions
+    from rlkv.inference import load
+
+    given = [k for k, default in args.generation_defaults.items() if getattr(args, k) != default]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise UserInputError(
+            f"{flags}: not used with --solutions-from (the eval recipe sets them); drop them"
+        )
+    cfg = EvalConfig.from_yaml(args.solutions_from)
+    args.benchmark = args.benchmark or cfg.benchmarks[0]
+    model, tokenizer = load(cfg.model, dtype=cfg.dtype, device=args.device)
+    return (
+        model,
+        full_kv_solutions(cfg, tokenizer, args.benchmark, args.num),
+        sink_local(args, (cfg.sink, cfg.window)),
+    )
 
 
 def named_masks(specs: list[str], num_random: int, model: Any) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 `run_eval(EvalConfig(...))` writes results.jsonl (resumable) and, through `write_report`, report.md
 and PNG plots. Method names and the budget-matching rule are in `rlkv.eval.methods`; the error-mode
-rules in `rlkv.eval.errors`.
+rules in `rlkv.eval.errors`. `full_kv_solutions` turns a folder's full-KV rows into token sequences
+(`rlkv mask-nll --solutions-from`).
 """
 
 from rlkv.eval.config import EvalConfig
@@ -10,6 +11,7 @@ from rlkv.eval.errors import ERROR_MODES, RepetitionRule, RepetitionStop, classi
 from rlkv.eval.methods import BudgetRule, MethodError, matched_tokens_per_head, method_config, parse_method
 from rlkv.eval.results import current_results, read_results
 from rlkv.eval.runner import run_eval
+from rlkv.eval.solutions import full_kv_solutions
 
 __all__ = [
     "ERROR_MODES",
@@ -23,6 +25,7 @@ __all__ = [
     "method_config",
     "parse_method",
     "current_results",
+    "full_kv_solutions",
     "read_results",
     "run_eval",
 ]

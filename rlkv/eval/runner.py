@@ -212,6 +212,7 @@ def benchmark_prompts(
     from rlkv.data.loaders import load_problems
     from rlkv.data.prompts import format_problem
     from rlkv.data.verify import check_verifiers
+    from rlkv.inference import encode_prompts
 
     problems = {}
     excluded = frozenset(text for name in cfg.exclude_problems for text in load_problems(name)["problem"])
@@ -223,8 +224,7 @@ def benchmark_prompts(
             messages = [{"role": "user", "content": format_problem(example, cfg.template)}]
             if cfg.system_prompt:
                 messages.insert(0, {"role": "system", "content": cfg.system_prompt})
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            length = len(encode_prompts(tokenizer, [messages])[0])
             entries.append((problem_id(i, example), example, messages, length))
         problems[bench] = entries
     return problems

@@ -143,6 +143,15 @@ def load(
     return model, tokenizer
 
 
+def encode_prompts(
+    tokenizer: Any, prompts: list[Prompt], apply_chat_template: bool = True
+) -> list[list[int]]:
+    """The token ids `generate` feeds the model for each prompt (a string, or a chat message list; strings
+    become one user turn when the tokenizer has a chat template and `apply_chat_template`)."""
+    texts, templated = _prompt_texts(tokenizer, prompts, apply_chat_template)
+    return [tokenizer(t, add_special_tokens=not templated)["input_ids"] for t in texts]
+
+
 def _prompt_texts(tokenizer: Any, prompts: list[Prompt], apply_chat_template: bool) -> tuple[list[str], bool]:
     """Prompt strings to tokenize, and whether they already hold the special tokens (chat template)."""
     templated = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
@@ -227,9 +236,8 @@ def generate(
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size={batch_size} and max_new_tokens={max_new_tokens} must be >= 1")
     compression = compression if compression is not None else getattr(model, "rlkv_compression", None)
-    texts, templated = _prompt_texts(tokenizer, list(prompts), apply_chat_template)
-    encoded = [tokenizer(t, add_special_tokens=not templated)["input_ids"] for t in texts]
-    order = list(range(len(texts)))
+    encoded = encode_prompts(tokenizer, list(prompts), apply_chat_template)
+    order = list(range(len(encoded)))
     if group_by_length:
         order.sort(key=lambda i: len(encoded[i]))
     if stop_strings:
@@ -242,7 +250,7 @@ def generate(
     sampling = (
         {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
     )
-    results: list[GenerationOutput | None] = [None] * len(texts)
+    results: list[GenerationOutput | None] = [None] * len(encoded)
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     from tqdm.auto import tqdm
 
