@@ -41,9 +41,17 @@ def add_solution_args(parser: argparse.ArgumentParser, required: bool = True) ->
     )
     parser.add_argument("--max-new-tokens", dest="max_new_tokens", type=positive_int, default=512)
     parser.add_argument("--batch-size", dest="batch_size", type=positive_int, default=4)
-    parser.add_argument("--sink", type=int, default=None, help="compressed head's sink tokens (default 16)")
     parser.add_argument(
-        "--local", type=positive_int, default=None, help="compressed head's local window (64)"
+        "--sink",
+        type=int,
+        default=None,
+        help="compressed head's sink tokens (default 16; with mask-nll --solutions-from, the eval recipe's sink)",
+    )
+    parser.add_argument(
+        "--local",
+        type=positive_int,
+        default=None,
+        help="compressed head's local window (default 64; with mask-nll --solutions-from, the recipe's window)",
     )
     parser.add_argument("--template", default="auto", help="prompt template (auto, math, code, plain)")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
