@@ -214,7 +214,7 @@ class HeadMask:
         header = ["---", "library_name: rlkv", "tags:", "- rlkv", "- kv-cache", "- head-mask"]
         header += [f"base_model: {base}"] if base else []
         header += ["---", ""]
-        counts = ", ".join(f"s={s}: {self.num_full_heads(s)} full" for s in (0.25, 0.5, 0.75))
+        counts = ", ".join(f"s={s}: {self.num_full_heads(s)} full" for s in (0.25, 0.5, 0.75, 0.875))
         body = f"""# rlkv head mask for {fp.name_or_path or fp.model_type}
 
 One score per (layer, KV head) in [0, 1]: how much that head needs a full KV cache, learned by

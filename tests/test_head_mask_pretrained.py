@@ -46,6 +46,7 @@ def test_save_pretrained_writes_json_tsv_and_card_and_round_trips(model, tmp_pat
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "head_mask.json", "head_mask.tsv"]
     card = (folder / "README.md").read_text()
     assert "rlkv" in card and "3 layers x 2 KV heads" in card and "HeadMask.from_pretrained" in card
+    assert f"s=0.875: {mask.num_full_heads(0.875)} full" in card  # the eval grid's highest sparsity
     back = HeadMask.from_pretrained(folder, model)
     assert torch.equal(back.scores, mask.scores) and back.fingerprint == mask.fingerprint
     assert HeadMask.from_pretrained(folder).to_dict() == mask.to_dict()  # JSON needs no model
