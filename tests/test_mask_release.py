@@ -52,3 +52,34 @@ def test_release_folder_holds_the_mask_plots_and_a_card_with_the_run(tmp_path, t
 
     both = parser.parse_args(["export-mask", str(checkpoint), "--folder", str(out), "--out", "x.json"])
     assert both.func(both) == 2
+
+
+def test_card_of_a_run_continued_under_two_recipes_says_which_steps_each_ran(tmp_path, tokenizer, capsys):
+    train_run(tmp_path, tokenizer, "run", max_steps=2)
+    first_checkpoint = tmp_path / "run" / "checkpoint-2"
+    train_run(tmp_path, tokenizer, "run", max_steps=4, resume=str(first_checkpoint))
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("max_steps: 2\nl1_beta: 0.05\n")
+    second.write_text(f"max_steps: 4\nl1_beta: 0.1\nresume_from_checkpoint: {first_checkpoint}\n")
+
+    parser = argparse.ArgumentParser()
+    export_mask.register(parser.add_subparsers())
+    out = tmp_path / "release"
+    checkpoint = str(tmp_path / "run" / "checkpoint-4")
+    args = parser.parse_args(
+        ["export-mask", checkpoint, "--folder", str(out), "--recipe", str(first), "--recipe", str(second)]
+    )
+    assert args.func(args) == 0
+    card = (out / "README.md").read_text()
+    assert (
+        f"2 segments, each resumed from the previous one's checkpoint: steps 1-2 `{first}`, steps 3-4 `{second}`"
+        in card
+    )
+    assert "objective (the last segment's)" in card
+    assert f"Recipe (`{first}`)" in card and f"Recipe (`{second}`)" in card
+
+    # a later recipe that does not say where it resumed cannot be placed in the run: one named error
+    second.write_text("max_steps: 4\n")
+    capsys.readouterr()
+    assert args.func(args) == 2
+    assert "resume_from_checkpoint" in capsys.readouterr().err

@@ -22,7 +22,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write a release folder instead: mask, TSV, card with the training run, curves and gate heatmap",
     )
     parser.add_argument(
-        "--recipe", default=None, help="with --folder: the training recipe, quoted in the card"
+        "--recipe",
+        action="append",
+        default=None,
+        help="with --folder: the training recipe, quoted in the card; repeat it, in order, for a run continued "
+        "under several recipes (each later one's resume_from_checkpoint names where it picked up)",
     )
     parser.add_argument(
         "--eval-table", default=None, help="with --folder: a markdown eval table appended to the card"
@@ -37,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     """Export; prints a one-line summary. Returns the exit status."""
     import sys
 
+    from rlkv.errors import UserInputError
     from rlkv.head_mask import HeadMaskError
     from rlkv.trainers.checkpoints import head_mask_from_checkpoint
 
@@ -51,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             mask = head_mask_from_checkpoint(args.checkpoint)
             mask.save(args.out)
-    except (FileNotFoundError, OSError, HeadMaskError) as e:
+    except (FileNotFoundError, OSError, HeadMaskError, UserInputError) as e:
         print(f"rlkv export-mask: error: {e}", file=sys.stderr)
         return 2
     if args.tsv:

@@ -5,18 +5,22 @@
 
 writes `head_mask.json`, `head_mask.tsv`, `training_curves.png`, `gate_heatmap.png` and `README.md`
 (the mask's own card plus the training summary, the recipe and the eval table), each atomically.
+A run continued under several recipes (each resuming from the previous one's checkpoint) takes them all,
+in order: the card lists which steps each one ran.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from rlkv._io import atomic_write_text
+from rlkv.errors import UserInputError
 from rlkv.eval.plots import plot_gate_heatmap, plot_training_curves
 from rlkv.head_mask import MASK_JSON, MODEL_CARD, HeadMask
 from rlkv.trainers.checkpoints import head_mask_from_checkpoint
@@ -37,10 +41,13 @@ def training_history(checkpoint: str | os.PathLike) -> tuple[list[dict[str, Any]
 def write_mask_release(
     checkpoint: str | os.PathLike,
     out: str | os.PathLike,
-    recipe: str | os.PathLike | None = None,
+    recipes: list[str | os.PathLike] | None = None,
     eval_table: str | os.PathLike | None = None,
 ) -> HeadMask:
-    """Write the release folder `out` for the gates of `checkpoint`; returns the exported mask."""
+    """Write the release folder `out` for the gates of `checkpoint`; returns the exported mask.
+
+    `recipes`: the training recipe, or the recipes of a run continued in segments, in order.
+    """
     out = Path(out)
     exported = Path(checkpoint) / MASK_JSON  # the trainer's own export carries the run's metadata
     mask = HeadMask.load(exported) if exported.is_file() else head_mask_from_checkpoint(checkpoint)
@@ -49,7 +56,9 @@ def write_mask_release(
     if history:
         plot_training_curves(history, out / CURVES_PNG)
     plot_gate_heatmap(mask.scores, out / HEATMAP_PNG, title="learned gates (alpha)")
-    card = (out / MODEL_CARD).read_text() + _training_section(mask, history, state, recipe)
+    card = (out / MODEL_CARD).read_text() + _training_section(
+        mask, history, state, [Path(r) for r in recipes or []]
+    )
     if eval_table is not None:
         card += "\n## Evaluation\n\n" + Path(eval_table).read_text().strip() + "\n"
     atomic_write_text(out / MODEL_CARD, card)
@@ -57,10 +66,12 @@ def write_mask_release(
 
 
 def _training_section(
-    mask: HeadMask, history: list[dict[str, Any]], state: dict[str, Any], recipe: str | os.PathLike | None
+    mask: HeadMask, history: list[dict[str, Any]], state: dict[str, Any], recipes: list[Path]
 ) -> str:
     lines = ["", "## Training", ""]
     steps = state.get("global_step", len(history))
+    texts = [r.read_text().strip() for r in recipes]
+    docs = [yaml.safe_load(t) or {} for t in texts]
     wall = sum(float(row.get("step_time", 0.0)) for row in history)
     lines.append(f"- GRPO steps: {steps}; wall time of the logged steps: {wall / 3600:.2f} h")
     if history:
@@ -77,15 +88,46 @@ def _training_section(
         k: v for k, v in mask.metadata.items() if k in ("l1_beta", "reward_threshold", "adaptive_penalty")
     }
     if trainer_meta:
-        lines.append("- objective: " + ", ".join(f"{k} {v}" for k, v in trainer_meta.items()))
+        last = " (the last segment's)" if len(recipes) > 1 else ""
+        lines.append(f"- objective{last}: " + ", ".join(f"{k} {v}" for k, v in trainer_meta.items()))
+    if len(recipes) > 1:
+        spans = ", ".join(
+            f"steps {a}-{b} `{r}`" for r, (a, b) in zip(recipes, _segment_steps(recipes, docs, steps))
+        )
+        lines.append(
+            f"- trained in {len(recipes)} segments, each resumed from the previous one's checkpoint: {spans}"
+        )
     if history:
         lines.append(f"- curves: `{CURVES_PNG}`")
     lines.append(f"- gate heatmap: `{HEATMAP_PNG}`")
-    if recipe is not None:
-        text = Path(recipe).read_text().strip()
-        lines += _dataset_lines(yaml.safe_load(text) or {})
+    if recipes:
+        lines += _dataset_lines(docs[-1])
+    for recipe, text in zip(recipes, texts):
         lines += ["", f"Recipe (`{recipe}`):", "", "```yaml", text, "```"]
     return "\n".join(lines) + "\n"
+
+
+def _segment_steps(recipes: list[Path], docs: list[dict[str, Any]], last_step: int) -> list[tuple[int, int]]:
+    """(first, last) optimizer step run under each recipe: a later recipe starts after the step of the
+    checkpoint it resumes from (its `trainer_state.json`, else the `checkpoint-N` name)."""
+    starts = [1]
+    for recipe, doc in zip(recipes[1:], docs[1:]):
+        starts.append(_checkpoint_step(recipe, doc.get("resume_from_checkpoint")) + 1)
+    ends = [s - 1 for s in starts[1:]] + [last_step]
+    return list(zip(starts, ends))
+
+
+def _checkpoint_step(recipe: Path, checkpoint: Any) -> int:
+    state = Path(str(checkpoint)) / "trainer_state.json"
+    if state.is_file():
+        return int(json.loads(state.read_text())["global_step"])
+    found = re.search(r"checkpoint-(\d+)/?$", str(checkpoint))
+    if not isinstance(checkpoint, str) or found is None:
+        raise UserInputError(
+            f"{recipe}: resume_from_checkpoint is {checkpoint!r}; a recipe after the first must name the "
+            "checkpoint (a .../checkpoint-N folder) its run resumed from, so the card can say which steps it ran"
+        )
+    return int(found.group(1))
 
 
 def _dataset_lines(recipe: dict[str, Any]) -> list[str]:
