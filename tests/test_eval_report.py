@@ -111,6 +111,18 @@ def test_report_file_and_plots(tmp_path):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_cell_with_rows_for_only_some_problems_says_how_many(tmp_path):
+    """A run in progress: rlkv has rows for 2 of the benchmark's 4 problems, so its pass@1 is over those 2
+    and the cell says n=2 (full and rkv, complete, say nothing)."""
+    rows = [r for r in ROWS if not (r["method"] == "rlkv" and r["problem_id"] in ("p3", "p4"))]
+    (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({"model": "m", "max_new_tokens": 300}))
+    text = write_report(tmp_path, plots=False).read_text()
+    assert "| rlkv | 100.0 (n=2 of 4) |" in text
+    assert "| full | 75.0 |" in text and "| rkv | 25.0 |" in text
+    assert "n=K of N: only K of the benchmark's N problems have rows" in text
+
+
 def test_report_without_results_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no results"):
         write_report(tmp_path)

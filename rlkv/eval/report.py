@@ -124,12 +124,25 @@ def render_markdown(
         brows = [r for r in rows if r["benchmark"] == bench]
         acc = accuracy_table(brows)
         lines += [f"## {bench}: pass@1 (%)", "", header, rule]
+        partial = False
         for method, by_s in {**acc, **draw_means(acc)}.items():
-            cells = [
-                f"{100 * by_s.get(0.0 if method == 'full' else s, float('nan')):.1f}" for s in sparsities
-            ]
+            cells = []
+            for s in sparsities:
+                s_cell = 0.0 if method == "full" else s
+                text = f"{100 * by_s.get(s_cell, float('nan')):.1f}"
+                covered = len({r["problem_id"] for r in _cell(brows, method, s_cell)})
+                if 0 < covered < n_problems[bench]:
+                    text += f" (n={covered} of {n_problems[bench]})"
+                    partial = True
+                cells.append(text)
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
+        if partial:
+            lines += [
+                "n=K of N: only K of the benchmark's N problems have rows for that method yet (a run in "
+                "progress); its pass@1 is over those K.",
+                "",
+            ]
         table = intervals[bench] if intervals is not None else bootstrap_table(brows)
         for reference in BOOTSTRAP_REFERENCES:
             cells_by = {(c["method"], c["sparsity"]): c for c in table if c["reference"] == reference}
