@@ -115,11 +115,12 @@ def test_a_cell_with_rows_for_only_some_problems_says_how_many(tmp_path):
     """A run in progress: rlkv has rows for 2 of the benchmark's 4 problems, so its pass@1 is over those 2
     and the cell says n=2 (full and rkv, complete, say nothing)."""
     rows = [r for r in ROWS if not (r["method"] == "rlkv" and r["problem_id"] in ("p3", "p4"))]
+    rows.append(_row("p1", "rlkv", 0.75, True, 100))  # rkv has no s=0.75 rows: an empty cell, not nan
     (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / CONFIG_FILE).write_text(json.dumps({"model": "m", "max_new_tokens": 300}))
     text = write_report(tmp_path, plots=False).read_text()
-    assert "| rlkv | 100.0 (n=2 of 4) |" in text
-    assert "| full | 75.0 |" in text and "| rkv | 25.0 |" in text
+    assert "| rlkv | 100.0 (n=2 of 4) | 100.0 (n=1 of 4) |" in text
+    assert "| full | 75.0 | 75.0 |" in text and "| rkv | 25.0 |  |" in text and "nan" not in text
     assert "n=K of N: only K of the benchmark's N problems have rows" in text
 
 

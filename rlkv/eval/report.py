@@ -129,7 +129,10 @@ def render_markdown(
             cells = []
             for s in sparsities:
                 s_cell = 0.0 if method == "full" else s
-                text = f"{100 * by_s.get(s_cell, float('nan')):.1f}"
+                if s_cell not in by_s:  # not run at this sparsity (yet)
+                    cells.append("")
+                    continue
+                text = f"{100 * by_s[s_cell]:.1f}"
                 covered = len({r["problem_id"] for r in _cell(brows, method, s_cell)})
                 if 0 < covered < n_problems[bench]:
                     text += f" (n={covered} of {n_problems[bench]})"
