@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from rlkv._io import atomic_write_text
 from rlkv.errors import UserInputError
 from rlkv.eval.plots import plot_gate_heatmap, plot_training_curves
 from rlkv.head_mask import MASK_JSON, MODEL_CARD, HeadMask
-from rlkv.trainers.checkpoints import head_mask_from_checkpoint
+from rlkv.trainers.checkpoints import checkpoint_step, head_mask_from_checkpoint
 
 CURVES_PNG = "training_curves.png"
 HEATMAP_PNG = "gate_heatmap.png"
@@ -118,16 +117,16 @@ def _segment_steps(recipes: list[Path], docs: list[dict[str, Any]], last_step: i
 
 
 def _checkpoint_step(recipe: Path, checkpoint: Any) -> int:
+    step = checkpoint_step(checkpoint) if isinstance(checkpoint, str) else None
     state = Path(str(checkpoint)) / "trainer_state.json"
     if state.is_file():
-        return int(json.loads(state.read_text())["global_step"])
-    found = re.search(r"checkpoint-(\d+)/?$", str(checkpoint))
-    if not isinstance(checkpoint, str) or found is None:
+        step = int(json.loads(state.read_text())["global_step"])
+    if step is None:
         raise UserInputError(
             f"{recipe}: resume_from_checkpoint is {checkpoint!r}; a recipe after the first must name the "
             "checkpoint (a .../checkpoint-N folder) its run resumed from, so the card can say which steps it ran"
         )
-    return int(found.group(1))
+    return step
 
 
 def _dataset_lines(recipe: dict[str, Any]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +23,13 @@ from rlkv.head_mask import HeadMask, HeadMaskError, ModelFingerprint
 GATES_FILE = "gates.safetensors"
 HEAD_MASK_JSON = "head_mask.json"
 HEAD_MASK_TSV = "head_mask.tsv"
+_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """N of a Trainer checkpoint folder named `checkpoint-N` (None for any other name)."""
+    found = _CHECKPOINT_NAME.match(Path(path).name)
+    return int(found.group(1)) if found else None
 
 
 def save_gate_checkpoint(

@@ -11,7 +11,6 @@ into `output_dir` at every save and at the end.
 
 from __future__ import annotations
 
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,14 +82,15 @@ def check_model_geometry(model_name_or_path: str, **load_kwargs) -> None:
         )
 
 
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _RUN_FILES = ("head_mask.json", "head_mask.tsv", "gates.safetensors")
 
 
 def _checkpoints(output_dir: Path) -> list[Path]:
     """checkpoint-N folders of `output_dir`, by step."""
-    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and _CHECKPOINT_RE.match(p.name)]
-    return sorted(found, key=lambda p: int(_CHECKPOINT_RE.match(p.name).group(1)))
+    from rlkv.trainers.checkpoints import checkpoint_step  # torch-heavy: only when a run dir is checked
+
+    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=checkpoint_step)
 
 
 def resolve_output_dir(
