@@ -113,7 +113,7 @@ def test_report_file_and_plots(tmp_path):
 
 def test_a_cell_with_rows_for_only_some_problems_says_how_many(tmp_path):
     """A run in progress: rlkv has rows for 2 of the benchmark's 4 problems, so its pass@1 is over those 2
-    and the cell says n=2 (full and rkv, complete, say nothing)."""
+    and the cell says n=2 (full and rkv, complete, say nothing); so do its paired differences."""
     rows = [r for r in ROWS if not (r["method"] == "rlkv" and r["problem_id"] in ("p3", "p4"))]
     rows.append(_row("p1", "rlkv", 0.75, True, 100))  # rkv has no s=0.75 rows: an empty cell, not nan
     (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -122,6 +122,12 @@ def test_a_cell_with_rows_for_only_some_problems_says_how_many(tmp_path):
     assert "| rlkv | 100.0 (n=2 of 4) | 100.0 (n=1 of 4) |" in text
     assert "| full | 75.0 | 75.0 |" in text and "| rkv | 25.0 |  |" in text and "nan" not in text
     assert "n=K of N: only K of the benchmark's N problems have rows" in text
+    differences = text.split("difference to full")[1].split("##")[0]
+    rlkv_line = next(line for line in differences.splitlines() if line.startswith("| rlkv |"))
+    assert rlkv_line.count("(n=2)") == 1 and rlkv_line.count("(n=1)") == 1
+    rkv_line = next(line for line in differences.splitlines() if line.startswith("| rkv |"))
+    assert "(n=" not in rkv_line
+    assert "(n=K): paired over only the K problems both methods have rows for yet." in text
 
 
 def test_report_without_results_is_a_clear_error(tmp_path):

@@ -147,6 +147,7 @@ def render_markdown(
                 "",
             ]
         table = intervals[bench] if intervals is not None else bootstrap_table(brows)
+        partial_pairs = False
         for reference in BOOTSTRAP_REFERENCES:
             cells_by = {(c["method"], c["sparsity"]): c for c in table if c["reference"] == reference}
             if not cells_by:
@@ -162,18 +163,26 @@ def render_markdown(
                 cells = []
                 for s in sparsities:
                     c = cells_by.get((method, s))
-                    cells.append(
-                        ""
-                        if c is None
-                        else f"{100 * c['diff']:+.1f} [{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]"
-                    )
+                    if c is None:
+                        cells.append("")
+                        continue
+                    text = f"{100 * c['diff']:+.1f} [{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]"
+                    if c["n"] < n_problems[bench]:  # paired over the problems both have so far
+                        text += f" (n={c['n']})"
+                        partial_pairs = True
+                    cells.append(text)
                 lines.append(f"| {method} | " + " | ".join(cells) + " |")
             lines.append("")
         if table:
             lines += [
                 f"Paired by problem (pass@1 per problem, over its samples), {BOOTSTRAP_RESAMPLES:,} resamples "
                 f"of the problems (seed {BOOTSTRAP_SEED}), percentile interval; `{BOOTSTRAP_REFERENCES[1]}` is "
-                "compared at the same sparsity.",
+                "compared at the same sparsity."
+                + (
+                    " (n=K): paired over only the K problems both methods have rows for yet."
+                    if partial_pairs
+                    else ""
+                ),
                 "",
             ]
 
