@@ -67,9 +67,10 @@ def test_accuracy_error_modes_and_common_lengths():
     # only p1..p3 (solved by full) count; p4's rkv failure is not an error mode of compression
     assert errors[("rlkv", 0.5)] == {"n": 3, "repetitive": 1, "overlength": 0, "incorrect": 0}
     assert errors[("rkv", 0.5)] == {"n": 3, "repetitive": 0, "overlength": 1, "incorrect": 1}
-    common = common_length_table(ROWS)[0.5]
-    assert common["n"] == 1  # only p1 is solved by full, rlkv and rkv
-    assert common["lengths"] == {"full": 100, "rlkv": 110, "rkv": 130}
+    lengths = common_length_table(ROWS)
+    # each method against full on the samples both solve: rlkv p1, p2; rkv p1 only
+    assert lengths[("rlkv", 0.5)] == {"n": 2, "method": 130, "full": 110}
+    assert lengths[("rkv", 0.5)] == {"n": 1, "method": 130, "full": 100}
     kv = kv_table(ROWS, num_heads=4, overhead=80)
     assert kv[("rlkv", 0.5)]["kv_percent"] == pytest.approx(100 * (0.5 * 200 + 40) / 200)
     assert kv[("rlkv", 0.5)]["max_dev"] == pytest.approx(0.0)
@@ -106,7 +107,7 @@ def test_report_file_and_plots(tmp_path):
     assert "| full | 75.0 |" in text
     assert "| rlkv | 75.0 |" in text and "| rkv | 25.0 |" in text
     assert "| rlkv | 1 / 0 / 0 of 3 |" in text and "| rkv | 0 / 1 / 1 of 3 |" in text
-    assert "| rkv | 130 |" in text and "| (n common) | 1 |" in text
+    assert "| rlkv | 130 / 110 (2) |" in text and "| rkv | 130 / 100 (1) |" in text
     for name in ("accuracy_vs_sparsity.png", "error_modes.png", "common_length.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
@@ -208,3 +209,34 @@ def test_report_has_paired_intervals_to_full_and_rlkv(tmp_path):
     low, high = cells[("rkv", "full")]["low"], cells[("rkv", "full")]["high"]
     assert f"| rkv | -50.0 [{100 * low:+.1f}, {100 * high:+.1f}] |" in text
     assert "### b: pass@1 difference to full" in text and "### b: pass@1 difference to rlkv" in text
+
+
+def test_a_method_that_solves_nothing_leaves_the_others_length_cells():
+    """A random mask that solves no problem has no length cell; rlkv's and rkv's stay (they were all empty
+    when the table took the samples every method solved)."""
+    rows = ROWS + [_row(p, "random-mask@0", 0.5, False, 50, "incorrect") for p in ("p1", "p2", "p3", "p4")]
+    lengths = common_length_table(rows)
+    assert ("random-mask@0", 0.5) not in lengths and lengths[("rlkv", 0.5)]["n"] == 2
+
+
+def test_error_modes_and_lengths_are_per_benchmark(tmp_path):
+    """Two benchmarks: each gets its own error-mode and length tables, over its own full-solved problems."""
+    other = [  # benchmark c: p1 and p2 only, twice as long
+        {
+            **r,
+            "benchmark": "c",
+            "key": "c" + r["key"][1:],
+            "num_generated_tokens": 2 * r["num_generated_tokens"],
+        }
+        for r in ROWS
+        if r["problem_id"] in ("p1", "p2")
+    ]
+    (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in ROWS + other))
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({"model": "m", "max_new_tokens": 300}))
+    text = write_report(tmp_path, plots=False).read_text()
+    b_errors = text.split("## b: error modes")[1].split("##")[0]
+    c_errors = text.split("## c: error modes")[1].split("##")[0]
+    assert "| rlkv | 1 / 0 / 0 of 3 |" in b_errors and "| rlkv | 0 / 0 / 0 of 2 |" in c_errors
+    b_lengths = text.split("## b: generated length")[1].split("##")[0]
+    c_lengths = text.split("## c: generated length")[1].split("##")[0]
+    assert "| rlkv | 130 / 110 (2) |" in b_lengths and "| rlkv | 260 / 220 (2) |" in c_lengths

@@ -1,11 +1,12 @@
 """report.md and PNG plots, regenerated from results.jsonl alone (matplotlib is imported lazily).
 
-Tables (like RLKV Tables 1, 4-6): pass@1 per method x sparsity, resident KV per method x sparsity
-(with the largest deviation from the matched target), error modes on problems the full model
-solves, mean length of commonly-correct samples, wall time; and each method's pass@1 difference to
-`full` and to `rlkv` with a paired-bootstrap 95% interval (`paired_bootstrap`), also in report.json. Plots: accuracy vs sparsity per method
-(Figure 5), the head mask's gate heatmap (Figure 3), error-mode bars (Figure 9), mean length of
-commonly-correct samples (Figure 10).
+Tables (like RLKV Tables 1, 4-6): pass@1 per method x sparsity and each method's pass@1 difference to
+`full` and to `rlkv` with a paired-bootstrap 95% interval (`paired_bootstrap`, also in report.json);
+resident KV per method x sparsity (with the largest deviation from the matched target); per benchmark,
+error modes on problems the full model solves and generated length against full on the samples both
+solve; wall time. Plots: accuracy vs sparsity per method (Figure 5), the head mask's gate heatmap
+(Figure 3), error-mode bars (Figure 9), generated length relative to full on commonly-correct samples
+(Figure 10).
 """
 
 from __future__ import annotations
@@ -69,6 +70,50 @@ def _stop_lines(rows: list[Row], benches: list[str], config: dict[str, Any]) -> 
                 else ""
             )
         )
+    return lines
+
+
+def _outcome_lines(rows: list[Row], bench: str, sparsities: list[float]) -> list[str]:
+    """One benchmark's error modes on the problems full solves and its generated lengths against full."""
+    header = "| method | " + " | ".join(f"s={format_sparsity(s)}" for s in sparsities) + " |"
+    rule = "| --- |" + " ---: |" * len(sparsities)
+    errors, lengths = error_mode_table(rows), common_length_table(rows)
+    lines = [
+        f"## {bench}: error modes on problems the full model solves (repetitive / overlength / incorrect, of n)",
+        "",
+        header,
+        rule,
+    ]
+    for method in _methods(rows):
+        if method == "full":
+            continue
+        cells = []
+        for s in sparsities:
+            c = errors.get((method, s))
+            cells.append(
+                "" if c is None else f"{c['repetitive']} / {c['overlength']} / {c['incorrect']} of {c['n']}"
+            )
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Repetitive: the tail is a loop (RepetitionRule: < 10% distinct tokens in the last 400, or an exact "
+        "period <= 64 repeated >= 4 times over >= 64 tokens); overlength: hit max_new_tokens; incorrect: "
+        "finished with a wrong answer.",
+        "",
+        f"## {bench}: generated length on the samples both the method and full solve (tokens: method / full (n))",
+        "",
+        header,
+        rule,
+    ]
+    for method in _methods(rows):
+        if method == "full":
+            continue
+        cells = []
+        for s in sparsities:
+            c = lengths.get((method, s))
+            cells.append("" if c is None else f"{c['method']:.0f} / {c['full']:.0f} ({c['n']})")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines.append("")
     return lines
 
 
@@ -203,42 +248,8 @@ def render_markdown(
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
 
-    errors = error_mode_table(rows)
-    lines += [
-        "## Error modes on problems the full model solves (repetitive / overlength / incorrect, of n)",
-        "",
-        header,
-        rule,
-    ]
-    for method in _methods(rows):
-        if method == "full":
-            continue
-        cells = []
-        for s in sparsities:
-            c = errors.get((method, s))
-            cells.append(
-                "" if c is None else f"{c['repetitive']} / {c['overlength']} / {c['incorrect']} of {c['n']}"
-            )
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "Repetitive: the tail is a loop (RepetitionRule: < 10% distinct tokens in the last 400, or an exact "
-        "period <= 64 repeated >= 4 times over >= 64 tokens); overlength: hit max_new_tokens; incorrect: "
-        "finished with a wrong answer.",
-        "",
-    ]
-
-    common = common_length_table(rows)
-    lines += ["## Mean generated length of commonly-correct samples (tokens)", "", header, rule]
-    for method in _methods(rows):
-        cells = []
-        for s in sparsities:
-            c = common[s]
-            v = c["lengths"].get(method)
-            cells.append("" if v is None else f"{v:.0f}")
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines.append("| (n common) | " + " | ".join(str(common[s]["n"]) for s in sparsities) + " |")
-    lines.append("")
+    for bench in benches:
+        lines += _outcome_lines([r for r in rows if r["benchmark"] == bench], bench, sparsities)
 
     lines += ["## Generation wall time (s)", "", header, rule]
     for method in _methods(rows):

@@ -177,27 +177,34 @@ def error_mode_table(rows: list[Row]) -> dict[tuple[str, float], dict[str, int]]
     return table
 
 
-def common_length_table(rows: list[Row]) -> dict[float, dict[str, Any]]:
-    """Per sparsity: problems every method (and full) solved, and each method's mean generated length on them."""
-    methods = _methods(rows)
-    out: dict[float, dict[str, Any]] = {}
-    for s in _sparsities(rows):
-        correct_sets = []
-        for m in methods:
-            correct_sets.append(
-                {(r["benchmark"], r["problem_id"], r["sample"]) for r in _cell(rows, m, s) if r["correct"]}
-            )
-        common = set.intersection(*correct_sets) if correct_sets else set()
-        lengths = {}
-        for m in methods:
-            vals = [
-                r["num_generated_tokens"]
-                for r in _cell(rows, m, s)
-                if (r["benchmark"], r["problem_id"], r["sample"]) in common
+def common_length_table(rows: list[Row]) -> dict[tuple[str, float], dict[str, Any]]:
+    """Per (method, sparsity): mean generated tokens of the method and of `full` on the samples both solved
+    (n of them); methods that solved none of full's samples have no entry.
+
+    Pairwise with `full` rather than over the samples every method solved: one baseline that solves
+    nothing would empty the latter at its sparsity.
+    """
+    full_tokens = {
+        (r["benchmark"], r["problem_id"], r["sample"]): r["num_generated_tokens"]
+        for r in _cell(rows, "full", 0.0)
+        if r["correct"]
+    }
+    out: dict[tuple[str, float], dict[str, Any]] = {}
+    for method in _methods(rows):
+        if method == "full":
+            continue
+        for s in _sparsities(rows):
+            pairs = [
+                (r["num_generated_tokens"], full_tokens[k])
+                for r in _cell(rows, method, s)
+                if r["correct"] and (k := (r["benchmark"], r["problem_id"], r["sample"])) in full_tokens
             ]
-            if vals:
-                lengths[m] = mean(vals)
-        out[s] = {"n": len(common), "lengths": lengths}
+            if pairs:
+                out[(method, s)] = {
+                    "n": len(pairs),
+                    "method": mean(m for m, _ in pairs),
+                    "full": mean(f for _, f in pairs),
+                }
     return out
 
 
