@@ -15,6 +15,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,16 +85,13 @@ def _outcome_lines(rows: list[Row], bench: str, sparsities: list[float]) -> list
         header,
         rule,
     ]
-    for method in _methods(rows):
-        if method == "full":
-            continue
-        cells = []
-        for s in sparsities:
-            c = errors.get((method, s))
-            cells.append(
-                "" if c is None else f"{c['repetitive']} / {c['overlength']} / {c['incorrect']} of {c['n']}"
-            )
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    compressed = [m for m in _methods(rows) if m != "full"]
+    lines += _table_rows(
+        compressed,
+        sparsities,
+        lambda c: f"{c['repetitive']} / {c['overlength']} / {c['incorrect']} of {c['n']}",
+        errors,
+    )
     lines += [
         "",
         "Repetitive: the tail is a loop (RepetitionRule: < 10% distinct tokens in the last 400, or an exact "
@@ -105,16 +103,26 @@ def _outcome_lines(rows: list[Row], bench: str, sparsities: list[float]) -> list
         header,
         rule,
     ]
-    for method in _methods(rows):
-        if method == "full":
-            continue
-        cells = []
-        for s in sparsities:
-            c = lengths.get((method, s))
-            cells.append("" if c is None else f"{c['method']:.0f} / {c['full']:.0f} ({c['n']})")
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += _table_rows(
+        compressed, sparsities, lambda c: f"{c['method']:.0f} / {c['full']:.0f} ({c['n']})", lengths
+    )
     lines.append("")
     return lines
+
+
+def _table_rows(
+    methods: list[str],
+    sparsities: list[float],
+    text: Callable[[dict[str, Any]], str],
+    table: dict[tuple[str, float], dict[str, Any]],
+) -> list[str]:
+    """Markdown rows `| method | cell | ... |` of a (method, sparsity) table; a missing cell is empty."""
+    return [
+        f"| {method} | "
+        + " | ".join("" if (c := table.get((method, s))) is None else text(c) for s in sparsities)
+        + " |"
+        for method in methods
+    ]
 
 
 def render_markdown(
@@ -240,12 +248,9 @@ def render_markdown(
             header,
             rule,
         ]
-        for method in _methods(rows):
-            cells = []
-            for s in sparsities:
-                c = kv.get((method, s))
-                cells.append("" if c is None else f"{c['kv_percent']:.1f} ({c['max_dev']:.1f})")
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines += _table_rows(
+            _methods(rows), sparsities, lambda c: f"{c['kv_percent']:.1f} ({c['max_dev']:.1f})", kv
+        )
         lines.append("")
 
     for bench in benches:
