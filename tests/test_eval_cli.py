@@ -128,3 +128,25 @@ def test_redo_drops_the_named_methods_rows_and_runs_them_again(tmp_path, capsys)
     rows = read_results(results)
     assert [r["method"] for r in rows] == ["full", "full", "streaming", "streaming"]
     assert _without_timing(rows) == _without_timing(first)  # greedy: the same rows again
+
+
+def test_report_only_reports_the_grid_the_flags_name(tmp_path):
+    """Two runs into one folder (rlkv at 0.5, then streaming at 0.75): `--report-only` with grid flags
+    reports exactly the cells they name, whatever ran last; with --out alone, the last run's cells."""
+    import json
+
+    args = _recipe(tmp_path, "grid")
+    out = tmp_path / "grid"
+    assert main([*args, "--methods", "full,rlkv", "--sparsities", "0.5"]) == 0
+    assert main([*args, "--methods", "full,streaming", "--sparsities", "0.75"]) == 0
+
+    def reported() -> dict:
+        return json.loads((out / "report.json").read_text())["benchmarks"]["chain"]["pass_at_1"]
+
+    assert main(["eval", "--report-only", "--out", str(out)]) == 0
+    assert set(reported()) == {"full", "streaming"}
+    assert main([*args, "--report-only", "--methods", "full,rlkv,streaming", "--sparsities", "0.5,0.75"]) == 0
+    assert set(reported()) == {"full", "rlkv", "streaming"}
+    assert set(reported()["rlkv"]) == {"0.5"} and set(reported()["streaming"]) == {"0.75"}
+    assert main([*args, "--report-only", "--methods", "rlkv", "--sparsities", "0.5"]) == 0
+    assert set(reported()) == {"rlkv"}

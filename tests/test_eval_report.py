@@ -240,3 +240,16 @@ def test_error_modes_and_lengths_are_per_benchmark(tmp_path):
     b_lengths = text.split("## b: generated length")[1].split("##")[0]
     c_lengths = text.split("## c: generated length")[1].split("##")[0]
     assert "| rlkv | 130 / 110 (2) |" in b_lengths and "| rlkv | 260 / 220 (2) |" in c_lengths
+
+
+def test_each_plot_has_one_panel_per_benchmark(tmp_path):
+    """Math and code rows are never pooled into one bar or line: every figure gets a panel per benchmark,
+    in the order the rows name them."""
+    from rlkv.eval.plots import plot_accuracy, plot_common_length, plot_error_modes
+
+    code = [{**r, "benchmark": "code", "key": "code|" + r["key"]} for r in ROWS]
+    rows = ROWS + code
+    for plot in (plot_accuracy, plot_error_modes, plot_common_length):
+        path = tmp_path / f"{plot.__name__}.png"
+        assert plot(rows, path) == ["b", "code"]
+        assert path.read_bytes()[:4] == b"\x89PNG"

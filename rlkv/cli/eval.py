@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from rlkv.cli import csv_fractions, csv_list
 
+if TYPE_CHECKING:
+    from rlkv.eval.config import EvalConfig
+
+# the fields that name a report's cells (its row keys)
+_GRID_FIELDS = {
+    "benchmarks",
+    "split",
+    "exclude_problems",
+    "methods",
+    "sparsities",
+    "num_problems",
+    "num_samples",
+    "seed",
+}
 # flag dest -> EvalConfig field, for flags that override the recipe
 _OVERRIDES = (
     "model",
@@ -90,7 +105,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(or STEPS + 1 evenly spaced counts), written to OUT/sensitivity",
     )
     parser.add_argument(
-        "--report-only", action="store_true", help="only regenerate report.md and plots from OUT"
+        "--report-only",
+        action="store_true",
+        help="only regenerate report.md and plots from OUT's rows: those of the grid the recipe and the "
+        "grid flags (--benchmarks, --methods, --sparsities, ...) name; with --out alone, those the last run asked for",
     )
     parser.add_argument(
         "--redo",
@@ -103,9 +121,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_run)
 
 
+def _eval_config(base: dict) -> EvalConfig:
+    """The EvalConfig of a recipe mapping with its flag overrides; a bad field is a UserInputError."""
+    from rlkv.errors import UserInputError
+    from rlkv.eval.config import EvalConfig
+
+    try:
+        return EvalConfig.from_dict(base)
+    except ValueError as e:
+        raise UserInputError(str(e)) from None
+
+
 def _run(args: argparse.Namespace) -> int:
     from rlkv.errors import UserInputError
-    from rlkv.eval.runner import EvalConfig, run_eval
+    from rlkv.eval.runner import run_eval
 
     base = {}
     if args.config:
@@ -125,12 +154,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.report_only:
         from rlkv.eval.report import write_report
 
-        print(write_report(base.get("out", "eval-out"), head_mask=_mask_only(base.get("head_mask"))))
+        keys = None  # no grid named: the cells the last run asked for
+        if args.config or _GRID_FIELDS & set(base):
+            from rlkv.eval.runner import grid_keys
+
+            keys = grid_keys(_eval_config(base))
+        print(
+            write_report(base.get("out", "eval-out"), head_mask=_mask_only(base.get("head_mask")), keys=keys)
+        )
         return 0
-    try:
-        cfg = EvalConfig.from_dict(base)
-    except ValueError as e:
-        raise UserInputError(str(e)) from None
+    cfg = _eval_config(base)
     if args.redo:
         from pathlib import Path
 

@@ -20,17 +20,26 @@ from rlkv.eval.tables import (
 )
 
 
-def plot_accuracy(rows: list[Row], path: Path) -> None:
-    """Accuracy vs sparsity, one line per method, one panel per benchmark (RLKV Figure 5)."""
+def _benchmark_panels(
+    rows: list[Row], width: float, height: float = 3.8
+) -> tuple[Any, list[tuple[Any, str, list[Row]]]]:
+    """One figure with a panel per benchmark (in row order): the figure and (axis, benchmark, its rows)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    benches = list(dict.fromkeys(r["benchmark"] for r in rows))
-    fig, axes = plt.subplots(1, len(benches), figsize=(5 * len(benches), 3.8), squeeze=False)
-    for ax, bench in zip(axes[0], benches):
-        acc = accuracy_table([r for r in rows if r["benchmark"] == bench])
+    benches = list(dict.fromkeys(r["benchmark"] for r in rows)) or ["no rows"]
+    fig, axes = plt.subplots(1, len(benches), figsize=(width * len(benches), height), squeeze=False)
+    return fig, [(ax, b, [r for r in rows if r["benchmark"] == b]) for ax, b in zip(axes[0], benches)]
+
+
+def plot_accuracy(rows: list[Row], path: Path) -> list[str]:
+    """Accuracy vs sparsity, one line per method, one panel per benchmark (RLKV Figure 5); returns the
+    panels' benchmarks."""
+    fig, panels = _benchmark_panels(rows, 5.0)
+    for ax, bench, bench_rows in panels:
+        acc = accuracy_table(bench_rows)
         averaged = {m for members in _draw_groups(acc).values() for m in members}
         shown = {m: v for m, v in acc.items() if m not in averaged}  # one line per averaged group
         for method, by_s in {**shown, **draw_means(acc)}.items():
@@ -41,62 +50,63 @@ def plot_accuracy(rows: list[Row], path: Path) -> None:
             ax.plot(xs, [100 * by_s[x] for x in xs], marker="o", label=method)
         ax.set(title=bench, xlabel="sparsity (fraction of KV heads compressed)", ylabel="pass@1 (%)")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8)
+    panels[-1][0].legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
+    return [bench for _, bench, _ in panels]
 
 
-def plot_error_modes(rows: list[Row], path: Path) -> None:
-    """Stacked error-mode bars per method and sparsity on full-solved problems (RLKV Figure 9)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = error_mode_table(rows)
-    labels = [f"{m}\ns={format_sparsity(s)}" for m, s in table]
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels) + 2), 4))
-    if not table:
-        ax.text(
-            0.5, 0.5, "no problem solved by the full model", ha="center", va="center", transform=ax.transAxes
-        )
-    bottom = [0.0] * len(labels)
-    for mode in ERROR_MODES:
-        vals = [100.0 * c[mode] / c["n"] for c in table.values()]
-        ax.bar(labels, vals, bottom=bottom, label=mode)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set(ylabel="% of full-solved problems", title="error modes")
-    ax.tick_params(axis="x", labelsize=7, rotation=90)
-    ax.legend()
+def plot_error_modes(rows: list[Row], path: Path) -> list[str]:
+    """Stacked error-mode bars per method and sparsity on full-solved problems, one panel per benchmark
+    (RLKV Figure 9); returns the panels' benchmarks."""
+    fig, panels = _benchmark_panels(rows, 6.0, 4.2)
+    tables = [error_mode_table(bench_rows) for _, _, bench_rows in panels]
+    fig.set_size_inches(max(6.0, 0.6 * max(map(len, tables)) + 2) * len(panels), 4.2)
+    for (ax, bench, _), table in zip(panels, tables):
+        labels = [f"{m}\ns={format_sparsity(s)}" for m, s in table]
+        if not table:
+            ax.text(
+                0.5,
+                0.5,
+                "no problem solved by the full model",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
+        bottom = [0.0] * len(labels)
+        for mode in ERROR_MODES:
+            vals = [100.0 * c[mode] / c["n"] for c in table.values()]
+            ax.bar(labels, vals, bottom=bottom, label=mode)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set(ylabel="% of full-solved problems", title=f"error modes: {bench}")
+        ax.tick_params(axis="x", labelsize=7, rotation=90)
+    panels[-1][0].legend()
     fig.tight_layout()
     save_figure(fig, path)
+    return [bench for _, bench, _ in panels]
 
 
-def plot_common_length(rows: list[Row], path: Path) -> None:
-    """Generated length relative to full on the samples both solve, per method vs sparsity (RLKV Figure 10)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lengths = common_length_table(rows)
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    ax.axhline(1.0, color="black", linestyle="--", label="full")
-    for method in _methods(rows):
-        xs = [s for m, s in lengths if m == method]
-        ax.plot(
-            xs,
-            [lengths[(method, s)]["method"] / lengths[(method, s)]["full"] for s in xs],
-            marker="o",
-            label=method,
-        )
-    ax.set(
-        xlabel="sparsity", ylabel="generated tokens / full's", title="samples both the method and full solve"
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+def plot_common_length(rows: list[Row], path: Path) -> list[str]:
+    """Generated length relative to full on the samples both solve, per method vs sparsity, one panel per
+    benchmark (RLKV Figure 10); returns the panels' benchmarks."""
+    fig, panels = _benchmark_panels(rows, 5.5)
+    for ax, bench, bench_rows in panels:
+        lengths = common_length_table(bench_rows)
+        ax.axhline(1.0, color="black", linestyle="--", label="full")
+        for method in _methods(bench_rows):
+            xs = [s for m, s in lengths if m == method]
+            ax.plot(
+                xs,
+                [lengths[(method, s)]["method"] / lengths[(method, s)]["full"] for s in xs],
+                marker="o",
+                label=method,
+            )
+        ax.set(xlabel="sparsity", ylabel="generated tokens / full's", title=f"both solve: {bench}")
+        ax.grid(alpha=0.3)
+    panels[-1][0].legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
+    return [bench for _, bench, _ in panels]
 
 
 def plot_gate_heatmap(scores: Any, path: Path, title: str = "head mask scores") -> None:

@@ -264,11 +264,13 @@ def render_markdown(
     return "\n".join(lines)
 
 
-def write_report(out: str | os.PathLike, head_mask: Any = None, plots: bool = True) -> Path:
+def write_report(
+    out: str | os.PathLike, head_mask: Any = None, plots: bool = True, keys: set[str] | None = None
+) -> Path:
     """Regenerate report.md, report.json (pass@1 and bootstrap intervals) and the PNGs in `out` from the rows
-    its last run asked for; returns the report.md path."""
+    with one of `keys` (default: those its last run asked for); returns the report.md path."""
     out = Path(out)
-    rows = current_results(out)
+    rows = current_results(out, keys)
     if not rows:
         raise ValueError(f"{out / RESULTS_FILE}: no results to report; run `rlkv eval` first")
     config_path = out / CONFIG_FILE

@@ -55,15 +55,18 @@ def read_results(path: str | os.PathLike, repair: bool = False) -> list[dict[str
     return rows
 
 
-def current_results(out: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of `out`'s results.jsonl that its last run asked for (the keys in eval_keys.json), one per key.
+def current_results(out: str | os.PathLike, keys: set[str] | None = None) -> list[dict[str, Any]]:
+    """The rows of `out`'s results.jsonl with one of `keys` (default: those its last run asked for, in
+    eval_keys.json), one per key.
 
     results.jsonl keeps every row ever generated there, also those of problems whose text or answer
     was edited since, or that a smaller `num_problems` or a shorter method list no longer asks.
     """
     out = Path(out)
     keys_path = out / KEYS_FILE
-    wanted = set(json.loads(keys_path.read_text())) if keys_path.exists() else None
+    wanted = keys
+    if wanted is None and keys_path.exists():
+        wanted = set(json.loads(keys_path.read_text()))
     rows: dict[str, dict[str, Any]] = {}
     for row in read_results(out / RESULTS_FILE):
         if wanted is None or row["key"] in wanted:

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -205,20 +205,37 @@ def _seed_for(cfg: EvalConfig, *parts: Any) -> int:
     return int(digest[:8], 16)
 
 
-def benchmark_prompts(
-    cfg: EvalConfig, tokenizer: Any
-) -> dict[str, list[tuple[str, dict[str, Any], list[dict[str, str]], int]]]:
-    """Each benchmark's problems as the eval runs them: (problem id, example, chat messages, prompt tokens)."""
+def _benchmark_sets(cfg: EvalConfig) -> Iterator[tuple[str, Any]]:
+    """(benchmark, its problems as a `datasets.Dataset`) for each of `cfg.benchmarks`, verifiers checked."""
     from rlkv.data.loaders import load_problems
-    from rlkv.data.prompts import format_problem
     from rlkv.data.verify import check_verifiers
-    from rlkv.inference import encode_prompts
 
-    problems = {}
     excluded = frozenset(text for name in cfg.exclude_problems for text in load_problems(name)["problem"])
     for bench in cfg.benchmarks:
         ds = load_problems(bench, split=cfg.split, num=cfg.num_problems, seed=cfg.seed, exclude=excluded)
         check_verifiers(ds.unique("source"), bench)
+        yield bench, ds
+
+
+def grid_keys(cfg: EvalConfig) -> set[str]:
+    """The row keys of `cfg`'s grid (benchmarks x problems x methods x sparsities x samples), without a model."""
+    ids = {bench: [problem_id(i, ex) for i, ex in enumerate(ds)] for bench, ds in _benchmark_sets(cfg)}
+    return {
+        row_key(t.benchmark, pid, t.method, t.sparsity, t.sample)
+        for t in _tasks(cfg)
+        for pid in ids[t.benchmark]
+    }
+
+
+def benchmark_prompts(
+    cfg: EvalConfig, tokenizer: Any
+) -> dict[str, list[tuple[str, dict[str, Any], list[dict[str, str]], int]]]:
+    """Each benchmark's problems as the eval runs them: (problem id, example, chat messages, prompt tokens)."""
+    from rlkv.data.prompts import format_problem
+    from rlkv.inference import encode_prompts
+
+    problems = {}
+    for bench, ds in _benchmark_sets(cfg):
         entries = []
         for i, example in enumerate(ds):
             messages = [{"role": "user", "content": format_problem(example, cfg.template)}]
