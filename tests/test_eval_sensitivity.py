@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from rlkv.eval import EvalConfig, method_config, read_results, run_eval
+from rlkv.eval import EvalConfig, method_config, read_results, run_sensitivity
 from rlkv.eval.methods import MethodError
-from rlkv.eval.sensitivity import mask_from_order, sensitivity_config
+from rlkv.eval.sensitivity import mask_from_order, sensitivity_configs, sensitivity_curves
+from rlkv.eval.tables import accuracy_table
 from rlkv.head_mask import HeadMask
 from rlkv.testing import tiny_model, tiny_tokenizer
 
@@ -31,9 +32,11 @@ def test_sweep_runs_gate_ablation_and_random_order(tmp_path):
         batch_size=2,
         progress=False,
     )
-    sweep = sensitivity_config(cfg, num_heads=4, steps=2)
+    sweep, every_head = sensitivity_configs(cfg, num_heads=4, steps=4)
     assert sweep.methods == ["full", "rlkv", "ablation-mask", "random-mask"]
-    assert sweep.sparsities == [0.0, 0.5, 1.0]
+    # s=0 is full KV and s=1 the same cache for every order: neither is run per order
+    assert sweep.sparsities == [0.25, 0.5, 0.75]
+    assert (every_head.methods, every_head.sparsities, every_head.out) == (["random-mask"], [1.0], sweep.out)
     masks = {
         m: HeadMask.from_pretrained(paths[f], model)
         for m, f in (("rlkv", "gates"), ("ablation-mask", "ablation"))
@@ -42,13 +45,23 @@ def test_sweep_runs_gate_ablation_and_random_order(tmp_path):
         full = method_config(method, 0.5, model=model, masks=masks).full_heads(model)
         compressed = sorted(map(tuple, (~full).nonzero().tolist()))
         assert compressed == sorted(map(tuple, order[:2])), method  # the first two heads of its order
-    out = run_eval(sweep, model=model, tokenizer=tiny_tokenizer())
+    out = run_sensitivity(cfg, model=model, tokenizer=tiny_tokenizer(), steps=4)
     rows = read_results(out / "results.jsonl")
     assert {(r["method"], r["sparsity"]) for r in rows if r["method"] != "full"} == {
-        (m, s) for m in ("rlkv", "ablation-mask", "random-mask") for s in (0.0, 0.5, 1.0)
-    }
+        (m, s) for m in ("rlkv", "ablation-mask", "random-mask") for s in (0.25, 0.5, 0.75)
+    } | {("random-mask", 1.0)}
     assert (out / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
-    assert sensitivity_config(EvalConfig(model="x", methods=["full"]), 4).methods == ["full", "random-mask"]
+    curves = sensitivity_curves(rows)
+    acc = accuracy_table(rows)
+    for method in ("rlkv", "ablation-mask", "random-mask"):  # every order's curve spans 0 .. 1
+        assert curves[method][0.0] == acc["full"][0.0] and curves[method][1.0] == acc["random-mask"][1.0]
+        assert [s for s in curves[method]] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert sensitivity_configs(EvalConfig(model="x", methods=["full"]), 4)[0].methods == [
+        "full",
+        "random-mask",
+    ]
+    with pytest.raises(ValueError, match="give >= 2 steps"):
+        sensitivity_configs(cfg, num_heads=4, steps=1)
 
 
 def test_ablation_mask_method_needs_its_mask():

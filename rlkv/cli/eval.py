@@ -101,8 +101,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="STEPS",
         help="head-sensitivity sweep instead: full + rlkv/ablation-mask/random-mask/duo (whichever masks are "
-        "set) at every k/N heads compressed "
-        "(or STEPS + 1 evenly spaced counts), written to OUT/sensitivity",
+        "set) at every k/N heads compressed (or STEPS + 1 evenly spaced counts, STEPS >= 2; all heads "
+        "compressed runs once, as random-mask), written to OUT/sensitivity",
     )
     parser.add_argument(
         "--report-only",
@@ -172,13 +172,9 @@ def _run(args: argparse.Namespace) -> int:
         folder = Path(cfg.out) / ("sensitivity" if args.sensitivity is not None else "")
         print(f"--redo: dropped {drop_rows(folder, args.redo)} rows of {', '.join(args.redo)} from {folder}")
     if args.sensitivity is not None:
-        from rlkv.eval.methods import num_kv_heads_total
-        from rlkv.eval.runner import load_model
-        from rlkv.eval.sensitivity import sensitivity_config
+        from rlkv.eval.runner import run_sensitivity
 
-        model, tokenizer = load_model(cfg)
-        cfg = sensitivity_config(cfg, num_kv_heads_total(model), steps=args.sensitivity or None)
-        out = run_eval(cfg, model=model, tokenizer=tokenizer)
+        out = run_sensitivity(cfg, steps=args.sensitivity or None)
     else:
         out = run_eval(cfg)
     print(out / "report.md")

@@ -1,7 +1,7 @@
 """Evaluation harness: methods x sparsities x benchmarks at matched KV budgets, error modes, reports.
 
 `run_eval(EvalConfig(...))` writes results.jsonl (resumable) and, through `write_report`, report.md
-and PNG plots. Method names and the budget-matching rule are in `rlkv.eval.methods`; the error-mode
+and PNG plots; `run_sensitivity` the head-sensitivity sweep. Method names and the budget-matching rule are in `rlkv.eval.methods`; the error-mode
 rules in `rlkv.eval.errors`. `full_kv_solutions` turns a folder's full-KV rows into token sequences
 (`rlkv mask-nll --solutions-from`).
 """
@@ -10,7 +10,7 @@ from rlkv.eval.config import EvalConfig
 from rlkv.eval.errors import ERROR_MODES, RepetitionRule, RepetitionStop, classify_error
 from rlkv.eval.methods import BudgetRule, MethodError, matched_tokens_per_head, method_config, parse_method
 from rlkv.eval.results import current_results, read_results
-from rlkv.eval.runner import run_eval
+from rlkv.eval.runner import run_eval, run_sensitivity
 from rlkv.eval.solutions import full_kv_solutions
 
 __all__ = [
@@ -28,4 +28,5 @@ __all__ = [
     "full_kv_solutions",
     "read_results",
     "run_eval",
+    "run_sensitivity",
 ]

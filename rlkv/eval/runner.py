@@ -387,3 +387,21 @@ def run_eval(
 
         _write_report(out, head_mask=masks.get("rlkv"))
     return out
+
+
+def run_sensitivity(
+    cfg: EvalConfig, model: Any = None, tokenizer: Any = None, steps: int | None = None
+) -> Path:
+    """Run (or resume) the head-sensitivity sweep of `cfg` (`rlkv.eval.sensitivity.sensitivity_configs`):
+    every order compresses heads k / N at a time; returns `<cfg.out>/sensitivity` with its report."""
+    from rlkv.eval.report import write_report
+    from rlkv.eval.sensitivity import sensitivity_configs
+
+    if model is None:
+        model, tokenizer = load_model(cfg)
+    runs = sensitivity_configs(cfg, num_kv_heads_total(model), steps)
+    for run in runs:
+        out = run_eval(run, model=model, tokenizer=tokenizer, write_report=False)
+    keys = set().union(*(grid_keys(run) for run in runs))
+    write_report(out, head_mask=build_masks(cfg, model).get("rlkv"), keys=keys)
+    return out

@@ -57,21 +57,40 @@ def sensitivity_fractions(num_heads: int, steps: int | None = None) -> list[floa
     return [k / num_heads for k in counts]
 
 
-def sensitivity_config(cfg: Any, num_heads: int, steps: int | None = None) -> Any:
-    """An `EvalConfig` for the sensitivity sweep of `cfg`: full + the order methods it can run, at whole-head fractions.
+def sensitivity_configs(cfg: Any, num_heads: int, steps: int | None = None) -> tuple[Any, Any]:
+    """The sweep of `cfg` as two `EvalConfig` runs into `<cfg.out>/sensitivity`.
 
-    Written to `<cfg.out>/sensitivity`. `random-mask` always runs; `rlkv`, `ablation-mask` and `duo` join
-    when their mask (`cfg.head_mask`, `cfg.ablation_mask`, `cfg.duo_mask`) is set.
+    1. full + each order method it can run at the fractions strictly between 0 and 1 (`random-mask`
+       always; `rlkv`, `ablation-mask` and `duo` when their mask field is set);
+    2. `random-mask` at 1.0: every head compressed is one cache whatever the order, so it runs once,
+       as s = 0 is full KV for every order (`sensitivity_curves` puts both ends on each curve).
     """
     from rlkv.eval.methods import MASK_FIELDS
 
     methods = ["full"] + [m for m in ORDER_METHODS if m == "random-mask" or getattr(cfg, MASK_FIELDS[m])]
-    return dataclasses.replace(
-        cfg,
-        methods=methods,
-        sparsities=sensitivity_fractions(num_heads, steps),
-        out=str(Path(cfg.out) / "sensitivity"),
+    inner = [s for s in sensitivity_fractions(num_heads, steps) if 0.0 < s < 1.0]
+    if not inner:
+        from rlkv.errors import UserInputError
+
+        raise UserInputError(
+            f"--sensitivity {steps}: no fraction of heads between 0 and 1 to sweep; give >= 2 steps"
+        )
+    out = str(Path(cfg.out) / "sensitivity")
+    return (
+        dataclasses.replace(cfg, methods=methods, sparsities=inner, out=out),
+        dataclasses.replace(cfg, methods=["random-mask"], sparsities=[1.0], out=out),
     )
+
+
+def sensitivity_curves(rows: list[dict[str, Any]]) -> dict[str, dict[float, float]]:
+    """Each order method's pass@1 by fraction of heads compressed, ascending, with the shared ends: full
+    KV's at 0 and every-head-compressed's (whichever order ran it) at 1."""
+    acc = accuracy_table(rows)
+    ends = {0.0: acc["full"][0.0]} if "full" in acc else {}
+    every = [by_s[1.0] for m, by_s in acc.items() if m in ORDER_METHODS and 1.0 in by_s]
+    if every:
+        ends[1.0] = every[0]
+    return {m: dict(sorted({**ends, **by_s}.items())) for m, by_s in acc.items() if m in ORDER_METHODS}
 
 
 def plot_sensitivity(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
@@ -83,12 +102,10 @@ def plot_sensitivity(rows: list[dict[str, Any]], path: str | os.PathLike) -> Non
 
     acc = accuracy_table(rows)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for method, by_s in acc.items():
-        if method == "full":
-            ax.axhline(100 * by_s[0.0], color="black", linestyle="--", label="full")
-        elif method in ORDER_METHODS:
-            xs = sorted(by_s)
-            ax.plot(xs, [100 * by_s[x] for x in xs], marker="o", label=ORDER_LABELS[method])
+    if "full" in acc:
+        ax.axhline(100 * acc["full"][0.0], color="black", linestyle="--", label="full")
+    for method, by_s in sensitivity_curves(rows).items():
+        ax.plot(list(by_s), [100 * v for v in by_s.values()], marker="o", label=ORDER_LABELS[method])
     ax.set(xlabel="fraction of KV heads compressed", ylabel="pass@1 (%)", title="head sensitivity")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
