@@ -1,9 +1,9 @@
 """Evaluation harness: methods x sparsities x benchmarks at matched KV budgets, error modes, reports.
 
 `run_eval(EvalConfig(...))` writes results.jsonl (resumable) and, through `write_report`, report.md
-and PNG plots; `run_sensitivity` the head-sensitivity sweep. Method names and the budget-matching rule are in `rlkv.eval.methods`; the error-mode
-rules in `rlkv.eval.errors`. `full_kv_solutions` turns a folder's full-KV rows into token sequences
-(`rlkv mask-nll --solutions-from`).
+and PNG plots; `run_sensitivity` runs the head-sensitivity sweep. Method names and the
+budget-matching rule are in `rlkv.eval.methods`; the error-mode rules in `rlkv.eval.errors`.
+`full_kv_solutions` turns a folder's full-KV rows into token sequences (`rlkv mask-nll --solutions-from`).
 """
 
 from rlkv.eval.config import EvalConfig
