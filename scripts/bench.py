@@ -168,8 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"wrote {out / 'bench.json'}, {out / 'bench.md'} {' '.join(written)} in {results['wall_seconds']:.0f}s"
     )
-    verdicts = [results[s]["passed"] for s in suites if "passed" in results.get(s, {})]
-    print(f"targets: {sum(verdicts)} PASS, {len(verdicts) - sum(verdicts)} FAIL")
+    verdicts = {s: results[s]["passed"] for s in suites if "passed" in results.get(s, {})}
+    failed = [s for s, ok in verdicts.items() if not ok]
+    # a suite passes when every target in its table does
+    print(
+        f"suites: {len(verdicts) - len(failed)} PASS, {len(failed)} FAIL"
+        + (f" ({', '.join(failed)})" if failed else "")
+    )
     return 0
 
 
