@@ -20,7 +20,7 @@ from rlkv.eval.tables import (
 )
 
 
-def _benchmark_panels(
+def benchmark_panels(
     rows: list[Row], width: float, height: float = 3.8
 ) -> tuple[Any, list[tuple[Any, str, list[Row]]]]:
     """One figure with a panel per benchmark (in row order): the figure and (axis, benchmark, its rows)."""
@@ -37,7 +37,7 @@ def _benchmark_panels(
 def plot_accuracy(rows: list[Row], path: Path) -> list[str]:
     """Accuracy vs sparsity, one line per method, one panel per benchmark (RLKV Figure 5); returns the
     panels' benchmarks."""
-    fig, panels = _benchmark_panels(rows, 5.0)
+    fig, panels = benchmark_panels(rows, 5.0)
     for ax, bench, bench_rows in panels:
         acc = accuracy_table(bench_rows)
         averaged = {m for members in _draw_groups(acc).values() for m in members}
@@ -50,7 +50,7 @@ def plot_accuracy(rows: list[Row], path: Path) -> list[str]:
             ax.plot(xs, [100 * by_s[x] for x in xs], marker="o", label=method)
         ax.set(title=bench, xlabel="sparsity (fraction of KV heads compressed)", ylabel="pass@1 (%)")
         ax.grid(alpha=0.3)
-    panels[-1][0].legend(fontsize=8)
+        ax.legend(fontsize=8)  # per panel: a benchmark may lack some methods, so colours differ
     fig.tight_layout()
     save_figure(fig, path)
     return [bench for _, bench, _ in panels]
@@ -59,7 +59,7 @@ def plot_accuracy(rows: list[Row], path: Path) -> list[str]:
 def plot_error_modes(rows: list[Row], path: Path) -> list[str]:
     """Stacked error-mode bars per method and sparsity on full-solved problems, one panel per benchmark
     (RLKV Figure 9); returns the panels' benchmarks."""
-    fig, panels = _benchmark_panels(rows, 6.0, 4.2)
+    fig, panels = benchmark_panels(rows, 6.0, 4.2)
     tables = [error_mode_table(bench_rows) for _, _, bench_rows in panels]
     fig.set_size_inches(max(6.0, 0.6 * max(map(len, tables)) + 2) * len(panels), 4.2)
     for (ax, bench, _), table in zip(panels, tables):
@@ -89,7 +89,7 @@ def plot_error_modes(rows: list[Row], path: Path) -> list[str]:
 def plot_common_length(rows: list[Row], path: Path) -> list[str]:
     """Generated length relative to full on the samples both solve, per method vs sparsity, one panel per
     benchmark (RLKV Figure 10); returns the panels' benchmarks."""
-    fig, panels = _benchmark_panels(rows, 5.5)
+    fig, panels = benchmark_panels(rows, 5.5)
     for ax, bench, bench_rows in panels:
         lengths = common_length_table(bench_rows)
         ax.axhline(1.0, color="black", linestyle="--", label="full")
@@ -103,7 +103,7 @@ def plot_common_length(rows: list[Row], path: Path) -> list[str]:
             )
         ax.set(xlabel="sparsity", ylabel="generated tokens / full's", title=f"both solve: {bench}")
         ax.grid(alpha=0.3)
-    panels[-1][0].legend(fontsize=8)
+        ax.legend(fontsize=8)  # per panel: a benchmark may lack some methods, so colours differ
     fig.tight_layout()
     save_figure(fig, path)
     return [bench for _, bench, _ in panels]

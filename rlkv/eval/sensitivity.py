@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rlkv.eval.plots import save_figure
+from rlkv.eval.plots import benchmark_panels, save_figure
 from rlkv.eval.tables import accuracy_table
 from rlkv.head_mask import HeadMask, ModelFingerprint
 
@@ -93,21 +93,29 @@ def sensitivity_curves(rows: list[dict[str, Any]]) -> dict[str, dict[float, floa
     return {m: dict(sorted({**ends, **by_s}.items())) for m, by_s in acc.items() if m in ORDER_METHODS}
 
 
-def plot_sensitivity(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
-    """Accuracy vs fraction of heads compressed, one line per order (RLKV Figure 7)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    acc = accuracy_table(rows)
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    if "full" in acc:
-        ax.axhline(100 * acc["full"][0.0], color="black", linestyle="--", label="full")
-    for method, by_s in sensitivity_curves(rows).items():
-        ax.plot(list(by_s), [100 * v for v in by_s.values()], marker="o", label=ORDER_LABELS[method])
-    ax.set(xlabel="fraction of KV heads compressed", ylabel="pass@1 (%)", title="head sensitivity")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+def plot_sensitivity(rows: list[dict[str, Any]], path: str | os.PathLike) -> list[str]:
+    """Accuracy vs fraction of heads compressed, one line per order, one panel per benchmark (RLKV Figure 7);
+    returns the panels' benchmarks."""
+    fig, panels = benchmark_panels(rows, 5.5)
+    for ax, bench, bench_rows in panels:
+        acc = accuracy_table(bench_rows)
+        if "full" in acc:
+            ax.axhline(100 * acc["full"][0.0], color="black", linestyle="--", label="full")
+        for method, by_s in sensitivity_curves(bench_rows).items():
+            # one colour per order, the same in every panel
+            color = f"C{ORDER_METHODS.index(method)}"
+            ax.plot(
+                list(by_s),
+                [100 * v for v in by_s.values()],
+                marker="o",
+                color=color,
+                label=ORDER_LABELS[method],
+            )
+        ax.set(
+            xlabel="fraction of KV heads compressed", ylabel="pass@1 (%)", title=f"head sensitivity: {bench}"
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)  # per panel: a benchmark may lack some methods, so colours differ
     fig.tight_layout()
     save_figure(fig, Path(path))
+    return [bench for _, bench, _ in panels]
