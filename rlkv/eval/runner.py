@@ -400,8 +400,9 @@ def run_sensitivity(
     if model is None:
         model, tokenizer = load_model(cfg)
     runs = sensitivity_configs(cfg, num_kv_heads_total(model), steps)
+    keys: set[str] = set()
     for run in runs:
         out = run_eval(run, model=model, tokenizer=tokenizer, write_report=False)
-    keys = set().union(*(grid_keys(run) for run in runs))
+        keys |= set(json.loads((out / KEYS_FILE).read_text()))  # the run's grid, without reloading problems
     write_report(out, head_mask=build_masks(cfg, model).get("rlkv"), keys=keys)
     return out
