@@ -8,6 +8,7 @@ import json
 import torch
 
 from rlkv.cli import export_mask
+from rlkv.eval.release import card_eval_section
 from rlkv.head_mask import HeadMask
 from tests.test_trainer import train_run
 
@@ -83,3 +84,28 @@ def test_card_of_a_run_continued_under_two_recipes_says_which_steps_each_ran(tmp
     capsys.readouterr()
     assert args.func(args) == 2
     assert "resume_from_checkpoint" in capsys.readouterr().err
+
+
+def test_eval_report_in_the_card_keeps_its_figures_and_sits_under_the_evaluation_heading(tmp_path):
+    reports = tmp_path / "data" / "eval" / "model"
+    reports.mkdir(parents=True)
+    (reports / "accuracy.png").write_bytes(b"png")
+    report = reports / "report.md"
+    report.write_text(
+        "# rlkv evaluation report\n\n- rows: 3\n\n## math: pass@1 (%)\n\n| method | s=0.5 |\n| --- | ---: |\n"
+        "| full | 50.0 |\n\n### math: difference\n\n![accuracy](accuracy.png)\n"
+        "[rows](https://example.org/a.png) ![abs](/tmp/x.png)\n"
+    )
+    card = tmp_path / "data" / "masks" / "model"
+    card.mkdir(parents=True)
+
+    text = card_eval_section(report, card)
+
+    assert text.startswith("## Evaluation\n\nFrom `")
+    assert "# rlkv evaluation report" not in text
+    assert "\n### math: pass@1 (%)\n" in text and "\n#### math: difference\n" in text
+    figure = text.split("![accuracy](")[1].split(")")[0]
+    assert (card / figure).resolve() == (reports / "accuracy.png").resolve()
+    # links that are not relative files stay as written
+    assert "[rows](https://example.org/a.png)" in text and "![abs](/tmp/x.png)" in text
+    assert "| full | 50.0 |" in text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +60,40 @@ def write_mask_release(
         mask, history, state, [Path(r) for r in recipes or []]
     )
     if eval_table is not None:
-        card += "\n## Evaluation\n\n" + Path(eval_table).read_text().strip() + "\n"
+        card += "\n" + card_eval_section(eval_table, out)
     atomic_write_text(out / MODEL_CARD, card)
     return mask
+
+
+_LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
+
+
+def card_eval_section(report: str | os.PathLike, card_folder: str | os.PathLike) -> str:
+    """The card's "## Evaluation" section from an `rlkv eval` report (markdown) at `report`.
+
+    The report's title is dropped and its headings move one level down, under the section's; its
+    relative links (the figures beside the report) are rewritten relative to `card_folder`, so they
+    still resolve from the card.
+    """
+    report = Path(report)
+    if not report.is_file():
+        raise FileNotFoundError(f"--eval-table {report}: no such file (an `rlkv eval` report.md)")
+    base = report.resolve().parent
+
+    def relink(match: re.Match[str]) -> str:
+        target = match.group(2)
+        if "://" in target or target.startswith(("/", "#")):
+            return match.group(0)
+        moved = os.path.relpath(base / target, Path(card_folder).resolve())
+        return match.group(1) + Path(moved).as_posix() + match.group(3)
+
+    lines = []
+    for line in report.read_text().strip().splitlines():
+        if line.startswith("# "):
+            continue
+        lines.append("#" + line if line.startswith("#") else line)
+    body = _LINK.sub(relink, "\n".join(lines).strip())
+    return f"## Evaluation\n\nFrom `{report}`.\n\n{body}\n"
 
 
 def _training_section(
