@@ -49,6 +49,8 @@ def write_mask_release(
     `recipes`: the training recipe, or the recipes of a run continued in segments, in order.
     """
     out = Path(out)
+    # read before anything is written: a bad --eval-table must not leave a half-updated folder
+    evaluation = "" if eval_table is None else "\n" + card_eval_section(eval_table, out)
     exported = Path(checkpoint) / MASK_JSON  # the trainer's own export carries the run's metadata
     mask = HeadMask.load(exported) if exported.is_file() else head_mask_from_checkpoint(checkpoint)
     history, state = training_history(checkpoint)
@@ -59,9 +61,7 @@ def write_mask_release(
     card = (out / MODEL_CARD).read_text() + _training_section(
         mask, history, state, [Path(r) for r in recipes or []]
     )
-    if eval_table is not None:
-        card += "\n" + card_eval_section(eval_table, out)
-    atomic_write_text(out / MODEL_CARD, card)
+    atomic_write_text(out / MODEL_CARD, card + evaluation)
     return mask
 
 
@@ -78,13 +78,13 @@ def card_eval_section(report: str | os.PathLike, card_folder: str | os.PathLike)
     report = Path(report)
     if not report.is_file():
         raise FileNotFoundError(f"--eval-table {report}: no such file (an `rlkv eval` report.md)")
-    base = report.resolve().parent
+    base, card_base = report.resolve().parent, Path(card_folder).resolve()
 
     def relink(match: re.Match[str]) -> str:
         target = match.group(2)
         if "://" in target or target.startswith(("/", "#")):
             return match.group(0)
-        moved = os.path.relpath(base / target, Path(card_folder).resolve())
+        moved = os.path.relpath(base / target, card_base)
         return match.group(1) + Path(moved).as_posix() + match.group(3)
 
     lines = []

@@ -115,7 +115,7 @@ def plot_sensitivity(rows: list[dict[str, Any]], path: str | os.PathLike) -> lis
             xlabel="fraction of KV heads compressed", ylabel="pass@1 (%)", title=f"head sensitivity: {bench}"
         )
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)  # per panel: a benchmark may lack some methods, so colours differ
+        ax.legend(fontsize=8)  # per panel: a benchmark may lack some orders
     fig.tight_layout()
     save_figure(fig, Path(path))
     return [bench for _, bench, _ in panels]
