@@ -129,6 +129,8 @@ def test_a_cell_with_rows_for_only_some_problems_says_how_many(tmp_path):
     rkv_line = next(line for line in differences.splitlines() if line.startswith("| rkv |"))
     assert "(n=" not in rkv_line
     assert "(n=K): paired over only the K problems both methods have rows for yet." in text
+    wall = text.split("## Generation wall time (s)")[1]
+    assert "| rkv | 2 |  |" in wall  # no rkv rows at s=0.75: empty, not a measured 0 s
 
 
 def test_report_without_results_is_a_clear_error(tmp_path):

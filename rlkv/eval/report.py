@@ -113,8 +113,8 @@ def _outcome_lines(rows: list[Row], bench: str, sparsities: list[float]) -> list
 def _table_rows(
     methods: list[str],
     sparsities: list[float],
-    text: Callable[[dict[str, Any]], str],
-    table: dict[tuple[str, float], dict[str, Any]],
+    text: Callable[[Any], str],
+    table: dict[tuple[str, float], Any],
 ) -> list[str]:
     """Markdown rows `| method | cell | ... |` of a (method, sparsity) table; a missing cell is empty."""
     return [
@@ -257,9 +257,13 @@ def render_markdown(
         lines += _outcome_lines([r for r in rows if r["benchmark"] == bench], bench, sparsities)
 
     lines += ["## Generation wall time (s)", "", header, rule]
-    for method in _methods(rows):
-        cells = [f"{sum(r.get('seconds', 0) for r in _cell(rows, method, s)):.0f}" for s in sparsities]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    wall = {
+        (method, s): sum(r.get("seconds", 0) for r in cell)
+        for method in _methods(rows)
+        for s in sparsities
+        if (cell := _cell(rows, method, s))
+    }
+    lines += _table_rows(_methods(rows), sparsities, lambda seconds: f"{seconds:.0f}", wall)
     lines.append("")
     return "\n".join(lines)
 
