@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from rlkv.cli import main
 from rlkv.eval import EvalConfig, method_config, read_results, run_sensitivity
 from rlkv.eval.methods import MethodError
 from rlkv.eval.sensitivity import mask_from_order, sensitivity_configs, sensitivity_curves
@@ -51,6 +52,12 @@ def test_sweep_runs_gate_ablation_and_random_order(tmp_path):
         (m, s) for m in ("rlkv", "ablation-mask", "random-mask") for s in (0.25, 0.5, 0.75)
     } | {("random-mask", 1.0)}
     assert (out / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
+    # `rlkv eval --report-only --sensitivity` regenerates the sweep's report in place, whole, from its rows
+    report = (out / "report.md").read_text()
+    (out / "report.md").unlink()
+    assert main(["eval", "--report-only", "--sensitivity", "--out", cfg.out]) == 0
+    assert (out / "report.md").read_text() == report and "s=0.25" in report and "s=1 |" in report
+    assert not (tmp_path / "eval" / "report.md").exists()
     curves = sensitivity_curves(rows)
     acc = accuracy_table(rows)
     for method in ("rlkv", "ablation-mask", "random-mask"):  # every order's curve spans 0 .. 1

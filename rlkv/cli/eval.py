@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlkv.cli import csv_fractions, csv_list
@@ -108,7 +109,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--report-only",
         action="store_true",
         help="only regenerate report.md and plots from OUT's rows: those of the grid the recipe and the "
-        "grid flags (--benchmarks, --methods, --sparsities, ...) name; with --out alone, those the last run asked for",
+        "grid flags (--benchmarks, --methods, --sparsities, ...) name; with --out alone, those the last run asked for; "
+        "with --sensitivity, OUT/sensitivity's whole sweep",
     )
     parser.add_argument(
         "--redo",
@@ -154,19 +156,18 @@ def _run(args: argparse.Namespace) -> int:
     if args.report_only:
         from rlkv.eval.report import write_report
 
-        keys = None  # no grid named: the cells the last run asked for
-        if args.config or _GRID_FIELDS & set(base):
+        folder = Path(base.get("out", "eval-out"))
+        keys = None  # no grid named (or a sweep, whose keys file names all of it): the last run's cells
+        if args.sensitivity is not None:
+            folder = folder / "sensitivity"
+        elif args.config or _GRID_FIELDS & set(base):
             from rlkv.eval.runner import grid_keys
 
             keys = grid_keys(_eval_config(base))
-        print(
-            write_report(base.get("out", "eval-out"), head_mask=_mask_only(base.get("head_mask")), keys=keys)
-        )
+        print(write_report(folder, head_mask=_mask_only(base.get("head_mask")), keys=keys))
         return 0
     cfg = _eval_config(base)
     if args.redo:
-        from pathlib import Path
-
         from rlkv.eval.results import drop_rows
 
         folder = Path(cfg.out) / ("sensitivity" if args.sensitivity is not None else "")
@@ -186,8 +187,6 @@ def _mask_only(path: str | None):
 
     None for no mask and for a scores-only TSV (file or RLKV/DuoAttention folder), which needs the model.
     """
-    from pathlib import Path
-
     from rlkv.head_mask import MASK_JSON, HeadMask
 
     if (

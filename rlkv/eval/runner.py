@@ -404,5 +404,6 @@ def run_sensitivity(
     for run in runs:
         out = run_eval(run, model=model, tokenizer=tokenizer, write_report=False)
         keys |= set(json.loads((out / KEYS_FILE).read_text()))  # the run's grid, without reloading problems
+    atomic_write_text(out / KEYS_FILE, json.dumps(sorted(keys)) + "\n")  # `--report-only` reports the sweep
     write_report(out, head_mask=build_masks(cfg, model).get("rlkv"), keys=keys)
     return out
