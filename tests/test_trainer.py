@@ -329,6 +329,15 @@ def test_checkpoint_holds_gates_only_and_exports_a_valid_head_mask(tmp_path, tok
     names = {p.name for p in checkpoint.iterdir()}
     assert {"gates.safetensors", "config.json", "head_mask.json", "head_mask.tsv", "optimizer.pt"} <= names
     assert not names & {"model.safetensors", "pytorch_model.bin"}, "frozen weights must not be checkpointed"
+    # no tokenizer either (~11 MB a checkpoint for a real model): resume and export use the model's own
+    tokenizer_files = {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "special_tokens_map.json",
+    }
+    for directory in (checkpoint, tmp_path / "run"):
+        assert not {p.name for p in directory.iterdir()} & tokenizer_files, directory
     alpha = model.rlkv_gates.alpha.detach()
     for directory in (checkpoint, tmp_path / "run"):  # the checkpoint's copy and output_dir's latest
         mask = HeadMask.load(directory / "head_mask.json")
