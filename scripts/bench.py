@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import bench_gpu
 import bench_real
 import bench_serve
 import torch
@@ -39,6 +40,7 @@ from bench_train import report_train, suite_train
 from rlkv._io import atomic_write_text
 
 SECTIONS = {  # the report's sections after the real-model one, in order
+    "gpu": bench_gpu.report_gpu,
     "serve": report_serve,
     "memory": report_memory,
     "maxbatch": report_maxbatch,
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         "--suite",
         default="all",
         help="comma list of memory,decode,overhead,train,maxbatch or all; real (needs --model) runs a real "
-        "LLM; serve: throughput at a fixed KV cap (--model, or a synthetic model)",
+        "LLM; serve: throughput at a fixed KV cap (--model, or a synthetic model); gpu: decode of Qwen2.5-7B's "
+        "geometry, plain transformers vs rlkv (--device cuda; --quick: tiny, CPU)",
     )
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--device", default="cpu")
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", help=argparse.SUPPRESS)
     bench_real.add_options(parser)
     bench_serve.add_options(parser)
+    bench_gpu.add_options(parser)
     args = parser.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "train": suite_train,
             "real": bench_real.suite_real,
             "serve": bench_serve.suite_serve,
+            "gpu": bench_gpu.suite_gpu,
         }[name](args)
     results["wall_seconds"] = time.perf_counter() - started
     text = report(results)

@@ -1,0 +1,139 @@
+"""The GPU suite (scripts/bench_gpu.py, `scripts/bench.py --suite gpu`) in its CPU quick mode: every row is
+measured or says why not, the fields are sane, the report carries the verdict lines, the time budget
+skips rows; and the profiler-trace counting on a CUDA-shaped trace. No timing assertions."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_gpu  # noqa: E402
+import bench_gpu_profile  # noqa: E402
+
+
+def quick_args(*extra: str):
+    parser = argparse.ArgumentParser()
+    bench_gpu.add_options(parser)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true")
+    return parser.parse_args(["--quick", *extra])
+
+
+@pytest.fixture(scope="module")
+def quick_run():
+    torch.set_num_threads(1)
+    return bench_gpu.suite_gpu(quick_args())
+
+
+def test_quick_suite_measures_every_row_with_sane_fields(quick_run):
+    names = [r.name for r in bench_gpu.rows("default", 96)]
+    assert [r["name"] for r in quick_run["rows"]] == names  # every row, in order, at the one batch
+    measured = {r["name"]: r for r in quick_run["rows"] if "tokens_per_s" in r}
+    # every plain and dynamic rlkv row runs on CPU; a static row either runs or says why not
+    for name in names:
+        if "static" not in name or name.startswith("plain"):
+            assert name in measured, (name, next(r for r in quick_run["rows"] if r["name"] == name)["status"])
+    for row in quick_run["rows"]:
+        if row["name"] not in measured:
+            assert row["status"].startswith("not available"), row
+    for r in measured.values():
+        assert r["steps"] == 24 and r["timed_steps"] >= 1 and r["profiled_steps"] == 3
+        assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["prefill_s"] > 0
+        assert r["resident_kv_bytes"] > 0 and r["roofline_ms"] > 0 and r["of_roofline"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_step"])
+    # the sparsity shows in the resident KV: streaming heads keep sink + window of 215 tokens
+    assert measured["plain eager (SDPA default)"]["kv_vs_full"] == pytest.approx(1.0, abs=0.02)
+    assert measured["rlkv s=0 dynamic"]["kv_vs_full"] == pytest.approx(1.0, abs=0.02)
+    s05, s075 = measured["rlkv s=0.5 dynamic"]["kv_vs_full"], measured["rlkv s=0.75 dynamic"]["kv_vs_full"]
+    assert s075 < s05 < 0.8
+
+
+def test_report_has_a_verdict_line_per_target(quick_run):
+    text = "\n".join(bench_gpu.report_gpu(quick_run))
+    for target in bench_gpu.GPU_TARGETS.values():
+        assert sum(f": {target}]" in line for line in text.splitlines()) == 1
+    assert [v["verdict"] for v in quick_run["verdicts"]][0] == "N/A"  # no CUDA syncs to count on CPU
+    assert all(v["verdict"] in ("PASS", "FAIL") for v in quick_run["verdicts"][1:])
+    assert quick_run["passed"] is False  # N/A is never a pass
+    assert text.count("\n| 2 | ") == len(quick_run["rows"])
+
+
+def test_time_budget_skips_rows_instead_of_overrunning():
+    started = time.perf_counter()
+    out = bench_gpu.suite_gpu(quick_args("--gpu-budget-s", "12", "--gpu-row-s", "11.5"))
+    statuses = [r["status"] for r in out["rows"]]
+    assert any(s.startswith("skipped (time budget") for s in statuses)
+    first_skip = next(i for i, s in enumerate(statuses) if s.startswith("skipped"))
+    assert all(s.startswith("skipped") for s in statuses[first_skip:])  # once out of time, every later row
+    assert time.perf_counter() - started < 12 + 10
+    assert "skipped (time budget" in "\n".join(bench_gpu.report_gpu(out))
+
+
+def test_step_clock_stops_every_row_at_the_deadline():
+    clock = bench_gpu.StepClock(
+        3, "cpu", warm=1, profile_steps=1, row_s=60.0, hard_end=time.perf_counter() - 1
+    )
+    ids = torch.zeros(3, 5, dtype=torch.long)
+    assert clock(ids, None).all()  # past the suite's hard end: stop now
+    clock = bench_gpu.StepClock(
+        3, "cpu", warm=1, profile_steps=1, row_s=60.0, hard_end=time.perf_counter() + 60
+    )
+    assert not any(clock(ids, None).any() for _ in range(4))
+    assert len(clock.stamps) == 4 and not clock.profiling
+
+
+def _event(cat: str, name: str, ts: float, dur: float = 1.0) -> dict:
+    return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur)
+
+
+def test_step_counts_read_launches_syncs_and_busy_time_from_a_cuda_trace():
+    events = []
+    for step in range(3):  # steps of 100 us: mark, loop sync, forward mark, 5 launches + 1 forward sync
+        t = step * 100.0
+        events.append(_event("user_annotation", bench_gpu_profile.STEP_MARK, t))
+        events.append(_event("cuda_runtime", "cudaStreamSynchronize", t + 5))
+        events.append(_event("user_annotation", bench_gpu_profile.FORWARD_MARK, t + 10))
+        events += [_event("cuda_runtime", "cudaLaunchKernel", t + 20 + i) for i in range(4)]
+        events.append(_event("cuda_driver", "cuLaunchKernelEx", t + 30))
+        events.append(_event("cuda_runtime", "cudaMemcpyAsync", t + 40))  # not a sync by itself
+        events.append(_event("cuda_runtime", "cudaStreamSynchronize", t + 41))
+        events.append(_event("kernel", "gemm", t + 20, 30))
+        events.append(_event("kernel", "gemm2", t + 40, 20))  # overlaps the first by 10 us
+    events.append(_event("user_annotation", bench_gpu_profile.STEP_MARK, 300.0))
+    events.append(_event("cuda_runtime", "cudaGraphLaunch", 350.0))  # after the last mark: not counted
+    counts = bench_gpu_profile.step_counts(events, "cuda")
+    assert counts["profiled_steps"] == 3
+    assert counts["kernel_launches"] == 5 and counts["graph_launches"] == 0
+    assert counts["host_syncs"] == 2 and counts["loop_syncs"] == 1 and counts["forward_syncs"] == 1
+    assert counts["gpu_busy"] == pytest.approx(0.4)  # 40 us of each 100 us step
+    compiled = [e for e in events if e["name"] != bench_gpu_profile.FORWARD_MARK]
+    counts = bench_gpu_profile.step_counts(compiled, "cuda")
+    assert counts["forward_syncs"] is None and counts["host_syncs"] == 2
+    assert bench_gpu_profile.step_counts(events, "cpu")["kernel_launches"] is None
+
+
+def test_verdicts_take_generates_loop_syncs_out_of_a_compiled_row():
+    base = dict(
+        batch=16, policy="streaming", tokens_per_s=100.0, of_roofline=0.6, ms_per_step=10, roofline_ms=6
+    )
+    summary = dict(
+        batches=[16],
+        rows=[
+            dict(base, name="rlkv s=0.5 dynamic", forward_syncs=0.0, loop_syncs=1.0, host_syncs=1.0),
+            dict(base, name="rlkv s=0.5 static", forward_syncs=None, loop_syncs=None, host_syncs=1.0),
+            dict(base, name="plain eager (SDPA flash)", policy=None, tokens_per_s=80.0),
+            dict(base, name="plain StaticCache + compile", policy=None, tokens_per_s=120.0),
+        ],
+    )
+    v = {x["name"]: x["verdict"] for x in bench_gpu.verdicts(summary)}
+    assert v == dict(syncs="PASS", vs_flash="PASS", vs_compile="FAIL", roofline="PASS")
+    summary["rows"][1]["host_syncs"] = 3.0  # two syncs beyond generate's own: the forward syncs
+    assert bench_gpu.verdicts(summary)[0]["verdict"] == "FAIL"
