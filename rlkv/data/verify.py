@@ -97,12 +97,15 @@ def extract_code(completion: str) -> str:
 
 
 def run_python_tests(program: str, test_code: str, timeout_s: float = CODE_TIMEOUT_S) -> bool:
-    """True when `program` followed by `test_code` exits 0 within `timeout_s`, contained by `rlkv.data.sandbox`.
+    """True when `test_code`, run after `program` in its namespace, ran to its end within `timeout_s`.
 
-    The containment level follows `RLKV_CODE_SANDBOX` (guard by default, plus an OS sandbox
-    where `unshare` works); `SandboxError` when the required level is not available.
+    Contained by `rlkv.data.sandbox`; success is reported by the test harness after the tests'
+    last line, over a channel the program cannot write, so a program that exits (even with
+    status 0), kills itself, prints anything or replaces the test functions fails. The
+    containment level follows `RLKV_CODE_SANDBOX` (the OS sandbox where `unshare` works, else the
+    guard); `SandboxError` when the required level is not available.
     """
-    return run_program(program + "\n\n" + test_code + "\n", timeout_s).passed
+    return run_program(program, timeout_s, tests=test_code).passed
 
 
 def example_metadata(example: dict) -> dict:
