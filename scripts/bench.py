@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import bench_gpu
+import bench_gpu_train
 import bench_real
 import bench_serve
 import torch
@@ -47,6 +48,7 @@ SECTIONS = {  # the report's sections after the real-model one, in order
     "decode": report_decode,
     "overhead": report_overhead,
     "train": report_train,
+    "gpu-train": bench_gpu_train.report_gpu_train,
 }
 
 
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         default="all",
         help="comma list of memory,decode,overhead,train,maxbatch or all; real (needs --model) runs a real "
         "LLM; serve: throughput at a fixed KV cap (--model, or a synthetic model); gpu: decode of Qwen2.5-7B's "
-        "geometry, plain transformers vs rlkv (--device cuda; --quick: tiny, CPU)",
+        "geometry, plain transformers vs rlkv (--device cuda; --quick: tiny, CPU); gpu-train: one GRPO step on "
+        "Qwen2.5-7B's geometry (--device cuda; --quick: tiny, CPU)",
     )
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--device", default="cpu")
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_real.add_options(parser)
     bench_serve.add_options(parser)
     bench_gpu.add_options(parser)
+    bench_gpu_train.add_options(parser)
     args = parser.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
@@ -163,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             "real": bench_real.suite_real,
             "serve": bench_serve.suite_serve,
             "gpu": bench_gpu.suite_gpu,
+            "gpu-train": bench_gpu_train.suite_gpu_train,
         }[name](args)
     results["wall_seconds"] = time.perf_counter() - started
     text = report(results)

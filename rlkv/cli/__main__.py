@@ -1,0 +1,8 @@
+"""`python -m rlkv.cli ...`: the `rlkv` command without its console script (a checkout on PYTHONPATH,
+e.g. a machine that cannot install rlkv)."""
+
+import sys
+
+from rlkv.cli import main
+
+sys.exit(main())

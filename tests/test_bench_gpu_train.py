@@ -1,0 +1,103 @@
+"""`scripts/bench.py --suite gpu-train`: its CPU quick run measures every part of a real GRPO step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_gpu_train  # noqa: E402
+from bench_gpu_train_parts import PartTimer, count_host_syncs  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-train")
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench.py", "--suite", "gpu-train", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "bench.json").read_text())["gpu-train"], (out / "bench.md").read_text()
+
+
+def test_quick_run_times_every_part_of_one_real_grpo_step(quick_run):
+    r, _ = quick_run
+    rows = r["prompts"] * r["generations"]
+    for rollout in (r["gated"]["rollout"], r["plain"]["rollout"], r["compressed"]["rollout"]):
+        assert rollout["tokens"] == rows * r["tokens"]  # EOS suppressed: every completion is full length
+        assert rollout["seconds"] > 0
+    for step in (r["gated"], r["compressed"]):
+        assert step["step_seconds"] > step["rollout_seconds"] > 0
+        assert step["loss_forward_seconds"] > 0 and step["backward_seconds"] > 0
+    # an on-policy gate step makes no no-grad log-prob pass; the importance-sampling step makes one
+    assert r["gated"]["logps_passes"] == 0 and r["compressed"]["logps_passes"] == 1
+    assert r["gated"]["logps_pass_seconds"] > 0
+    baseline = r["plain"]["rollout"]["seconds"] + r["gated"]["logps_pass_seconds"]
+    baseline += r["gated"]["loss_forward_seconds"] + r["gated"]["backward_seconds"]
+    assert r["step_baseline_seconds"] == pytest.approx(baseline)
+
+
+def test_quick_run_reports_compressed_rollout_memory_and_importance_ratio(quick_run):
+    r, _ = quick_run
+    c = r["compressed"]
+    assert 0 < c["resident_kv_bytes"] < c["full_kv_bytes"]  # the streaming heads evicted tokens
+    ratio = c["importance_sampling_ratio"]
+    assert ratio["min"] <= ratio["mean"] <= ratio["max"] and ratio["min"] > 0
+
+
+def test_quick_run_counts_decode_host_syncs_and_prints_every_target(quick_run):
+    r, text = quick_run
+    for probe in (r["gated"]["probe"], r["plain"]["probe"], r["compressed"]["probe"]):
+        assert probe["seconds_per_step"] > 0 and probe["host_syncs_per_step"] >= 0
+        assert probe["kernel_launches_per_step"] is None  # CUDA only
+    assert r["targets"]["memory"] is None and r["gated"]["step_peak_bytes"] is None  # no allocator on CPU
+    for target in bench_gpu_train.TARGETS.values():
+        assert target in text
+    assert r["passed"] == all(v for v in r["targets"].values() if v is not None)
+
+
+def test_count_host_syncs_on_cpu_sees_item_and_nonzero():
+    x = torch.arange(6.0)
+    assert count_host_syncs(lambda: (x + 1).sum(), torch.device("cpu")) == 0
+    assert count_host_syncs(lambda: (x.sum().item(), x.nonzero()), torch.device("cpu")) == 2
+
+
+def test_part_timer_nests_parts_and_has_no_allocator_peak_on_cpu():
+    timer = PartTimer(torch.device("cpu"))
+    with timer.part("outer"):
+        with timer.part("inner"):
+            torch.ones(64, 64).matmul(torch.ones(64, 64))
+    assert timer.seconds("outer") >= timer.seconds("inner") > 0
+    assert timer.peak("outer") is None and timer.seconds("missing") == 0
+
+
+def test_plan_tokens_lowers_the_completion_length_to_fit_the_budget():
+    probe = {"seconds_per_step": 0.05, "prefill_seconds": 0.5}
+    assert bench_gpu_train.plan_tokens(1024, 10_000, probe, prompt_tokens=256) == 1024  # never raised
+    fitted = bench_gpu_train.plan_tokens(1024, 120, probe, prompt_tokens=256)
+    assert 64 <= fitted < 1024 and fitted % 64 == 0
+    assert bench_gpu_train.plan_tokens(1024, 1, probe, prompt_tokens=256) == 1
+
+
+def test_full_geometry_on_cpu_is_refused_with_the_way_out(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench.py", "--suite", "gpu-train", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "--quick" in proc.stderr and "--device cuda" in proc.stderr
