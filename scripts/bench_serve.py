@@ -3,6 +3,7 @@
     python scripts/bench.py --suite serve --model models/qwen2.5-coder-0.5b-instruct --kv-cap-gib 0.25
     python scripts/bench.py --suite serve --serve-model synthetic --kv-cap-gib 0.125   # Llama-3.1-8B attention
     python scripts/bench.py --suite serve --quick                                      # a smoke run (seconds)
+python scripts/bench.py --suite serve --device cuda      # GPU: Qwen2.5-7B geometry, cap = 16 full rows, < 8 min
 
 For every method (full; rlkv head mask at s=0.5 and 0.75 with streaming heads; rkv budget 1024 on
 every head; rlkv+rkv at s=0.5; any registered policy named in --serve-policies) the suite searches
@@ -22,8 +23,13 @@ resident KV goes over the cap. The run at the largest fitting batch gives:
   DynamicCache's key/value storages for full) and peak process memory;
 - tokens/s / full's tokens/s at the same cap, with PASS/FAIL against the targets below.
 
-The CUDA path (`--device cuda`) is written to run unchanged on a GPU but has not been run (no GPU
-on this project's machine).
+On CUDA without --model the suite measures random weights of Qwen2.5-7B's geometry (all 28 layers, bf16,
+built on the device once; probes run in that one process and read torch.cuda.max_memory_allocated):
+rows of 4096 tokens (a 3584-token random prompt that stands in for generated reasoning, so every
+token is evictable, + 512 new tokens), a cap where full fits exactly 16 rows, SDPA without cuDNN for
+every method (cuDNN builds a graph per key length), and a --serve-time-limit (420 s) after which the
+remaining probes are skipped and reported as such. Target on the GPU: rlkv s=0.5 >= 1.8x full (RLKV's
+SGLang runtime measured 1.80x at s=0.5).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -43,6 +50,7 @@ from bench_serve_probe import (
     methods,
     probe_key,
     probe_log,
+    protect_prompt,
     recorded_probe,
     row_kv_estimate,
     serve_probe,
@@ -52,14 +60,34 @@ SERVE_TARGETS = {
     "rlkv s=0.5": (1.5, "rlkv s=0.5 tokens/s >= 1.5x full's at the same KV cap"),
     "rkv b=1024": (3.0, "rkv budget 1024 tokens/s >= 3x full's at the same KV cap"),
 }
+GPU_SERVE_TARGETS = {  # RLKV's SGLang runtime: 1.80x full's tokens/s at s=0.5 (issue 38)
+    **SERVE_TARGETS,
+    "rlkv s=0.5": (1.8, "rlkv s=0.5 tokens/s >= 1.8x full's at the same KV cap (GPU)"),
+}
+# the default model of a CUDA run without --model: random weights of that geometry, built on the device
+GPU_MODEL = "qwen2.5-7b"
+
+
+def serve_targets(device: str) -> dict[str, tuple[float, str]]:
+    """The targets (threshold, text) that apply on `device`."""
+    return GPU_SERVE_TARGETS if device.startswith("cuda") else SERVE_TARGETS
+
+
+class ServeTimeLimit(Exception):
+    """The suite's --serve-time-limit ran out before or during a probe."""
 
 
 # ------------------------------------------------------------------------------------------ models
 def build_serve_model(spec: str, layers: int, device: str, dtype: str):
     """(model, prompt token ids [1, P] or None) for "synthetic" (random Llama with Llama-3.1-8B
-    attention geometry, `layers` layers), "tiny:<family>" (rlkv.testing) or a model folder."""
+    attention geometry, `layers` layers), a geometry of bench_gpu_profile.GEOMETRIES (random weights
+    built on the device), "tiny:<family>" (rlkv.testing) or a model folder."""
+    from bench_gpu_profile import GEOMETRIES, build_random_model
+
     from rlkv.inference import load, resolve_dtype
 
+    if spec in GEOMETRIES:
+        return build_random_model(spec, device, resolve_dtype(dtype, device)), None
     if spec == "synthetic":
         from bench_common import ATTN_SHAPE, build_model
 
@@ -80,7 +108,15 @@ def probe_worker(args) -> dict:
     prompt = prompt_for(model, prompt, args.prompt_tokens, args.device)
     method = next(m for m in methods(args.serve_budget, args.policy_list) if m.name == args.method)
     return serve_probe(
-        model, prompt, method, args.batch, args.serve_tokens, args.cap_bytes, args.device, args.mask
+        model,
+        prompt,
+        method,
+        args.batch,
+        args.serve_tokens,
+        args.cap_bytes,
+        args.device,
+        args.mask,
+        protect_prompt=protect_prompt(args.serve_model_spec),
     )
 
 
@@ -119,9 +155,22 @@ def in_process_probe(args, method: Method, model, prompt: torch.Tensor) -> Calla
     """probe(batch) in this process, on an already loaded model."""
 
     def probe(batch: int) -> dict:
+        if time.perf_counter() > args.deadline:
+            raise ServeTimeLimit(f"{method.name} B={batch}: not started")
         r = serve_probe(
-            model, prompt, method, batch, args.serve_tokens, args.cap_bytes, args.device, args.mask
+            model,
+            prompt,
+            method,
+            batch,
+            args.serve_tokens,
+            args.cap_bytes,
+            args.device,
+            args.mask,
+            protect_prompt=protect_prompt(args.serve_model_spec),
+            deadline=args.deadline,
         )
+        if r.get("timed_out"):
+            raise ServeTimeLimit(f"{method.name} B={batch}: stopped after {r['generated']} tokens")
         return log_probe(r)
 
     return probe
@@ -139,11 +188,22 @@ def log_probe(r: dict) -> dict:
 
 
 def resolve_serve_args(args) -> None:
-    """Fill the suite's derived settings (model spec, cap in bytes, --quick sizes) on `args`."""
+    """Fill the suite's derived settings (model spec, cap in bytes, --quick sizes, the GPU defaults) on `args`."""
+    gpu = args.device.startswith("cuda") and not args.quick
     if args.serve_model == "auto":
-        args.serve_model_spec = args.model or ("synthetic" if not args.quick else "tiny:llama")
+        args.serve_model_spec = args.model or (
+            "tiny:llama" if args.quick else GPU_MODEL if gpu else "synthetic"
+        )
     else:
         args.serve_model_spec = args.serve_model
+    random_geometry = not protect_prompt(args.serve_model_spec)
+    if args.serve_tokens is None:  # a GPU row: 3584 prompt + 512 new = 4096 tokens, in seconds per probe
+        args.serve_tokens = 512 if random_geometry else 4096
+    if args.prompt_tokens is None:
+        args.prompt_tokens = 3584 if random_geometry else 64
+    if getattr(args, "serve_time_limit", None) is None:
+        args.serve_time_limit = 420.0 if gpu else float("inf")
+    args.deadline = time.perf_counter() + args.serve_time_limit
     args.policy_list = [p for p in (args.serve_policies or "").split(",") if p]
     if args.quick:  # a smoke run: tiny model, short generations, budget just above sink + window
         args.serve_tokens, args.prompt_tokens = min(args.serve_tokens, 160), 16
@@ -151,6 +211,9 @@ def resolve_serve_args(args) -> None:
         if args.kv_cap_gib is None:
             full = methods(args.serve_budget, [])[0]
             args.kv_cap_gib = 3 * row_kv_estimate(args, full, kv_geometry(args)) / 2**30
+    if args.kv_cap_gib is None and random_geometry:  # full fits exactly 16 rows (its last token is never fed)
+        full = methods(args.serve_budget, [])[0]
+        args.kv_cap_gib = 16 * row_kv_estimate(args, full, kv_geometry(args)) / 2**30
     if args.kv_cap_gib is None:
         args.kv_cap_gib = 0.25 if args.serve_model_spec != "synthetic" else 0.125
     args.cap_bytes = int(args.kv_cap_gib * 2**30)
@@ -167,7 +230,8 @@ def suite_serve(args) -> dict:
     rows = []
     shared = None
     geometry = kv_geometry(args)
-    if args.quick:  # seconds: probes share one process (peak RSS is then not per probe)
+    if args.quick or args.device.startswith("cuda"):  # one process: seconds (--quick; peak RSS is then
+        # not per probe), or one model build on a GPU (peak CUDA memory is reset per probe)
         model, prompt = build_serve_model(args.serve_model_spec, args.serve_layers, args.device, args.dtype)
         shared = (model, prompt_for(model, prompt, args.prompt_tokens, args.device))
     for method in methods(args.serve_budget, args.policy_list):
@@ -176,15 +240,22 @@ def suite_serve(args) -> dict:
         else:  # probes take minutes on a real model: recorded under --out, reused by a rerun
             probe = recorded_probe(subprocess_probe(args, method), probe_log(args), probe_key(args, method))
         guess = args.cap_bytes // row_kv_estimate(args, method, geometry)
-        rows.append(method_row(method, find_max_batch(probe, args.max_batch, guess)))
+        try:
+            rows.append(method_row(method, find_max_batch(probe, args.max_batch, guess)))
+        except ServeTimeLimit as e:
+            print(f"  serve: time limit ({args.serve_time_limit:.0f}s): {e}; skipped", flush=True)
+            rows.append(method_row(method, None))
     return serve_summary(rows, args)
 
 
-def method_row(method: Method, search: dict) -> dict:
-    """One method's report row from its batch search."""
+def method_row(method: Method, search: dict | None) -> dict:
+    """One method's report row from its batch search (None: skipped at the time limit)."""
+    skipped = search is None
+    search = search or dict(fit=None, over=None, fit_result=None, over_result=None, probes=[])
     best = search["fit_result"] or {}
     return dict(
         method=method.name,
+        status="skipped (time limit)" if skipped else "measured",
         policy=method.policy or "none (DynamicCache, sdpa)",
         sparsity=method.sparsity,
         budget=method.budget,
@@ -207,9 +278,10 @@ def serve_summary(rows: list[dict], args) -> dict:
         for key in ("decode_tokens_per_s", "whole_tokens_per_s"):
             ok = r[key] is not None and full[key]
             r[key.replace("tokens_per_s", "vs_full")] = r[key] / full[key] if ok else None
-        r["max_batch_vs_full"] = r["max_batch"] / full["max_batch"] if full["max_batch"] else None
+        ok = r["max_batch"] is not None and full["max_batch"]
+        r["max_batch_vs_full"] = r["max_batch"] / full["max_batch"] if ok else None
     verdicts = {}
-    for name, (threshold, _) in SERVE_TARGETS.items():
+    for name, (threshold, _) in serve_targets(args.device).items():
         name = name.replace("1024", str(args.serve_budget))
         row = next((r for r in rows if r["method"] == name), None)
         if row is not None:
@@ -220,6 +292,9 @@ def serve_summary(rows: list[dict], args) -> dict:
         dtype=args.dtype,
         threads=torch.get_num_threads(),
         cap_bytes=args.cap_bytes,
+        prompt_tokens=args.prompt_tokens,
+        protect_prompt=protect_prompt(args.serve_model_spec),
+        time_limit_s=args.serve_time_limit,
         new_tokens=args.serve_tokens,
         budget=args.serve_budget,
         rows=rows,
@@ -237,14 +312,24 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--serve-model",
         default="auto",
-        help="synthetic (Llama-3.1-8B attention, random weights), tiny:llama, a folder; auto: --model or synthetic",
+        help="synthetic (Llama-3.1-8B attention, random weights), qwen2.5-7b / llama-3.1-8b (random weights, "
+        "whole model), tiny:llama, a folder; auto: --model, else qwen2.5-7b on CUDA, synthetic on CPU",
     )
     parser.add_argument("--serve-layers", type=int, default=2, help="layers of the synthetic model")
     parser.add_argument(
-        "--serve-tokens", type=int, default=4096, help="generated tokens per row (EOS suppressed)"
+        "--serve-tokens",
+        type=int,
+        help="generated tokens per row, EOS suppressed (4096; 512 on a random geometry)",
     )
     parser.add_argument(
-        "--prompt-tokens", type=int, default=64, help="prompt length of models without a tokenizer"
+        "--prompt-tokens",
+        type=int,
+        help="prompt length of models without a tokenizer (64; 3584 on a random geometry)",
+    )
+    parser.add_argument(
+        "--serve-time-limit",
+        type=float,
+        help="seconds for the whole suite; later probes are skipped (default 420 on CUDA, none on CPU)",
     )
     parser.add_argument(
         "--serve-budget", type=int, default=1024, help="token budget of rkv and --serve-policies"

@@ -37,6 +37,15 @@ def methods(budget: int, extra_policies: list[str]) -> list[Method]:
     return out + [Method(f"{p} b={budget}", None, p, budget) for p in extra_policies]
 
 
+def protect_prompt(spec: str) -> bool:
+    """Whether the compressed heads keep the prompt: not for a random geometry of
+    bench_gpu_profile.GEOMETRIES, whose long random prompt stands in for generated reasoning (every token
+    evictable, as in the decode suite)."""
+    from bench_gpu_profile import GEOMETRIES
+
+    return spec not in GEOMETRIES
+
+
 def kv_resident_bytes(cache) -> int:
     """Bytes the cache's tensors hold: `resident_bytes()` of a HeadMixedCache, the key/value storages
     of a plain transformers cache."""
@@ -47,8 +56,11 @@ def kv_resident_bytes(cache) -> int:
     return storage_bytes([t for layer in cache.layers for t in (layer.keys, layer.values)])
 
 
-def make_method_cache(model, method: Method, mask_path: str | None, seed: int = 0):
-    """The cache of `method` for `model` (a DynamicCache with stock sdpa for full)."""
+def make_method_cache(
+    model, method: Method, mask_path: str | None, seed: int = 0, protect_prompt: bool = True
+):
+    """The cache of `method` for `model` (a DynamicCache with stock sdpa for full); `protect_prompt`:
+    the compressed heads keep the whole prompt (False: it is evictable like generated tokens)."""
     from transformers import DynamicCache
 
     from rlkv import HeadMask
@@ -66,6 +78,7 @@ def make_method_cache(model, method: Method, mask_path: str | None, seed: int = 
         policy=method.policy,
         budget=method.budget,
         policy_kwargs=dict(method.policy_kwargs),
+        protect_prompt=protect_prompt,
     )
     return make_cache(model, config)
 
@@ -73,13 +86,13 @@ def make_method_cache(model, method: Method, mask_path: str | None, seed: int = 
 # ------------------------------------------------------------------------------------------- probe
 class _StepMeter:
     """A stopping criterion that reads the resident KV and a timestamp after every generated token,
-    and stops the run once the KV goes over the cap."""
+    and stops the run once the KV goes over the cap, or once `deadline` (perf_counter) has passed."""
 
-    def __init__(self, cache, cap_bytes: int, device: str) -> None:
-        self.cache, self.cap, self.device = cache, cap_bytes, device
+    def __init__(self, cache, cap_bytes: int, device: str, deadline: float = float("inf")) -> None:
+        self.cache, self.cap, self.device, self.deadline = cache, cap_bytes, device, deadline
         self.times: list[float] = []
         self.peak_kv = 0
-        self.over = False
+        self.over = self.timed_out = False
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         if self.device.startswith("cuda"):
@@ -87,7 +100,9 @@ class _StepMeter:
         self.times.append(time.perf_counter())
         self.peak_kv = max(self.peak_kv, kv_resident_bytes(self.cache))
         self.over = self.over or self.peak_kv > self.cap
-        return torch.full((input_ids.shape[0],), self.over, dtype=torch.bool, device=input_ids.device)
+        self.timed_out = self.timed_out or self.times[-1] > self.deadline
+        stop = self.over or self.timed_out
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
 def serve_probe(
@@ -100,16 +115,21 @@ def serve_probe(
     device: str = "cpu",
     mask_path: str | None = None,
     seed: int = 0,
+    protect_prompt: bool = True,
+    deadline: float = float("inf"),
 ) -> dict:
     """One real run: `batch` rows of `prompt_ids` [1, P], `new_tokens` sampled tokens each (EOS
     suppressed). Returns fits (peak resident KV <= cap for the whole run), peak_kv_bytes,
     generated (tokens per row; fewer when the run stopped over the cap), tokens/s (whole run and
-    steady-state decode: the second half of the steps) and peak process memory since the call."""
+    steady-state decode: the second half of the steps) and peak process memory since the call;
+    timed_out: stopped at `deadline` (perf_counter seconds), which says nothing about the cap.
+    On CUDA, SDPA runs without cuDNN for every method (cuDNN builds a graph per key length)."""
+    from bench_gpu_profile import sdpa_backends
     from bench_real import peak_rss_bytes, reset_peak_rss
     from transformers import StoppingCriteriaList
 
-    cache = make_method_cache(model, method, mask_path, seed)
-    meter = _StepMeter(cache, cap_bytes, device)
+    cache = make_method_cache(model, method, mask_path, seed, protect_prompt)
+    meter = _StepMeter(cache, cap_bytes, device, deadline)
     ids = prompt_ids.expand(batch, -1).contiguous()
     reset_peak_rss()
     if device.startswith("cuda"):
@@ -119,7 +139,7 @@ def serve_probe(
     oom = False
     start = time.perf_counter()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), sdpa_backends("no-cudnn" if device.startswith("cuda") else "default", device):
             model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
@@ -137,12 +157,13 @@ def serve_probe(
         oom = True
     wall = time.perf_counter() - start
     generated = len(meter.times)
-    fits = not (meter.over or oom) and generated == new_tokens
+    fits = not (meter.over or oom or meter.timed_out) and generated == new_tokens
     result = dict(
         method=method.name,
         batch=batch,
         fits=fits,
         out_of_memory=oom,
+        timed_out=meter.timed_out and not meter.over,
         generated=generated,
         prompt_tokens=int(prompt_ids.shape[1]),
         peak_kv_bytes=meter.peak_kv,
@@ -212,6 +233,7 @@ def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096, guess: i
 
 def kv_geometry(args) -> tuple[int, int, int, int]:
     """(layers, KV heads, head_dim, bytes per element) of the suite's model, without loading weights."""
+    from bench_gpu_profile import GEOMETRIES, geometry_config
     from transformers import AutoConfig, LlamaConfig
 
     from rlkv.geometry import attention_geometry
@@ -219,7 +241,9 @@ def kv_geometry(args) -> tuple[int, int, int, int]:
     from rlkv.testing import tiny_config
 
     spec = args.serve_model_spec
-    if spec == "synthetic":
+    if spec in GEOMETRIES:
+        config = geometry_config(spec)
+    elif spec == "synthetic":
         from bench_common import ATTN_SHAPE
 
         config = LlamaConfig(num_hidden_layers=args.serve_layers, **ATTN_SHAPE)
@@ -236,8 +260,10 @@ def row_kv_estimate(args, method: Method, geometry: tuple[int, int, int, int]) -
     """Rough KV bytes of one row at the end of a probe: the search's starting point, never its answer.
 
     Full heads hold prompt + generated tokens; compressed heads (int32 position per slot) hold the
-    protected prompt plus the window (streaming) or the budget and one policy buffer.
+    protected prompt (when the suite protects it) plus the window (streaming) or the budget and one
+    policy buffer.
     """
+
     from rlkv.inference import CompressionConfig
     from rlkv.policies import get_policy_class
 
@@ -250,7 +276,8 @@ def row_kv_estimate(args, method: Method, geometry: tuple[int, int, int, int]) -
         kept = CompressionConfig.window
     else:
         kept = (method.budget or args.serve_budget) + getattr(get_policy_class(method.policy), "buffer", 0)
-    kept = min(tokens, args.prompt_tokens + kept)
+    protected = args.prompt_tokens if protect_prompt(args.serve_model_spec) else 0
+    kept = min(tokens, protected + kept)
     return (heads - compressed) * tokens * per_slot + compressed * kept * (per_slot + 4)
 
 

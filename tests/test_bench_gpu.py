@@ -1,6 +1,7 @@
 """The GPU suite (scripts/bench_gpu.py, `scripts/bench.py --suite gpu`) in its CPU quick mode: every row is
 measured or says why not, the fields are sane, the report carries the verdict lines, the time budget
-skips rows; and the profiler-trace counting on a CUDA-shaped trace. No timing assertions."""
+skips rows; the profiler-trace counting on a CUDA-shaped trace; and the serve suite's GPU path (its
+defaults, the evictable prompt of a random geometry, the time limit) run on CPU. No timing assertions."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ sys.path.insert(0, str(SCRIPTS))
 
 import bench_gpu  # noqa: E402
 import bench_gpu_profile  # noqa: E402
+import bench_serve  # noqa: E402
+import bench_serve_probe  # noqa: E402
+import bench_serve_report  # noqa: E402
 
 
 def quick_args(*extra: str):
@@ -137,3 +141,69 @@ def test_verdicts_take_generates_loop_syncs_out_of_a_compiled_row():
     assert v == dict(syncs="PASS", vs_flash="PASS", vs_compile="FAIL", roofline="PASS")
     summary["rows"][1]["host_syncs"] = 3.0  # two syncs beyond generate's own: the forward syncs
     assert bench_gpu.verdicts(summary)[0]["verdict"] == "FAIL"
+
+
+# ------------------------------------------------------------- the serve suite's GPU path, run on CPU
+def serve_args(**overrides) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_serve.add_options(parser)
+    args = parser.parse_args([])
+    args.model, args.quick, args.device, args.dtype, args.out = None, False, "cpu", "auto", None
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_serve_on_cuda_defaults_to_the_7b_geometry_with_a_cap_of_16_full_rows_of_4k():
+    args = serve_args(device="cuda", dtype="bfloat16")  # auto is bf16 on a GPU; this machine has none
+    bench_serve.resolve_serve_args(args)
+    assert args.serve_model_spec == "qwen2.5-7b" and not bench_serve.protect_prompt(args.serve_model_spec)
+    assert (args.prompt_tokens, args.serve_tokens, args.serve_time_limit) == (3584, 512, 420.0)
+    per_token = 2 * 28 * 4 * 128 * 2  # K and V, 28 layers x 4 KV heads x head_dim 128, bf16
+    assert args.cap_bytes == 16 * 4096 * per_token  # 3.5 GiB
+    cpu = serve_args()
+    bench_serve.resolve_serve_args(cpu)  # the CPU defaults are unchanged
+    assert (cpu.serve_model_spec, cpu.prompt_tokens, cpu.serve_tokens) == ("synthetic", 64, 4096)
+    assert bench_serve.protect_prompt(cpu.serve_model_spec) and cpu.serve_time_limit == float("inf")
+    assert bench_serve.serve_targets("cuda")["rlkv s=0.5"][0] == 1.8  # RLKV's SGLang runtime: 1.80x
+
+
+@pytest.fixture(scope="module")
+def tiny_geometry():
+    torch.manual_seed(0)
+    model = bench_gpu_profile.build_random_model("tiny", "cpu", torch.float32)
+    return model, torch.randint(1, model.config.vocab_size, (1, 96))
+
+
+def test_serve_probe_on_a_random_geometry_evicts_the_prompt(tiny_geometry):
+    model, prompt = tiny_geometry
+    methods = {m.name: m for m in bench_serve_probe.methods(96, [])}
+    kv = {}
+    for name in ("full", "rlkv s=0.5"):
+        for protect in (True, False):
+            r = bench_serve_probe.serve_probe(
+                model, prompt, methods[name], 2, 16, 2**40, protect_prompt=protect
+            )
+            assert r["fits"] and not r["timed_out"] and r["generated"] == 16
+            kv[name, protect] = r["peak_kv_bytes"]
+    # 96 + 16 tokens, streaming keeps sink + window = 80 of them: only an evictable prompt saves
+    assert kv["full", True] == kv["full", False]
+    assert kv["rlkv s=0.5", False] < 0.9 * kv["rlkv s=0.5", True]
+
+
+def test_serve_probe_stops_at_the_deadline_without_claiming_over_the_cap(tiny_geometry):
+    model, prompt = tiny_geometry
+    full = bench_serve_probe.methods(96, [])[0]
+    r = bench_serve_probe.serve_probe(model, prompt, full, 2, 16, 2**40, deadline=time.perf_counter())
+    assert r["timed_out"] and not r["fits"] and r["generated"] == 1
+
+
+def test_serve_time_limit_skips_the_remaining_methods():
+    args = serve_args(
+        quick=True, serve_model="tiny:llama", serve_tokens=24, serve_time_limit=0.0, max_batch=4
+    )
+    s = bench_serve.suite_serve(args)
+    assert [r["status"] for r in s["rows"]] == ["skipped (time limit)"] * 5
+    assert s["passed"] is False and not any(s["verdicts"].values())
+    text = "\n".join(bench_serve_report.report_serve(s))
+    assert text.count("skipped (time limit)") == 5
