@@ -80,7 +80,16 @@ class AttentionTimer:
 
 def decode_step_time(model, cache, batch: int, device: str, steps: int, repeats: int) -> tuple[float, float]:
     """(seconds per decode step, seconds of it in the attention function): each the best of `repeats`
-    passes of `steps` steps (noise from other processes only ever adds time)."""
+    passes of `steps` steps (noise from other processes only ever adds time). On CUDA the steps run
+    with SDPA's cuDNN backend off (flash first): cuDNN builds a graph for every new key length, 41-63 ms
+    of host time per step on this suite's 2-layer model, which would be all the suite measured."""
+    from bench_gpu_profile import sdpa_backends
+
+    with sdpa_backends("no-cudnn" if device.startswith("cuda") else "default", device):
+        return _best_step_times(model, cache, batch, device, steps, repeats)
+
+
+def _best_step_times(model, cache, batch: int, device: str, steps: int, repeats: int) -> tuple[float, float]:
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
     run_decode(model, cache, ids, 2)  # warm-up (the first step also runs the first compression check)
     step = attention = float("inf")
