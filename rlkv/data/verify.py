@@ -2,7 +2,8 @@
 
 `verify(completion, example)` is what reward functions and the evaluation harness call: it
 dispatches on `example["source"]` to the verifier registered for that source. Verifiers never
-raise on bad model output (unparsable answers, crashing code, timeouts all count as wrong).
+raise on bad model output (unparsable answers, crashing code, timeouts all count as wrong); bad
+problem data (a missing or malformed `metadata` field) raises `ProblemDataError` naming the field.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from rlkv.data.answers import extract_boxed, strip_thinking
 from rlkv.data.errors import ProblemDataError
@@ -23,6 +24,7 @@ Verifier = Callable[[str, dict], bool]
 
 MATH_TIMEOUT_S = 5
 CODE_TIMEOUT_S = 10.0
+MAX_CODE_TIMEOUT_S = 3600.0
 
 
 def _gold_latex(answer: str) -> str:
@@ -109,30 +111,61 @@ def run_python_tests(program: str, test_code: str, timeout_s: float = CODE_TIMEO
 
 
 def example_metadata(example: dict) -> dict:
-    """The example's `metadata` column as a dict (stored as a JSON string in datasets; {} when absent)."""
+    """The example's `metadata` column as a dict (stored as a JSON string in datasets; {} when absent).
+
+    Raises `ProblemDataError` when it is neither a mapping nor a JSON object.
+    """
     meta = example.get("metadata")
     if meta is None or meta == "":
         return {}
     if isinstance(meta, str):
-        return json.loads(meta)
+        try:
+            meta = json.loads(meta)
+        except (ValueError, RecursionError) as e:
+            raise ProblemDataError(
+                f"example 'metadata' is not valid JSON ({e}); store a JSON object"
+            ) from None
+    if not isinstance(meta, Mapping):
+        raise ProblemDataError(
+            f"example 'metadata' must be a JSON object (a dict), got {type(meta).__name__}"
+        )
     return dict(meta)
+
+
+def _code_timeout(meta: dict) -> float:
+    """`metadata['timeout_s']` as seconds in (0, MAX_CODE_TIMEOUT_S] (CODE_TIMEOUT_S when absent)."""
+    value = meta.get("timeout_s", CODE_TIMEOUT_S)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= MAX_CODE_TIMEOUT_S
+    if not ok:  # NaN fails the comparison too
+        raise ProblemDataError(
+            f"code example metadata['timeout_s']={value!r} must be a number of seconds in (0, {MAX_CODE_TIMEOUT_S}]"
+        )
+    return float(value)
 
 
 def verify_code(completion: str, example: dict) -> bool:
     """Run the completion's code against `metadata["test_code"]` (plus `metadata["prefix"]` when the code lacks it).
 
     `metadata`: `test_code` (assertions / a `check(...)` call), optional `entry_point` (a name
-    the code must define; if it does not, `prefix`, e.g. HumanEval's prompt, is prepended).
+    the code must define; if it does not, `prefix`, e.g. HumanEval's prompt, is prepended),
+    optional `timeout_s` (seconds, default CODE_TIMEOUT_S, at most MAX_CODE_TIMEOUT_S). Bad model
+    output gives False; bad problem data raises `ProblemDataError` naming the field.
     """
     meta = example_metadata(example)
     test_code = meta.get("test_code")
-    if not test_code:
-        raise ValueError(f"code example from source {example.get('source')!r} has no metadata['test_code']")
+    if not test_code or not isinstance(test_code, str):
+        raise ProblemDataError(
+            f"code example from source {example.get('source')!r} has no metadata['test_code'] (a string of tests)"
+        )
+    for field in ("entry_point", "prefix"):
+        if not isinstance(meta.get(field, ""), str):
+            raise ProblemDataError(f"code example metadata[{field!r}] must be a string")
+    timeout_s = _code_timeout(meta)
     code = extract_code(completion)
     entry_point = meta.get("entry_point")
     if entry_point and not re.search(rf"def\s+{re.escape(entry_point)}\s*\(", code):
         code = meta.get("prefix", "") + code
-    return run_python_tests(code, test_code, timeout_s=float(meta.get("timeout_s", CODE_TIMEOUT_S)))
+    return run_python_tests(code, test_code, timeout_s=timeout_s)
 
 
 def verify_reasoning_gym(completion: str, example: dict) -> bool:
