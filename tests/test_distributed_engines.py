@@ -31,7 +31,7 @@ pytestmark = [
 ]
 
 
-def _run(tmp_path: Path, accelerate_config: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, accelerate_config: str, processes: int = 2) -> subprocess.CompletedProcess:
     tiny_model("qwen2").save_pretrained(tmp_path / "model")
     tiny_tokenizer().save_pretrained(tmp_path / "model")
     rows = [
@@ -54,7 +54,7 @@ def _run(tmp_path: Path, accelerate_config: str) -> subprocess.CompletedProcess:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [str(ACCELERATE), "launch", "--config_file", str(REPO / "recipes/accelerate" / accelerate_config)]
-    cmd += ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(port)]
+    cmd += ["--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port", str(port)]
     cmd += [str(REPO / "train_gates.py"), "--config", str(tmp_path / "recipe.yaml")]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -71,6 +71,15 @@ def _check_refused(proc: subprocess.CompletedProcess, engine: str) -> None:
 def test_fsdp2_on_cpu_ranks_is_refused_instead_of_running_ddp(tmp_path):
     proc = _run(tmp_path, "fsdp.yaml")
     _check_refused(proc, "FSDP")
+    assert not (tmp_path / "run" / "head_mask.json").exists()
+
+
+def test_one_process_fsdp2_on_cpu_is_refused_instead_of_training_unsharded(tmp_path):
+    # recipes/accelerate/fsdp_one_gpu.yaml is the world-size-1 FSDP2 run for one GPU; on CPU accelerate
+    # would start it and train without FSDP
+    proc = _run(tmp_path, "fsdp_one_gpu.yaml", processes=1)
+    _check_refused(proc, "FSDP")
+    assert "single_process.yaml" in proc.stderr
     assert not (tmp_path / "run" / "head_mask.json").exists()
 
 

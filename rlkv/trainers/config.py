@@ -100,13 +100,13 @@ class GateGRPOConfig(GRPOConfig):
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = False
         engine = _requested_sharding_engine()
-        if engine and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
+        if engine and not torch.accelerator.is_available():
             # accelerate selects FSDP / DeepSpeed only on an accelerator: on CPU ranks it would silently run
-            # plain DDP over gloo (use_cpu) or let each rank train alone
+            # plain DDP over gloo (use_cpu), let each rank train alone, or (one process) train unsharded
             raise ValueError(
                 f"the accelerate config asks for {engine}, but this machine has no accelerator and accelerate "
-                f"runs {engine} only on GPUs (CPU ranks would silently run plain DDP); on CPU use "
-                "recipes/accelerate/multi_process_cpu.yaml (DDP over gloo)"
+                f"runs {engine} only on GPUs (on CPU it would silently run without it); on CPU use "
+                "recipes/accelerate/multi_process_cpu.yaml (DDP over gloo) or single_process.yaml"
             )
         if (
             not self.use_cpu
