@@ -259,3 +259,18 @@ def _version(package: str) -> str:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "(not installed)"
+
+
+def torch_dispatch_mode() -> type:
+    """torch's `TorchDispatchMode` base class (private `torch.utils._python_dispatch`; public in
+    spirit since torch 2.0): `rlkv.testing.HostSyncCounter` sees every aten op through it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def tensor_version(tensor: Any) -> int:
+    """The in-place version counter of `tensor` (torch's private `Tensor._version`): it changes
+    whenever the tensor is modified in place (an optimizer step, a `copy_`), so a host-side flag
+    derived from the tensor can be recomputed only when it may have changed."""
+    return tensor._version

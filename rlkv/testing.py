@@ -7,11 +7,15 @@ small byte-level BPE tokenizer from an in-memory corpus and gives it a ChatML ch
 
 from __future__ import annotations
 
+import collections
 import functools
 import string
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from rlkv.compat import torch_dispatch_mode
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -107,3 +111,100 @@ def tiny_model(
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.eos_token_id = config.eos_token_id
     return model.eval()
+
+
+# Host reads: aten ops that make the host wait for the device on CUDA (a value read back, or an
+# output whose size depends on the data). On CPU they are free, so a test counts them to prove a
+# decode step would not stall a GPU.
+_SYNC_OPS = frozenset(
+    {
+        "aten::_local_scalar_dense",  # .item(), int(t), float(t), bool(t), `if t:`
+        "aten::equal",
+        "aten::is_nonzero",
+        "aten::nonzero",  # nonzero_static is not here: its size is given
+        "aten::masked_select",
+        "aten::_unique",
+        "aten::_unique2",
+        "aten::unique_dim",
+        "aten::unique_consecutive",
+        "aten::unique_dim_consecutive",
+        "aten::histc",
+        "aten::bincount",
+    }
+)
+# Python-level reads, patched while counting: under `torch.inference_mode` a CPU `.item()` never
+# reaches the dispatcher, so the aten op alone would miss it.
+_HOST_READ_METHODS = ("item", "tolist", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__")
+
+
+class HostSyncCounter(torch_dispatch_mode()):
+    """Counts the tensor operations that would block the host on the device on CUDA, on any device.
+
+    Counted: reading a value back (`.item()`, `int(t)`, `bool(t)`, `.tolist()`, `.numpy()`), ops
+    whose output size depends on the data (`nonzero`, boolean-mask indexing, `masked_select`,
+    `unique`, `repeat_interleave` without `output_size`), `torch.equal`, and device-to-host copies.
+    Use as a context manager: `with HostSyncCounter() as syncs: ...; syncs.count`; `syncs.ops`
+    names what was counted (op name -> count). Not thread-safe (it patches `Tensor.tolist` & co.
+    while active).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self._saved: dict[str, Any] = {}
+        self._reading = 0  # > 0 inside a patched read: its own aten ops are that one read
+
+    @property
+    def count(self) -> int:
+        """Host syncs counted so far."""
+        return sum(self.ops.values())
+
+    def __enter__(self) -> HostSyncCounter:
+        for name in _HOST_READ_METHODS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+            setattr(torch.Tensor, name, self._counting(name, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        self._saved.clear()
+        return super().__exit__(*exc)
+
+    def _counting(self, name: str, original: Any) -> Any:
+        @functools.wraps(original)
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not self._reading:
+                self.ops[f"Tensor.{name}"] += 1
+            self._reading += 1
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                self._reading -= 1
+
+        return read
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if not self._reading and (name in _SYNC_OPS or _is_sync(name, args, kwargs)):
+            self.ops[name] += 1
+        return func(*args, **kwargs)
+
+
+def _is_sync(name: str, args: tuple, kwargs: dict) -> bool:
+    """The ops that sync only for some arguments: boolean-mask indexing, repeat_interleave without
+    `output_size`, a copy from a device to the host."""
+    if name in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices)
+    if name == "aten::repeat_interleave":
+        return isinstance(args[0], torch.Tensor) and kwargs.get("output_size") is None and len(args) < 4
+    if name in ("aten::_to_copy", "aten::copy_"):
+        if name == "aten::copy_":
+            dst, src = args[0], args[1]
+            return src.device.type != "cpu" and dst.device.type == "cpu"
+        device = kwargs.get("device")
+        return args[0].device.type != "cpu" and device is not None and torch.device(device).type == "cpu"
+    return False

@@ -211,11 +211,15 @@ def _fast_path_spy(monkeypatch) -> list[tuple[str, int]]:
     return calls
 
 
-def _compact_slot_by_slot(self: CompressedStore, keep: torch.Tensor) -> None:
+def _compact_slot_by_slot(
+    self: CompressedStore, keep: torch.Tensor, kept: list[int] | None = None, by_position: bool = False
+) -> None:
     """Reference compaction, one (row, head) at a time: kept slots first in order, then empty slots."""
     valid = self.valid()
     keep = keep & valid
     self.evicted += (valid & ~keep).sum(dim=(1, 2))
+    self._recount(keep, kept, by_position)  # the host counts, as the cache keeps them
+    self.uniform = False
     size = int(keep.sum(-1).max())
     batch, heads, _ = keep.shape
     named = {"keys": self.keys, "values": self.values, "positions": self.positions}

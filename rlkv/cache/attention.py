@@ -39,20 +39,31 @@ def attend(
     no padding). Full heads use it as is; compressed heads use its columns at their kept positions.
     """
     batch, num_q_heads, q_len, head_dim = query.shape
-    new_valid = _new_token_validity(layer, attention_mask, batch, q_len, query.device)
-    start = layer.logical_length - q_len
-    if layer.row_start is None or q_len > 1:
+    padding = None
+    if layer.row_start is None or q_len > 1:  # a prompt forward (or a chunk of it)
+        new_valid = _new_token_validity(layer, attention_mask, batch, q_len, query.device)
+        start = layer.logical_length - q_len
         # left padding: each row's first real column; a row whose earlier prefill chunks were all
         # padding (row_start = start) gets it from this chunk
         first_real = torch.where(new_valid.any(1), start + new_valid.int().argmax(1), layer.logical_length)
         seen = layer.row_start if layer.row_start is not None else first_real
         layer.row_start = torch.where(seen >= start, first_real, seen).long()
+        # the one host read of a request: where rows start and this forward's padding per row;
+        # decode steps then count on the host (each adds one real token per row)
+        starts, real = torch.stack([layer.row_start, new_valid.sum(1)]).tolist()
+        layer.row_start_host, padding = starts, [q_len - n for n in real]
+    elif attention_mask is not None and not any(layer.row_start_host):
+        attention_mask = None  # a decode step of an unpadded batch: plain causal attention is exact
     if layer.store is None:
         return _sdpa(layer, module, query, layer.keys, layer.values, attention_mask, scaling)
     store = layer.store
-    store.row_start = layer.row_start
-    if attention_mask is not None and not bool(new_valid.all()):
-        store.mark_padding(new_valid)
+    store.row_start, store.row_start_host = layer.row_start, layer.row_start_host
+    if padding is not None:
+        first = store.logical_length == q_len
+        # rows padded alike hold the same positions in every (row, head) (see CompressedStore.compact)
+        store.uniform = (first or store.uniform) and len(set(layer.row_start_host)) == len(set(padding)) == 1
+        if any(padding):
+            store.mark_padding(new_valid, padding)
 
     out = query.new_empty(batch, q_len, num_q_heads, head_dim)
     full_q, comp_q = layer.full_q, layer.comp_q
@@ -204,12 +215,15 @@ def _after_attention(layer: HeadMixedLayer) -> None:
     store = layer.store
     policy = layer.settings.policy
     if store.is_prefill and not store.all_valid:
-        store.compact(store.valid())  # padding never occupies memory or budget
-    if policy.should_compress(store):
+        # padding never occupies memory or budget
+        store.compact(store.valid(), store.slot_counts, by_position=True)
+    if policy.should_compress(store):  # a Python bool from host counts (the policy contract)
+        kept = policy.kept_counts(store)  # before select: a policy may advance its schedule there
         keep = policy.select(store)
         if keep.dim() == 2:
             keep = keep[:, None, :].expand_as(store.positions)
-        store.compact(keep | store.forced_keep())  # compact keeps valid slots only
+        # compact keeps valid slots only
+        store.compact(keep | store.forced_keep(), kept, by_position=policy.selects_by_position)
 
 
 def rlkv_cache_attention(
@@ -236,10 +250,23 @@ def rlkv_cache_attention(
     )
 
 
+def decode_mask(*args, **kwargs) -> torch.Tensor | None:
+    """transformers' SDPA mask, built without reading the attention mask back on a single-token step.
+
+    To skip a mask, `sdpa_mask` checks on the host whether the padding mask is all ones: a host
+    sync per forward. `attend` knows from the prompt forward whether the batch is padded (and drops
+    the mask of an unpadded decode step itself), so a one-token step always gets the mask instead.
+    """
+    q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
+    if q_length == 1:
+        kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
 def register_attention() -> str:
     """Register the attention and mask functions (idempotent); returns their name."""
     AttentionInterface.register(ATTENTION_NAME, rlkv_cache_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, decode_mask)
     return ATTENTION_NAME
 
 

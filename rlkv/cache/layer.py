@@ -51,6 +51,7 @@ class HeadMixedLayer(CacheLayerMixin):
         self.logical_length = 0
         self.decoding = False  # a single-token step has run: a multi-token forward now is a new request
         self.row_start: torch.Tensor | None = None  # LongTensor[B]: first real column of each row
+        self.row_start_host: list[int] | None = None  # the same as Python ints (read once per prompt)
         self._key_storage: torch.Tensor | None = None  # what `keys` / `values` are prefix views of
         self._value_storage: torch.Tensor | None = None
 
@@ -110,6 +111,7 @@ class HeadMixedLayer(CacheLayerMixin):
         self.logical_length = 0
         self.decoding = False
         self.row_start = None
+        self.row_start_host = None
         if self.store is not None:
             self.store.clear()
 

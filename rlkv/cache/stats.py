@@ -63,14 +63,17 @@ def head_mixed_stats(cache: Any) -> list[CacheStats]:
     batch = some.shape[0]
     resident, full = cache.resident_bytes() // batch, cache.full_resident_bytes() // batch
     rows = []
+    # host counts only (no read of the device): row starts, slot counts and evictions are Python ints
     for b in range(batch):
         kept = evicted = real = 0
         for layer in cache.layers:
-            real = layer.logical_length - (int(layer.row_start[b]) if layer.row_start is not None else 0)
+            real = layer.logical_length - (layer.row_start_host[b] if layer.row_start_host is not None else 0)
             kept += int(layer.full_idx.numel()) * real
-            if layer.store is not None and layer.store.positions is not None:
-                kept += int(layer.store.valid()[b].sum())
-                evicted += int(layer.store.evicted[b])
+            store = layer.store
+            if store is not None and store.positions is not None:
+                heads = store.positions.shape[1]
+                kept += sum(store.head_counts[b]) if store.head_counts else heads * store.slot_counts[b]
+                evicted += store.evicted_host[b]
         rows.append(
             CacheStats(
                 resident_bytes=resident,

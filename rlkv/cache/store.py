@@ -5,6 +5,12 @@ copies no history; `CompressedStore` holds one layer's compressed KV heads (keys
 logical position of every slot) and is what a compression policy reads (the `PolicyStore`
 protocol of `rlkv.policies.base`). Eviction gathers into new, exactly sized tensors, so freed
 entries leave memory; `storage_bytes` reads what tensors really hold. See docs/design.md.
+
+No host sync in a decode step: the store keeps each row's slot count, first real column and
+evictions as Python ints (read from the device once per prompt forward), the policy decides from
+them whether to compress and declares the kept counts (`CompressionPolicy.kept_counts`), so
+`compact` gathers fixed-size index sets (`torch.nonzero_static`, a stable sort) and never reads
+the keep mask.
 """
 
 from __future__ import annotations
@@ -115,6 +121,14 @@ class CompressedStore:
         self._valid: torch.Tensor | None = None  # valid() and forced_keep() of the current slots,
         self._forced: torch.Tensor | None = None  # computed once per store state (see _slots_changed)
         self.all_valid = True  # no empty slot (lets attention skip building a mask)
+        # host mirrors (Python ints per batch row), so that no decode step reads the device:
+        self.row_start_host: list[int] | None = None  # first real column of each row
+        self.slot_counts: list[int] = []  # valid slots per (row, KV head); every head of a row alike
+        self.head_counts: list[list[int]] | None = None  # per (row, head), only when heads differ
+        self.evicted_host: list[int] = []  # KV entries evicted per row (over this layer's heads)
+        # every (row, head) holds the same positions (no padding, or rows padded alike, and only
+        # position-only selections so far): compaction copies whole columns
+        self.uniform = False
 
     # what policies read ------------------------------------------------------------------
     @property
@@ -125,6 +139,50 @@ class CompressedStore:
     def valid_length(self) -> torch.Tensor:
         """LongTensor[B]: real (non-padding) tokens seen per row."""
         return self.logical_length - self.row_start
+
+    def row_starts(self) -> list[int]:
+        """First real column of each row, as Python ints (read from `row_start` only for a store the
+        cache did not fill, such as a test's)."""
+        return self.row_start_host if self.row_start_host is not None else self.row_start.tolist()
+
+    def valid_lengths(self) -> list[int]:
+        """Real (non-padding) tokens seen per row, as Python ints."""
+        return [self.logical_length - start for start in self.row_starts()]
+
+    def protected_counts(self) -> list[int]:
+        """Protected (prompt) slots per (row, head), per row: the row's real prompt tokens, never evicted."""
+        if not self.settings.protect_prompt:
+            return [0] * len(self.slot_counts)
+        return [max(0, self.prompt_length - start) for start in self.row_starts()]
+
+    def evictable_counts(self) -> list[int]:
+        """Valid, unprotected slots per (row, head), per row (host `num_evictable`)."""
+        return [n - p for n, p in zip(self.slot_counts, self.protected_counts(), strict=True)]
+
+    def forced_counts(self) -> list[int]:
+        """Slots of `forced_keep()` per (row, head), per row, from host ints.
+
+        The forced set of a row is its real columns in [row_start, early_end) and the last `window`
+        columns. Every such column is still stored: it was forced at every compaction since it
+        arrived (the early region never shrinks, the window only slides forward)."""
+        end, counts = self.logical_length, []
+        for start in self.row_starts():
+            early_end = start + self.sink
+            if self.settings.protect_prompt:
+                early_end = max(early_end, self.prompt_length)
+            early_end = min(early_end, end)
+            late = max(end - self.window, start)
+            counts.append(max(0, early_end - start) + (end - late) - max(0, early_end - late))
+        return counts
+
+    def budget_counts(self) -> list[int] | None:
+        """`budget` as Python ints per row (None: no budget); the same rounding as the tensor."""
+        spec = self.settings.budget
+        if spec is None:
+            return None
+        if isinstance(spec, float):
+            return [round(spec * n) + self.sink + self.window for n in self.valid_lengths()]
+        return [int(spec)] * len(self.slot_counts)
 
     @property
     def budget(self) -> torch.Tensor | None:
@@ -196,6 +254,11 @@ class CompressedStore:
             pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
             self._slot_buffers[name] = (self._append(f"slot:{name}", buf, pad), fill)
         self.logical_length += q_len
+        self.slot_counts = [n + q_len for n in self.slot_counts] if self.slot_counts else [q_len] * batch
+        if self.head_counts is not None:
+            self.head_counts = [[n + q_len for n in row] for row in self.head_counts]
+        if not self.evicted_host:
+            self.evicted_host = [0] * batch
         self._slots_changed()
 
     def _append(self, name: str, current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
@@ -203,11 +266,21 @@ class CompressedStore:
         self._capacity[name] = storage
         return storage[:, :, : new.shape[2] + (0 if current is None else current.shape[2])]
 
-    def mark_padding(self, new_valid: torch.Tensor) -> None:
-        """Set the slots of this forward's tokens that are padding (new_valid BoolTensor[B, Q] False) empty."""
+    def mark_padding(self, new_valid: torch.Tensor, padding: list[int] | None = None) -> None:
+        """Set the slots of this forward's tokens that are padding (new_valid BoolTensor[B, Q] False) empty.
+
+        padding: padding tokens of this forward per row, as Python ints (None: counted here, one read).
+        """
         q_len = new_valid.shape[1]
+        if padding is None:
+            padding = (q_len - new_valid.sum(1)).tolist()
         tail = self.positions[:, :, -q_len:]
         self.positions[:, :, -q_len:] = torch.where(new_valid[:, None, :], tail, torch.full_like(tail, -1))
+        self.slot_counts = [n - p for n, p in zip(self.slot_counts, padding, strict=True)]
+        if self.head_counts is not None:
+            self.head_counts = [
+                [n - p for n in row] for row, p in zip(self.head_counts, padding, strict=True)
+            ]
         self.all_valid = False
         self._slots_changed()
 
@@ -223,35 +296,62 @@ class CompressedStore:
             queries, pos = queries[:, :, :, -limit:].clone(), pos[-limit:].clone()
         self.queries, self.query_positions = queries, pos
 
-    def compact(self, keep: torch.Tensor) -> None:
+    def compact(self, keep: torch.Tensor, kept: list[int] | None = None, by_position: bool = False) -> None:
         """Keep the slots where `keep` [B, H_c, K] is True (valid ones only), in exactly sized new tensors.
 
-        Kept slots stay in position order. Steady-state decode takes a fast path: when no slot is empty
-        and every (row, head) keeps the same slot indices (streaming evicts the first slot after the
-        sink), whole columns are copied with one `index_select` per tensor. Otherwise, when every
-        (row, head) keeps the same count, the kept slots are copied as rows with `index_select`,
-        several times faster on CPU than the padded path's gather.
+        kept: how many slots each row keeps per head, as Python ints (the policy's `kept_counts`):
+        the gather then never reads `keep` on the host. None: count `keep` (one host read, for
+        policies that declare no counts). by_position: `keep` depends only on the slots' positions
+        (and row-wide quantities), so a store whose (row, head)s all hold the same positions keeps
+        them alike.
+
+        Kept slots stay in position order. Fast paths: when every (row, head) holds the same slots
+        and keeps the same ones (streaming evicts the first slot after the sink), whole columns are
+        copied with one `index_select` per tensor; when every (row, head) keeps the same count, the
+        kept slots are copied as rows with `index_select`, several times faster on CPU than the
+        padded path's gather.
         """
-        if self.all_valid and keep.numel() and torch.equal(keep, keep[:1, :1].expand_as(keep)):
-            self._take_columns(keep[0, 0].nonzero().view(-1))
+        valid = self.valid()
+        keep = keep & valid
+        self.evicted += (valid > keep).sum(dim=(1, 2))  # valid and not kept: on the device, no read
+        same_columns = self._recount(keep, kept, by_position)
+        kept = self.slot_counts
+        size = max(kept, default=0)
+        equal_counts = self.head_counts is None and min(kept, default=0) == size
+        if same_columns and keep.numel():
+            self._take_columns(torch.nonzero_static(keep[0, 0], size=size).view(-1))
+        elif equal_counts:
+            self._take_slots(keep, size)
+            self.uniform = False
         else:
-            valid = self.valid()
-            keep = keep & valid
-            self.evicted += (valid > keep).sum(dim=(1, 2))  # valid and not kept
-            counts = keep.sum(-1)
-            fewest, size = (int(c) for c in counts.aminmax()) if counts.numel() else (0, 0)
-            if fewest == size:
-                self._take_slots(keep, size)
-            else:
-                self._gather_padded(keep, counts, size)
-            self.all_valid = fewest == size
+            self._gather_padded(keep, size)
+            self.uniform = False
+        self.all_valid = equal_counts
         self._capacity.clear()  # the new tensors are exactly sized; the old storages are freed
         self._slots_changed()
 
+    def _recount(self, keep: torch.Tensor, kept: list[int] | None, by_position: bool) -> bool:
+        """Update the host counts for a compaction to `keep` (valid slots only) keeping `kept` slots per
+        row and head (None: count `keep`, one host read); returns whether whole columns suffice."""
+        heads = keep.shape[1]
+        before = self.head_counts or [[n] * heads for n in self.slot_counts]
+        if kept is None:  # the policy declares no counts: read them (and whether columns suffice)
+            per_head = keep.sum(-1).tolist()
+            kept = [max(row, default=0) for row in per_head]
+            self.head_counts = per_head if any(min(row) != max(row) for row in per_head) else None
+            same_columns = self.all_valid and torch.equal(keep, keep[:1, :1].expand_as(keep))
+        else:
+            per_head = [[n] * heads for n in kept]
+            self.head_counts = None
+            same_columns = self.uniform and by_position
+        self.evicted_host = [
+            e + sum(old) - sum(new) for e, old, new in zip(self.evicted_host, before, per_head, strict=True)
+        ]
+        self.slot_counts = list(kept)
+        return same_columns
+
     def _take_columns(self, columns: torch.Tensor) -> None:
         """Compact when every (row, head) keeps the slots `columns` (LongTensor[N], in order), none empty."""
-        heads, slots = self.positions.shape[1:]
-        self.evicted += heads * (slots - columns.numel())
         self.keys = self.keys.index_select(2, columns)
         self.values = self.values.index_select(2, columns)
         self.positions = self.positions.index_select(2, columns)
@@ -264,7 +364,8 @@ class CompressedStore:
 
     def _take_slots(self, keep: torch.Tensor, size: int) -> None:
         """Compact when every (row, head) keeps `size` slots: [row * head, slot] indices, in order."""
-        kept = keep.flatten(0, 1).nonzero()
+        # [N, 2] (row * head, slot) in order; N is known, so no host read of the mask
+        kept = torch.nonzero_static(keep.flatten(0, 1), size=keep.shape[0] * keep.shape[1] * size)
         rows: dict[int, torch.Tensor] = {}  # flat row indices per storage length (shared by most tensors)
         self.keys = self._select_rows("keys", self.keys, kept, size, rows)
         self.values = self._select_rows("values", self.values, kept, size, rows)
@@ -284,11 +385,11 @@ class CompressedStore:
         taken = storage.flatten(0, 2).index_select(0, rows[stride])
         return taken.view(*current.shape[:2], size, *current.shape[3:])
 
-    def _gather_padded(self, keep: torch.Tensor, counts: torch.Tensor, size: int) -> None:
+    def _gather_padded(self, keep: torch.Tensor, size: int) -> None:
         """Compact when (row, head) counts differ: `size` slots each, the missing ones empty (-1)."""
         # stable sort: kept slots first, in their current order
         order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :size]
-        filled = torch.arange(size, device=keep.device) < counts[..., None]
+        filled = keep.gather(-1, order)
         idx = order[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, idx)
         self.values = self.values.gather(2, idx)

@@ -10,7 +10,7 @@ Writing a policy
 ----------------
     from dataclasses import dataclass
     from rlkv.policies import register_policy
-    from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
+    from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores, top_scores_counts
 
     @register_policy("mine")
     @dataclass(eq=False, kw_only=True)
@@ -22,8 +22,12 @@ Writing a policy
             ...
 
         def should_compress(self, store):            # called after every forward, per layer
-            return store.budget is not None and bool(
-                (store.num_evictable() > store.budget[:, None] + self.buffer).any())
+            budget = store.budget_counts()           # Python ints: deciding never reads the device
+            return budget is not None and any(
+                n > b + self.buffer for n, b in zip(store.evictable_counts(), budget))
+
+        def kept_counts(self, store):                # slots each row keeps per head, Python ints
+            return top_scores_counts(store)
 
         def select(self, store):                     # -> BoolTensor keep [B, H_c, K] (or [B, K])
             scores = ...                             # FloatTensor [B, H_c, K], higher = keep
@@ -63,6 +67,11 @@ policies depend on the protocol only, so nothing under rlkv/policies imports the
   N is smaller than requested until that many tokens were seen. Queries persist across steps.
 - Tensors returned by the store are the cache's own: never modify them in place (build new ones),
   except `slot_buffer(...)` and `state`, which exist for that.
+- Host counts (Python ints, one per batch row; every KV head of a row holds the same count):
+  `slot_counts` (valid slots per (row, head)), `row_starts()`, `valid_lengths()`,
+  `protected_counts()`, `evictable_counts()`, `forced_counts()`, `budget_counts()` (None: no
+  budget). The cache keeps them without reading the device (once per prompt forward it reads
+  where rows start), so a policy can decide and size a compression from them alone.
 - `state` dict: per-layer scratch space for the policy, cleared at each new sequence.
 - `slot_buffer(name, fill=0.0, dtype=torch.float32)` -> Tensor[B, H_c, K]: a per-slot value the
   cache keeps aligned with the slots (new slots get `fill`, evictions gather it). Update it in
@@ -89,11 +98,27 @@ What a policy declares (class attributes) and the hooks it gets
 - `attach(model)`: called once by `rlkv.inference.make_cache` with the model the cache serves, for
   policies that act on the model itself (SkipKV's steering hook); install hooks idempotently.
 
-When and what
--------------
+When and what: the schedule is declared on the host
+---------------------------------------------------
+A decode step makes no host sync (docs/design.md): on a GPU, reading a tensor's value back
+(`.item()`, `bool(t)`, `int(t)`, `nonzero`, `.tolist()`) makes the host wait for the device.
+So a policy decides *when* and *how much* from Python ints only, and only *which* on the device.
 - `should_compress(store) -> bool`: called after every forward (prefill and each decode step) for
-  each layer with compressed heads. Default: compress when some (row, head) holds more evictable
-  tokens than its budget.
+  each layer with compressed heads. It must return a Python bool computed from host values: the
+  store's host counts (above), `logical_length`, `prompt_length`, `num_generated`, `is_prefill`,
+  the policy's own fields and host state (RPC: `num_generated` against its interval; R-KV:
+  `evictable_counts()` against `budget_counts()` + buffer), never from a tensor.
+  Default: compress when some row holds more evictable tokens than its budget.
+- `kept_counts(store) -> list[int] | None`: called when `should_compress` said yes, before
+  `select`: how many slots each row keeps per KV head after the compression, `(keep |
+  forced_keep()) & valid()` counted. The store gathers exactly that many (no read of the mask);
+  declaring fewer than `select` keeps drops kept tokens, more leaves empty slots. Default None:
+  the store counts the mask itself (one host read per compression, correct for any policy).
+  `top_scores_counts(store, budget=None)` is the count of `keep_top_scores`; `forced_counts()`
+  that of `keep_forced_only`.
+- `selects_by_position: bool = False` (class attribute): `select` depends only on the slots'
+  positions and per-row values (sink + window, sink + most recent): rows and heads that hold the
+  same positions keep the same slots, so the store copies whole columns.
 - `select(store) -> BoolTensor`: which slots stay. `[B, H_c, K]` per (row, KV head), or `[B, K]`
   per layer (applied to every head: only valid if the policy always selects per layer, so the
   slots of all heads of a layer hold the same positions). The cache keeps
@@ -127,6 +152,8 @@ class PolicyStore(Protocol):
     is_prefill: bool
     state: dict[str, Any]
 
+    slot_counts: list[int]
+
     @property
     def num_generated(self) -> int: ...
     @property
@@ -139,6 +166,12 @@ class PolicyStore(Protocol):
     def num_evictable(self) -> torch.Tensor: ...
     def forced_keep(self) -> torch.Tensor: ...
     def query_valid(self) -> torch.Tensor: ...
+    def row_starts(self) -> list[int]: ...
+    def valid_lengths(self) -> list[int]: ...
+    def protected_counts(self) -> list[int]: ...
+    def evictable_counts(self) -> list[int]: ...
+    def forced_counts(self) -> list[int]: ...
+    def budget_counts(self) -> list[int] | None: ...
     def slot_buffer(
         self, name: str, fill: float = 0.0, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor: ...
@@ -153,6 +186,7 @@ class CompressionPolicy:
     observe_tokens: ClassVar[bool] = False
     observe_hidden_states: ClassVar[bool] = False
     default_budget: ClassVar[int | float | None] = None
+    selects_by_position: ClassVar[bool] = False
 
     def reset(self) -> None:
         """A new sequence starts: clear any state kept on the policy object."""
@@ -174,10 +208,17 @@ class CompressionPolicy:
         """Attention probabilities [B, H_c, G, Q', K] of a chunk of the new queries over the store (if `observe_attention`)."""
 
     def should_compress(self, store: PolicyStore) -> bool:
-        """Whether to run `select` now; default: some (row, head) holds more evictable tokens than its budget."""
-        if store.budget is None:
+        """Whether to run `select` now, from host values only (a Python bool, never read from a tensor);
+        default: some row holds more evictable tokens than its budget."""
+        budget = store.budget_counts()
+        if budget is None:
             return False
-        return bool((store.num_evictable() > store.budget[:, None]).any())
+        return any(n > b for n, b in zip(store.evictable_counts(), budget, strict=True))
+
+    def kept_counts(self, store: PolicyStore) -> list[int] | None:
+        """Slots each row keeps per KV head after this compression (Python ints), or None: the store
+        counts the keep mask itself (one host read)."""
+        return None
 
     def select(self, store: PolicyStore) -> torch.Tensor:
         """BoolTensor keep mask [B, H_c, K] (or [B, K] per layer) over the store's slots."""
@@ -187,6 +228,30 @@ class CompressionPolicy:
 def keep_forced_only(store: PolicyStore) -> torch.Tensor:
     """Keep nothing beyond the cache's forced set (protected prompt, sink, window): BoolTensor [B, H_c, K]."""
     return store.forced_keep()
+
+
+_FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+def top_scores_counts(store: PolicyStore, budget: list[int] | None = None) -> list[int]:
+    """Slots per (row, head), per row, that `keep_top_scores(store, scores, budget)` keeps (forced set
+    included), from host counts: forced + min(budget - forced evictable, other evictable slots).
+
+    budget: evictable tokens per row (Python ints), or None for `store.budget_counts()`.
+    """
+    if budget is None:
+        budget = store.budget_counts()
+    if budget is None:
+        raise ValueError(
+            "top_scores_counts needs a budget: set CompressionConfig.budget or the policy's default_budget"
+        )
+    kept = []
+    for count, forced, protected, row_budget in zip(
+        store.slot_counts, store.forced_counts(), store.protected_counts(), budget, strict=True
+    ):
+        forced_evictable = forced - protected  # the protected prompt lies inside the forced set
+        kept.append(forced + min(max(row_budget - forced_evictable, 0), count - forced))
+    return kept
 
 
 def keep_top_scores(
@@ -213,7 +278,10 @@ def keep_top_scores(
     already = (forced & evictable).sum(-1)  # forced evictable tokens spend budget too
     extra = (budget[:, None] - already).clamp(min=0)  # [B, H_c]
     candidate = evictable & ~forced
-    ranked = scores.float().masked_fill(~candidate, float("-inf"))
+    # every candidate ranks above every other slot (an infinite or NaN score included), so the kept
+    # count is exactly `top_scores_counts`
+    finite = scores.float().nan_to_num(nan=-_FLOAT_MAX, posinf=_FLOAT_MAX, neginf=-_FLOAT_MAX)
+    ranked = finite.masked_fill(~candidate, float("-inf"))
     # stable sort on the slot order keeps older positions first among equal scores
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order)

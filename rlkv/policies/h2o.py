@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
+from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores, top_scores_counts
 
 ACCUMULATED = "h2o_accumulated_attention"
 
@@ -57,6 +57,9 @@ class H2OPolicy(CompressionPolicy):
         recent = torch.round(self.recent_ratio * store.budget.double()).long().clamp(min=store.window)
         is_recent = store.positions >= (store.logical_length - recent)[:, None, None]
         return accumulated.masked_fill(is_recent & store.valid(), float("inf"))
+
+    def kept_counts(self, store: PolicyStore) -> list[int]:
+        return top_scores_counts(store)
 
     def select(self, store: PolicyStore) -> torch.Tensor:
         return keep_top_scores(store, self.scores(store))

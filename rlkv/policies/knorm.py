@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
+from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores, top_scores_counts
 
 
 @register_policy("knorm")
@@ -31,11 +31,14 @@ class KeyNormPolicy(CompressionPolicy):
             raise ValueError(f"knorm: buffer={self.buffer!r} must be an int >= 0")
         self.buffer = int(self.buffer)
 
-    def should_compress(self, store: PolicyStore) -> bool:
-        budget = store.budget
+    def should_compress(self, store: PolicyStore) -> bool:  # host ints only: no read of the device
+        budget = store.budget_counts()
         if budget is None:
             return False
-        return bool((store.num_evictable() > budget[:, None] + self.buffer).any())
+        return any(n > b + self.buffer for n, b in zip(store.evictable_counts(), budget, strict=True))
+
+    def kept_counts(self, store: PolicyStore) -> list[int]:
+        return top_scores_counts(store)
 
     def select(self, store: PolicyStore) -> torch.Tensor:
         scores = -store.keys.float().norm(dim=-1)  # [B, H_c, K]: smaller norm = higher score

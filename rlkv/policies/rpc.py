@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
+from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores, top_scores_counts
 from rlkv.policies.scoring import (
     NEG_INF,
     check_window_and_kernel,
@@ -90,6 +90,14 @@ class RPCPolicy(CompressionPolicy):
         cycles = store.state.get(CYCLES, 0)
         return store.num_generated >= (cycles + 1) * self.interval + self.selector_window
 
+    def kept_counts(self, store: PolicyStore) -> list[int]:
+        """`keep_top_scores`' count at `target` (a per-layer selection: every head keeps as many)."""
+        budget = store.budget_counts()
+        if budget is None:
+            cycles = store.state.get(CYCLES, 0) + 1
+            budget = [cycles * self.kept_per_cycle + self.selector_window] * len(store.slot_counts)
+        return top_scores_counts(store, budget)
+
     def target(self, store: PolicyStore) -> torch.Tensor:
         """LongTensor[B]: evictable tokens to keep per row at the next compression."""
         if store.budget is not None:
@@ -104,11 +112,7 @@ class RPCPolicy(CompressionPolicy):
         Scores are pooled importance on candidates and 0 elsewhere; selectors mark the tokens of
         the selector window (valid slots at the cached queries' positions).
         """
-        positions = store.positions
-        if not bool((positions == positions[:, :1]).all()):
-            raise ValueError(
-                "rpc selects per layer: the compressed heads of a layer must hold the same positions"
-            )
+        # the heads of a layer hold the same positions: every selection so far was per layer
         selectors = observation_window(store)
         candidates = store.evictable() & ~selectors
         logits = observation_logits(store).masked_fill(~candidates[:, :, None, None, :], NEG_INF)

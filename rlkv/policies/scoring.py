@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
+from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores, top_scores_counts
 
 NEG_INF = float("-inf")
 
@@ -219,8 +219,23 @@ class WindowedBufferPolicy(CompressionPolicy):
         """BoolTensor [B, H_c]: (row, head) pairs whose buffer is full (budget + buffer evictable tokens)."""
         return store.num_evictable() >= store.budget[:, None] + max(self.buffer, 1)
 
+    def due_rows(self, store: PolicyStore) -> list[bool]:
+        """`due` per row, from host counts (every head of a row holds the same count)."""
+        budget = store.budget_counts()
+        if budget is None:
+            return [False] * len(store.slot_counts)
+        need = max(self.buffer, 1)
+        return [n >= b + need for n, b in zip(store.evictable_counts(), budget, strict=True)]
+
     def should_compress(self, store: PolicyStore) -> bool:
-        return store.budget is not None and bool(self.due(store).any())
+        return any(self.due_rows(store))
+
+    def kept_counts(self, store: PolicyStore) -> list[int]:
+        """Rows whose buffer is full keep `keep_top_scores`' count; the others keep every slot."""
+        top = top_scores_counts(store)
+        return [
+            k if due else n for k, n, due in zip(top, store.slot_counts, self.due_rows(store), strict=True)
+        ]
 
     def scores(self, store: PolicyStore) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement scores(store)")

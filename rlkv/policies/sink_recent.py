@@ -10,12 +10,17 @@ from __future__ import annotations
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores
+from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores, top_scores_counts
 
 
 @register_policy("sink-recent")
 class SinkRecentPolicy(CompressionPolicy):
     """Keep the sink and the most recent evictable tokens that fit `store.budget` (newest first)."""
+
+    selects_by_position = True
+
+    def kept_counts(self, store: PolicyStore) -> list[int]:
+        return top_scores_counts(store)
 
     def select(self, store: PolicyStore) -> torch.Tensor:
         return keep_top_scores(store, store.positions.float())

@@ -115,6 +115,11 @@ class SkipKVPolicy(RKVPolicy):
         self.sentence_of: torch.Tensor | None = None  # LongTensor [B, capacity]
         self.token_ids: torch.Tensor | None = None  # LongTensor [B, capacity] (generated tokens)
         self.num_generated = 0
+        self.seen = 0  # logical columns fed so far (host): positions are never read back
+        self.hidden_updates = 0  # on_hidden_states calls so far: the penalty's cache key
+        # host bound on the sentence ids: the largest id read (+1) and the tokens fed since that read
+        # (each token starts at most one sentence), so growing the sums rarely reads the device
+        self.sentence_bound = (0, 0)
         self.open_sentence: torch.Tensor | None = None  # LongTensor [B]
         self.after_delimiter: torch.Tensor | None = None  # BoolTensor [B]: last token was a delimiter
         self.sentence_sum: torch.Tensor | None = None  # FloatTensor [B, S_capacity, hidden]
@@ -147,10 +152,11 @@ class SkipKVPolicy(RKVPolicy):
     def on_tokens(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
         batch, q_len = token_ids.shape
         device = token_ids.device
+        first, self.seen = self.seen, self.seen + q_len  # positions are first .. first + q_len - 1
         # the prompt = every token before the first single-token step (chunked prefill too), as the cache counts it
-        prompt_chunk = self.num_generated == 0 and q_len > 1 and int(positions[0]) == self.prompt_length
+        prompt_chunk = self.num_generated == 0 and q_len > 1 and first == self.prompt_length
         if self.prompt_length is None or prompt_chunk:
-            self.prompt_length = int(positions[-1]) + 1
+            self.prompt_length = self.seen
             if self.sentence_of is None:
                 self.sentence_of = torch.zeros(batch, 0, dtype=torch.long, device=device)
                 self.token_ids = torch.zeros(batch, 0, dtype=torch.long, device=device)
@@ -188,19 +194,35 @@ class SkipKVPolicy(RKVPolicy):
     def on_hidden_states(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> None:
         if self.prompt_length is None:
             return
-        generated = positions >= self.prompt_length
-        if not bool(generated.any()):
+        # this forward's columns are seen - Q .. seen - 1 (host): the generated ones are a suffix
+        q_len = hidden_states.shape[1]
+        skip = max(0, self.prompt_length - (self.seen - q_len))
+        if skip >= q_len:
             return
-        hidden = hidden_states[:, generated].detach().float()  # [B, Q', hidden]
-        ids = self.sentence_of[:, positions[generated] - self.prompt_length]  # [B, Q']
-        needed = int(ids.max()) + 1
+        self.hidden_updates += 1
+        hidden = hidden_states[:, skip:].detach().float()  # [B, Q', hidden]
+        begin = self.seen - q_len + skip - self.prompt_length
+        ids = self.sentence_of[:, begin : self.seen - self.prompt_length]  # [B, Q']
         if self.sentence_sum is None:
             self.sentence_sum = hidden.new_zeros(hidden.shape[0], 0, hidden.shape[-1])
             self.sentence_count = hidden.new_zeros(hidden.shape[0], 0)
-        self.sentence_sum = _grow(self.sentence_sum, 1, needed, 0.0)
-        self.sentence_count = _grow(self.sentence_count, 1, needed, 0.0)
+        self._fit_sentences(ids)
         self.sentence_sum.scatter_add_(1, ids[..., None].expand_as(hidden), hidden)
         self.sentence_count.scatter_add_(1, ids, torch.ones_like(ids, dtype=hidden.dtype))
+
+    def _fit_sentences(self, ids: torch.Tensor) -> None:
+        """Grow the per-sentence sums to hold the sentence ids `ids` [B, Q'], reading their maximum
+        only when the host bound (largest id read + tokens fed since) exceeds the capacity; the sums
+        then get twice the ids read, so reads come every `capacity - read` tokens at the least."""
+        read, since = self.sentence_bound
+        since += ids.shape[1]
+        capacity = self.sentence_sum.shape[1]
+        if read + since > capacity:
+            read, since = int(ids.max()) + 1, 0  # the bounded read (see tests/test_host_syncs.py)
+            size = max(capacity, 2 * read, read + 64)
+            self.sentence_sum = _grow(self.sentence_sum, 1, size, 0.0)
+            self.sentence_count = _grow(self.sentence_count, 1, size, 0.0)
+        self.sentence_bound = (read, since)
 
     # scoring -----------------------------------------------------------------------------
     def sentence_penalty(self) -> torch.Tensor:
@@ -211,7 +233,7 @@ class SkipKVPolicy(RKVPolicy):
         if self.sentence_sum is None:
             batch = 0 if self.open_sentence is None else self.open_sentence.shape[0]
             return torch.zeros(batch, 0)
-        key = (self.num_generated, int(self.sentence_count.sum()))
+        key = (self.num_generated, self.hidden_updates)
         if self._penalty_key == key:
             return self._penalty
         count = self.sentence_count
@@ -277,8 +299,9 @@ class SkipKVPolicy(RKVPolicy):
         if self.steering is None or self.input_is_delimiter is None or self.num_generated == 0:
             return None
         at = self.input_is_delimiter
-        if at.shape != hidden.shape[:2] or not bool(at.any()):
+        if at.shape != hidden.shape[:2]:
             return None
+        # added everywhere (0 off the delimiters): testing for a delimiter would read the device
         vector = self.steering.vector.to(hidden.device, hidden.dtype)
         scale = (self.steering_strength()[:, None] * at.float()).to(hidden.dtype)
         return scale[..., None] * vector

@@ -16,8 +16,14 @@ class StreamingPolicy(CompressionPolicy):
     budget is ignored. Compresses as soon as anything outside that set is stored.
     """
 
+    selects_by_position = True
+
     def should_compress(self, store: PolicyStore) -> bool:
-        return bool((store.valid() > store.forced_keep()).any())  # a valid slot not forced
+        # a row stores a slot outside its forced set
+        return any(n > f for n, f in zip(store.slot_counts, store.forced_counts(), strict=True))
+
+    def kept_counts(self, store: PolicyStore) -> list[int]:
+        return store.forced_counts()
 
     def select(self, store: PolicyStore) -> torch.Tensor:
         return keep_forced_only(store)
