@@ -32,6 +32,9 @@ RLKV_AUTHORS_TSV = "adapter_weights.tsv"
 DUO_TSV = "full_attention_heads.tsv"
 DUO_CONFIG = "config.json"
 
+# what `HeadMask.metadata["tie_break"]` says when the tie-break came from training
+TIE_BREAK_BELOW_ZERO = "gates.below_zero: how far the optimizer pushed each gate below 0, summed over steps"
+
 
 class HeadMaskError(ValueError, UserError):
     """A head mask that is malformed or does not belong to the model it is used with."""
@@ -74,6 +77,11 @@ class HeadMask:
     """Per-(layer, KV head) importance scores in [0, 1] with the fingerprint of their model.
 
     scores: FloatTensor[L, H_kv]; higher = needs the full KV cache more.
+    tie_break: FloatTensor[L, H_kv] or None; a second key, higher = more important, that ranks
+    heads whose scores are equal (gates clamped to exactly 0 all score 0.0). Only where both tie
+    does the lower (layer, head) index go first. Training records it (`HeadGates.below_zero`: how
+    far the optimizer pushed each gate below 0, summed over steps); `metadata["tie_break"]` says
+    where it came from.
     """
 
     scores: torch.Tensor
@@ -83,24 +91,35 @@ class HeadMask:
     inference_sink: int = 16
     inference_local: int = 64
     metadata: dict[str, Any] = field(default_factory=dict)
+    tie_break: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.scores = torch.as_tensor(self.scores, dtype=torch.float32).detach().cpu().clone()
         _validate_scores(self.scores, self.fingerprint, source="scores")
         _check_unit_interval(self.scores, source="scores")
+        if self.tie_break is not None:
+            self.tie_break = torch.as_tensor(self.tie_break, dtype=torch.float32).detach().cpu().clone()
+            _validate_scores(self.tie_break, self.fingerprint, source="tie_break")
 
     # construction -------------------------------------------------------------------------
     @classmethod
     def from_gates(cls, gates: Any, model: Any, **metadata: Any) -> HeadMask:
-        """Build from `HeadGates` (or an alpha tensor [L, H_kv]); scores are the gates clamped to [0, 1]."""
+        """Build from `HeadGates` (or an alpha tensor [L, H_kv]); scores are the gates clamped to [0, 1].
+
+        The tie-break is the gates' `below_zero` (see `HeadGates`) when they carry one.
+        """
         alpha = getattr(gates, "alpha", gates)
         scores = torch.as_tensor(alpha).detach().float().clamp(0.0, 1.0)
+        below_zero = getattr(gates, "below_zero", None)
+        if below_zero is not None:
+            metadata = {"tie_break": TIE_BREAK_BELOW_ZERO, **metadata}
         return cls(
             scores=scores,
             fingerprint=ModelFingerprint.of(model),
             train_sink=int(getattr(gates, "sink", 128)),
             train_local=int(getattr(gates, "local", 256)),
             metadata=dict(metadata),
+            tie_break=below_zero,
         )
 
     @classmethod
@@ -210,7 +229,14 @@ class HeadMask:
 
     def _model_card(self) -> str:
         fp = self.fingerprint
-        base = fp.name_or_path if _looks_like_hub_id(fp.name_or_path) else ""
+        # the Hub id of the base model: recorded explicitly (a mask of a local copy), else the
+        # fingerprint's name when it is one (not when it names a folder on this machine)
+        named = (
+            fp.name_or_path
+            if _looks_like_hub_id(fp.name_or_path) and not Path(fp.name_or_path).exists()
+            else ""
+        )
+        base = str(self.metadata.get("base_model") or named)
         header = ["---", "library_name: rlkv", "tags:", "- rlkv", "- kv-cache", "- head-mask"]
         header += [f"base_model: {base}"] if base else []
         header += ["---", ""]
@@ -223,6 +249,7 @@ RLKV gates (or imported).
 - geometry: {fp.model_type}, {fp.num_hidden_layers} layers x {fp.num_key_value_heads} KV heads, head_dim {fp.head_dim}
 - trained with sink {self.train_sink} / local {self.train_local}; inference sink {self.inference_sink} / local {self.inference_local}
 - full KV heads by sparsity: {counts}
+- {self._ranking_line()}
 
 ```python
 from rlkv import HeadMask
@@ -237,6 +264,18 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
 """
         return "\n".join(header) + body
 
+    def _ranking_line(self) -> str:
+        """The card's line on how heads with equal scores are ranked."""
+        counts = torch.unique(self.scores, return_counts=True)[1]
+        tied = int(counts[counts > 1].sum())
+        if self.tie_break is None:
+            return f"ranking: by score; {tied} heads share a score with another, ranked by (layer, head) index"
+        source = self.metadata.get("tie_break", "tie_break")
+        return (
+            f"ranking: by score; the {tied} heads that share a score with another by `tie_break` ({source}); "
+            f"pairs decided by index alone: {self.index_decided_ties()}"
+        )
+
     # persistence --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The JSON document (format name and version first)."""
@@ -250,6 +289,7 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
             "inference_sink": self.inference_sink,
             "inference_local": self.inference_local,
             "metadata": self.metadata,
+            **({} if self.tie_break is None else {"tie_break": self.tie_break.tolist()}),
         }
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -312,6 +352,7 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
             raise HeadMaskError(f"{source}: field 'scores' holds a non-number ({e})") from None
         _validate_scores(scores, fp, source=f"{source}: field 'scores'")
         _check_unit_interval(scores, source=f"{source}: field 'scores'")
+        tie_break = _tie_break_field(doc.get("tie_break"), fp, source)
         try:
             return cls(
                 scores=scores,
@@ -321,6 +362,7 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
                 inference_sink=int(doc.get("inference_sink", 16)),
                 inference_local=int(doc.get("inference_local", 64)),
                 metadata=dict(doc.get("metadata") or {}),
+                tie_break=tie_break,
             )
         except (TypeError, ValueError) as e:
             raise HeadMaskError(f"{source}: sink/local fields must be integers ({e})") from None
@@ -342,8 +384,8 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
     def full_heads(self, sparsity: float, min_full_per_layer: int = 0) -> torch.Tensor:
         """BoolTensor[L, H_kv]: True where the head keeps a full KV cache at target `sparsity`.
 
-        Heads are ranked by score; ties break towards the lower (layer, head) index so the result is
-        deterministic. `min_full_per_layer` first reserves that many top heads in every layer, then
+        Heads are ranked by score, equal scores by `tie_break` (when the mask has one), and only then
+        towards the lower (layer, head) index, so the result is deterministic. `min_full_per_layer` first reserves that many top heads in every layer, then
         fills the remaining slots globally (the total stays round((1 - s) * L * H) unless the
         reservation alone exceeds it).
         """
@@ -353,11 +395,13 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
             )
         k = self.num_full_heads(sparsity)
         flat = self.scores.flatten()
-        # stable sort on -score keeps the lower index first among ties
-        order = torch.sort(-flat, stable=True).indices
+        order = self.order().flip(0)
+        order = order[:, 0] * self.num_kv_heads + order[:, 1]  # most important first
         mask = torch.zeros_like(flat, dtype=torch.bool)
         if min_full_per_layer:
-            per_layer = torch.sort(-self.scores, dim=1, stable=True).indices[:, :min_full_per_layer]
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(order.numel())
+            per_layer = torch.sort(rank.view_as(self.scores), dim=1).indices[:, :min_full_per_layer]
             rows = torch.arange(self.num_layers).unsqueeze(1) * self.num_kv_heads
             mask[(rows + per_layer).flatten()] = True
         remaining = k - int(mask.sum())
@@ -370,10 +414,31 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
         return mask.view_as(self.scores)
 
     def order(self) -> torch.Tensor:
-        """LongTensor[L * H_kv, 2]: (layer, head) pairs from least to most important (compression order)."""
-        flat = self.scores.flatten()
-        idx = torch.sort(flat, stable=True).indices
+        """LongTensor[L * H_kv, 2]: (layer, head) pairs from least to most important (compression order).
+
+        By score, then `tie_break`; where both tie, the higher (layer, head) index counts as less
+        important (so the lower index keeps its full cache first).
+        """
+        n = self.scores.numel()
+        # most important first: stable sorts from the last key to the first; the index is the last key
+        idx = torch.arange(n)
+        if self.tie_break is not None:
+            idx = idx[torch.sort(-self.tie_break.flatten()[idx], stable=True).indices]
+        idx = idx[torch.sort(-self.scores.flatten()[idx], stable=True).indices]
+        idx = idx.flip(0)
         return torch.stack([idx // self.num_kv_heads, idx % self.num_kv_heads], dim=1)
+
+    def index_decided_ties(self) -> int:
+        """How many neighbouring pairs of the ranking are decided by index alone (equal score and tie-break)."""
+        order = self.order()
+        flat = order[:, 0] * self.num_kv_heads + order[:, 1]
+        keys = [self.scores.flatten()[flat]]
+        if self.tie_break is not None:
+            keys.append(self.tie_break.flatten()[flat])
+        same = torch.ones(flat.numel() - 1, dtype=torch.bool)
+        for key in keys:
+            same &= key[1:] == key[:-1]
+        return int(same.sum())
 
     def check_compatible(self, model_or_config: Any) -> None:
         """Raise `HeadMaskError` naming every mismatch if this mask was not made for `model_or_config`."""
@@ -469,6 +534,27 @@ def _check_unit_interval(scores: torch.Tensor, source: str) -> None:
             f"{source}: score {scores[bad[0], bad[1]].item():.4g} at layer {bad[0]}, head {bad[1]} is outside "
             "[0, 1]; scores are clamped gate values (HeadMask.from_tsv clamps a TSV's values for you)"
         )
+
+
+def _tie_break_field(raw: Any, fp: ModelFingerprint, source: str) -> torch.Tensor | None:
+    """The optional 'tie_break' field of a mask document: None or FloatTensor[L, H_kv]."""
+    if raw is None:
+        return None
+    where = f"{source}: field 'tie_break'"
+    if (
+        not isinstance(raw, list)
+        or not all(isinstance(r, list) for r in raw)
+        or len({len(r) for r in raw}) > 1
+    ):
+        raise HeadMaskError(f"{where} must be a list of L lists of H_kv numbers (or absent)")
+    if any(isinstance(x, bool) or not isinstance(x, (int, float)) for r in raw for x in r):
+        raise HeadMaskError(f"{where} holds a non-number; write floats, or drop the field")
+    try:
+        tie_break = torch.tensor(raw, dtype=torch.float32)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise HeadMaskError(f"{where} holds a value that is not a float32 ({e})") from None
+    _validate_scores(tie_break, fp, source=where)
+    return tie_break
 
 
 def _validate_scores(scores: torch.Tensor, fp: ModelFingerprint, source: str) -> None:

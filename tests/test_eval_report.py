@@ -255,3 +255,30 @@ def test_each_plot_has_one_panel_per_benchmark(tmp_path):
         path = tmp_path / f"{plot.__name__}.png"
         assert plot(rows, path) == ["b", "code"]
         assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resident_kv_is_reported_per_benchmark(tmp_path):
+    """Benchmark c's sequences are 4x longer: its rlkv cell keeps a smaller share of a full cache (the
+    sink + local overhead is fixed), and the two are never pooled into one number."""
+    longer = [
+        {
+            **_row(
+                r["problem_id"],
+                r["method"],
+                r["sparsity"],
+                r["correct"],
+                r["num_generated_tokens"],
+                length=800,
+            ),
+            "benchmark": "c",
+            "key": "c" + r["key"][1:],
+        }
+        for r in ROWS
+    ]
+    (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in ROWS + longer))
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({"model": "m", "max_new_tokens": 300}))
+    text = write_report(tmp_path, plots=False).read_text()
+    b_kv = text.split("## Resident KV on b:")[1].split("##")[0]
+    c_kv = text.split("## Resident KV on c:")[1].split("##")[0]
+    assert "| rlkv | 70.0 (0.0) |" in b_kv and "| rlkv | 55.0 (0.0) |" in c_kv
+    assert "## Resident KV:" not in text

@@ -7,6 +7,7 @@ import torch
 
 import rlkv
 from rlkv import HeadMask, HeadMaskError
+from rlkv.head_mask import TIE_BREAK_BELOW_ZERO, ModelFingerprint
 from rlkv.testing import tiny_model
 
 
@@ -24,7 +25,8 @@ def test_from_gates_records_clamped_scores_and_fingerprint(mask):
     assert m.fingerprint.num_hidden_layers == 3 and m.fingerprint.num_key_value_heads == 2
     assert m.fingerprint.head_dim == 16 and m.fingerprint.model_type == "llama"
     assert (m.train_sink, m.train_local, m.inference_sink, m.inference_local) == (128, 256, 16, 64)
-    assert m.metadata == {"steps": 10, "beta": 1e-3}
+    assert m.metadata == {"tie_break": TIE_BREAK_BELOW_ZERO, "steps": 10, "beta": 1e-3}
+    assert torch.equal(m.tie_break, torch.zeros(3, 2))  # the gates were never clamped from below 0
 
 
 def test_json_round_trip(mask, tmp_path):
@@ -61,6 +63,53 @@ def test_ties_break_deterministically_towards_lower_index(mask):
     m, _ = mask
     # scores 0.5 at (1,0) and (1,1): one slot left after 1.0 and 0.9 -> (1,0) wins
     assert m.full_heads(0.5).tolist() == [[True, False], [True, False], [True, False]]
+
+
+def _tied_mask(model, tie_break=None):
+    # four heads at 0.0 (clamped gates), two above: every cut below the top two falls among ties
+    scores = torch.tensor([[0.0, 0.7], [0.0, 0.0], [0.9, 0.0]])
+    return HeadMask(scores=scores, fingerprint=ModelFingerprint.of(model), tie_break=tie_break)
+
+
+def test_tie_break_ranks_heads_with_equal_scores(mask):
+    _, model = mask
+    tie_break = torch.tensor([[-3.0, 0.0], [-0.5, -2.0], [0.0, -1.0]])
+    m = _tied_mask(model, tie_break)
+    # after (2,0) and (0,1), the zero-score heads in tie-break order: (1,0) -0.5, (2,1) -1, (1,1) -2, (0,0) -3
+    assert m.full_heads(0.5).tolist() == [[False, True], [True, False], [True, False]]
+    assert m.full_heads(1 / 6).tolist() == [[False, True], [True, True], [True, True]]
+    assert m.order().tolist() == [[0, 0], [1, 1], [2, 1], [1, 0], [0, 1], [2, 0]]
+    assert m.index_decided_ties() == 0
+    # without it the same cut is decided by index (the lower (layer, head) first)
+    plain = _tied_mask(model)
+    assert plain.full_heads(0.5).tolist() == [[True, True], [False, False], [True, False]]
+    assert plain.index_decided_ties() == 3
+
+
+def test_order_and_full_heads_agree(mask):
+    _, model = mask
+    for m in (_tied_mask(model), _tied_mask(model, torch.tensor([[1.0, 0.0], [2.0, 3.0], [0.0, 4.0]]))):
+        order = m.order().tolist()
+        for k in range(7):
+            full = m.full_heads(1 - k / 6)
+            assert sorted(map(tuple, full.nonzero().tolist())) == sorted(map(tuple, order[6 - k :]))
+
+
+def test_tie_break_round_trips_and_is_validated(mask, tmp_path):
+    _, model = mask
+    m = _tied_mask(model, torch.tensor([[-3.0, 0.0], [-0.5, -2.0], [0.0, -1.0]]))
+    back = HeadMask.load(m.save(tmp_path / "m.json"))
+    assert torch.equal(back.tie_break, m.tie_break) and back.to_dict() == m.to_dict()
+    assert HeadMask.load(_tied_mask(model).save(tmp_path / "plain.json")).tie_break is None
+    doc = m.to_dict()
+    for bad, match in [
+        ([[1.0, 2.0]], "tie_break"),
+        ([[True, 0.0], [0.0, 0.0], [0.0, 0.0]], "non-number"),
+        ([[float("nan"), 0.0], [0.0, 0.0], [0.0, 0.0]], "non-finite"),
+        ("high", "list of L lists"),
+    ]:
+        with pytest.raises(HeadMaskError, match=match):
+            HeadMask.from_dict({**doc, "tie_break": bad})
 
 
 def test_min_full_per_layer_reserves_heads(mask):

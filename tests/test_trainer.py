@@ -237,10 +237,19 @@ def test_policy_gradient_raises_gates_of_heads_the_reward_needs_full(tmp_path, t
 
 
 # checkpoints ----------------------------------------------------------------------------------
-def train_run(tmp_path, tokenizer, out: str, max_steps: int, resume: str | None = None, repeat: int = 8):
+def train_run(
+    tmp_path,
+    tokenizer,
+    out: str,
+    max_steps: int,
+    resume: str | None = None,
+    repeat: int = 8,
+    gate_init: float = 1.0,
+):
     model = tiny_model("qwen2")
     args = config(
         tmp_path,
+        gate_init=gate_init,
         output_dir=str(tmp_path / out),
         max_steps=max_steps,
         save_strategy="steps",
@@ -262,13 +271,21 @@ def train_run(tmp_path, tokenizer, out: str, max_steps: int, resume: str | None 
 
 def test_resume_after_k_steps_equals_uninterrupted_run(tmp_path, tokenizer):
     """Same seeds: a run stopped at step 2 and resumed to step 5 ends with exactly the gates (and logged
-    rewards) of one uninterrupted 5-step run: alpha, Adam state, RNG and data order are all restored."""
-    straight, straight_trainer = train_run(tmp_path, tokenizer, "straight", max_steps=5)
-    train_run(tmp_path, tokenizer, "stopped", max_steps=2)
+    rewards) of one uninterrupted 5-step run: alpha, Adam state, RNG and data order are all restored, and
+    so is what the clamp cut off below 0 (gates start near 0, so the penalty drives them under it)."""
+    straight, straight_trainer = train_run(tmp_path, tokenizer, "straight", max_steps=5, gate_init=0.02)
+    train_run(tmp_path, tokenizer, "stopped", max_steps=2, gate_init=0.02)
     resumed, resumed_trainer = train_run(
-        tmp_path, tokenizer, "stopped", max_steps=5, resume=str(tmp_path / "stopped" / "checkpoint-2")
+        tmp_path,
+        tokenizer,
+        "stopped",
+        max_steps=5,
+        resume=str(tmp_path / "stopped" / "checkpoint-2"),
+        gate_init=0.02,
     )
     assert torch.equal(resumed.rlkv_gates.alpha, straight.rlkv_gates.alpha)
+    below_zero = straight.rlkv_gates.below_zero
+    assert below_zero.min() < 0 and torch.equal(resumed.rlkv_gates.below_zero, below_zero)
     rewards = [
         [h["reward"] for h in t.state.log_history if "reward" in h]
         for t in (straight_trainer, resumed_trainer)

@@ -34,6 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--tsv", default=None, help="also write the official TSV (L rows x H_kv columns) here"
     )
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="the base model's Hub id (e.g. Qwen/Qwen2.5-Coder-0.5B-Instruct) when training loaded a local copy: "
+        "recorded in the mask's metadata and named as the card's base_model",
+    )
     parser.set_defaults(func=run)
 
 
@@ -52,9 +58,13 @@ def run(args: argparse.Namespace) -> int:
         if args.folder is not None:
             from rlkv.eval.release import write_mask_release
 
-            mask = write_mask_release(args.checkpoint, args.folder, args.recipe, args.eval_table)
+            mask = write_mask_release(
+                args.checkpoint, args.folder, args.recipe, args.eval_table, base_model=args.base_model
+            )
         else:
             mask = head_mask_from_checkpoint(args.checkpoint)
+            if args.base_model:
+                mask.metadata["base_model"] = args.base_model
             mask.save(args.out)
     except (FileNotFoundError, OSError, HeadMaskError, UserInputError) as e:
         print(f"rlkv export-mask: error: {e}", file=sys.stderr)

@@ -23,7 +23,7 @@ from rlkv._io import atomic_write_text
 from rlkv.errors import UserInputError
 from rlkv.eval.plots import plot_gate_heatmap, plot_training_curves
 from rlkv.head_mask import MASK_JSON, MODEL_CARD, HeadMask
-from rlkv.trainers.checkpoints import checkpoint_step, head_mask_from_checkpoint
+from rlkv.trainers.checkpoints import checkpoint_step, checkpoint_tie_break, head_mask_from_checkpoint
 
 CURVES_PNG = "training_curves.png"
 HEATMAP_PNG = "gate_heatmap.png"
@@ -43,16 +43,25 @@ def write_mask_release(
     out: str | os.PathLike,
     recipes: list[str | os.PathLike] | None = None,
     eval_table: str | os.PathLike | None = None,
+    base_model: str | None = None,
 ) -> HeadMask:
     """Write the release folder `out` for the gates of `checkpoint`; returns the exported mask.
 
     `recipes`: the training recipe, or the recipes of a run continued in segments, in order.
+    `base_model`: the base model's Hub id, for the card's `base_model` (recorded in the mask's
+    metadata) when the run loaded a local copy of it.
     """
     out = Path(out)
     # read before anything is written: a bad --eval-table must not leave a half-updated folder
     evaluation = "" if eval_table is None else "\n" + card_eval_section(eval_table, out)
     exported = Path(checkpoint) / MASK_JSON  # the trainer's own export carries the run's metadata
     mask = HeadMask.load(exported) if exported.is_file() else head_mask_from_checkpoint(checkpoint)
+    if mask.tie_break is None:  # exported before masks carried one: take it from the checkpoint
+        tie_break = checkpoint_tie_break(checkpoint)
+        if tie_break is not None:
+            mask.tie_break, mask.metadata["tie_break"] = tie_break
+    if base_model:
+        mask.metadata["base_model"] = base_model
     history, state = training_history(checkpoint)
     mask.save_pretrained(out)
     if history:

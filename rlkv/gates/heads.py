@@ -15,11 +15,34 @@ class UnsupportedModelError(ValueError, UserError):
     """The model's attention layers do not expose what head-level gating needs."""
 
 
+def full_alpha(alpha: torch.Tensor) -> torch.Tensor:
+    """The whole gate tensor [L, H_kv] on this rank, differentiable where the backend allows.
+
+    Plain tensors pass through; an FSDP2 DTensor is all-gathered (a collective: call on every
+    rank); a DeepSpeed ZeRO-3 parameter must be persistent (L * H_kv below
+    `stage3_param_persistence_threshold`), which gate tensors are unless the threshold is tiny.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(alpha, DTensor):
+        return alpha.full_tensor()
+    status = getattr(alpha, "ds_status", None)
+    if status is not None and "NOT_AVAILABLE" in str(status):
+        raise RuntimeError(
+            "DeepSpeed ZeRO-3 partitioned the gate tensor rlkv_gates.alpha; set "
+            f"zero_optimization.stage3_param_persistence_threshold above {int(alpha.ds_numel)} so it stays whole"
+        )
+    return alpha
+
+
 class HeadGates(nn.Module):
     """One gate `alpha[l, h]` in [0, 1] per layer and KV head.
 
     alpha: nn.Parameter FloatTensor[L, H_kv]; 1 = full attention, 0 = sink+local attention.
     sink/local: token counts of the local branch (training: 128/256, RLKV's defaults).
+    below_zero: FloatTensor[L, H_kv] buffer, <= 0: what `clamp_` cut off below 0, summed over
+    its calls (how hard and how long the optimizer pushed each gate under 0). The clamp makes
+    every such gate exactly 0.0; this ranks them (`HeadMask.tie_break`: nearer 0 = more important).
     """
 
     def __init__(
@@ -33,10 +56,13 @@ class HeadGates(nn.Module):
         self.sink = int(sink)
         self.local = int(local)
         self.alpha = nn.Parameter(torch.full((num_layers, num_kv_heads), float(init)))
+        self.register_buffer("below_zero", torch.zeros(num_layers, num_kv_heads))
 
     @torch.no_grad()
     def clamp_(self) -> HeadGates:
-        """Project alpha onto [0, 1] in place (the reference implementations do this before each forward)."""
+        """Project alpha onto [0, 1] in place (the reference implementations do this before each forward);
+        what is cut off below 0 is added to `below_zero`."""
+        self.below_zero += full_alpha(self.alpha.detach()).clamp(max=0.0).to(self.below_zero)
         self.alpha.clamp_(0.0, 1.0)
         return self
 

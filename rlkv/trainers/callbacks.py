@@ -13,28 +13,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from rlkv.gates.heads import full_alpha
 from rlkv.head_mask import HeadMask
 from rlkv.trainers.checkpoints import HEAD_MASK_JSON, HEAD_MASK_TSV
-
-
-def full_alpha(alpha: torch.Tensor) -> torch.Tensor:
-    """The whole gate tensor [L, H_kv] on this rank, differentiable where the backend allows.
-
-    Plain tensors pass through; an FSDP2 DTensor is all-gathered (a collective: call on every
-    rank); a DeepSpeed ZeRO-3 parameter must be persistent (L * H_kv below
-    `stage3_param_persistence_threshold`), which gate tensors are unless the threshold is tiny.
-    """
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(alpha, DTensor):
-        return alpha.full_tensor()
-    status = getattr(alpha, "ds_status", None)
-    if status is not None and "NOT_AVAILABLE" in str(status):
-        raise RuntimeError(
-            "DeepSpeed ZeRO-3 partitioned the gate tensor rlkv_gates.alpha; set "
-            f"zero_optimization.stage3_param_persistence_threshold above {int(alpha.ds_numel)} so it stays whole"
-        )
-    return alpha
 
 
 def gate_statistics(alpha: torch.Tensor, model_or_config: Any, target_sparsity: float) -> dict[str, float]:
@@ -98,7 +79,7 @@ class HeadMaskExportCallback(TrainerCallback):
             return
         config = model.config
         mask = HeadMask.from_gates(
-            SimpleNamespace(alpha=alpha, sink=gates.sink, local=gates.local),
+            SimpleNamespace(alpha=alpha, sink=gates.sink, local=gates.local, below_zero=gates.below_zero),
             config,
             global_step=state.global_step,
             **self.metadata,

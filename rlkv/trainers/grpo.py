@@ -28,13 +28,9 @@ from trl.trainer.utils import create_model_from_path
 from rlkv.compat import GATE_TRAINER_API, check_attributes, check_private_api
 from rlkv.cpu_memory import keep_freed_memory
 from rlkv.gates import attach_gates
-from rlkv.trainers.callbacks import (
-    GateClampCallback,
-    HeadMaskExportCallback,
-    full_alpha,
-    gate_statistics,
-)
-from rlkv.trainers.checkpoints import load_gate_checkpoint, save_gate_checkpoint
+from rlkv.gates.heads import full_alpha
+from rlkv.trainers.callbacks import GateClampCallback, HeadMaskExportCallback, gate_statistics
+from rlkv.trainers.checkpoints import load_below_zero, load_gate_checkpoint, save_gate_checkpoint
 from rlkv.trainers.config import GateGRPOConfig
 from rlkv.trainers.data_order import EpochSeededSampler
 from rlkv.trainers.logprobs import completion_logps
@@ -257,7 +253,7 @@ class GateGRPOTrainer(GRPOTrainer):
             return
         metadata = {**self._run_metadata, "global_step": self.state.global_step}
         config = self.accelerator.unwrap_model(self.model).config
-        save_gate_checkpoint(output_dir, alpha, gates.sink, gates.local, config, metadata)
+        save_gate_checkpoint(output_dir, alpha, gates.sink, gates.local, config, metadata, gates.below_zero)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -276,3 +272,7 @@ class GateGRPOTrainer(GRPOTrainer):
                 target.copy_(distribute_tensor(alpha.to(target.dtype), target.device_mesh, target.placements))
             else:
                 target.copy_(alpha.to(device=target.device, dtype=target.dtype))
+            below_zero = load_below_zero(resume_from_checkpoint)  # None: saved before it existed
+            gates.below_zero.copy_(
+                below_zero if below_zero is not None else torch.zeros_like(gates.below_zero)
+            )
