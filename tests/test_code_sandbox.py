@@ -172,3 +172,140 @@ def test_requiring_the_os_sandbox_where_it_is_missing_is_an_error(monkeypatch, t
         assert sandbox.active_containment() == "guard"
     finally:
         sandbox.os_sandbox_available.cache_clear()
+
+
+# ---- the guard against plain-Python bypasses: each escapes without the guard, none with it ----
+
+_NO_AUDIT = "import sys\nsys.audit = lambda *a, **k: None\n"  # skips the Python-level audit events only
+GUARD_BYPASSES = {
+    "audit-off subprocess": _NO_AUDIT + "import subprocess\nsubprocess.run(['mkdir', {target!r}])",
+    "audit-off os.popen": _NO_AUDIT + "import os\nos.popen('mkdir {target}').read()",
+    "posix_spawn": "import os\nos.waitpid(os.posix_spawn('/bin/mkdir', ['mkdir', {target!r}], {{}}), 0)",
+    "multiprocessing spawn": (
+        "import __main__, multiprocessing, os\ndel __main__.__file__\np = multiprocessing.get_context('spawn').Process(target=os.mkdir, "
+        "args=({target!r},))\np.start()\np.join()"
+    ),
+    "multiprocessing forkserver": (
+        "import __main__, multiprocessing, os\ndel __main__.__file__\np = multiprocessing.get_context('forkserver').Process(target=os.mkdir, "
+        "args=({target!r},))\np.start()\np.join()"
+    ),
+    "open dir_fd": (
+        "import os\nd = os.open({parent!r}, os.O_RDONLY)\n"
+        "os.close(os.open({name!r}, os.O_WRONLY | os.O_CREAT, dir_fd=d))"
+    ),
+    "mkdir dir_fd": "import os\nos.mkdir({name!r}, dir_fd=os.open({parent!r}, os.O_RDONLY))",
+    "rename dst_dir_fd": (
+        "import os\nopen('mine', 'w').close()\n"
+        "os.rename('mine', {name!r}, dst_dir_fd=os.open({parent!r}, os.O_RDONLY))"
+    ),
+    "symlink dir_fd": "import os\nos.symlink('/', {name!r}, dir_fd=os.open({parent!r}, os.O_RDONLY))",
+    "chdir then relative write": "import os\nos.chdir({parent!r})\nopen({name!r}, 'w').close()",
+    "audit-off rmtree": _NO_AUDIT + "import shutil\nshutil.rmtree({victim!r})",
+}
+
+
+@pytest.mark.parametrize("probe", list(GUARD_BYPASSES.values()), ids=list(GUARD_BYPASSES))
+def test_guard_holds_against_plain_python_bypasses(probe, tmp_path):
+    def attempt(guard: bool) -> bool:
+        parent = tmp_path / ("unguarded" if not guard else "guarded")
+        victim = parent / "victim"
+        victim.mkdir(parents=True)
+        source = probe.format(
+            target=str(parent / "made"), parent=str(parent), name="made", victim=str(victim)
+        )
+        sandbox.run_program(source, timeout_s=10, guard=guard, os_sandbox=False)
+        return (parent / "made").exists() or (parent / "made").is_symlink() or not victim.exists()
+
+    assert attempt(guard=False), "the probe must escape without the guard, or it shows nothing"
+    assert not attempt(guard=True)
+
+
+def test_guard_keeps_the_nonce_out_of_reach():
+    """Without the guard a program can read the harness's nonce from the keeper's frame and report it."""
+    steal = (
+        "import gc, os, sys\n"
+        "def add(a, b):\n    return a - b\n"
+        "frame = sys._getframe()\n"
+        "while 'keeper' not in frame.f_locals:\n    frame = frame.f_back\n"
+        "keeper = frame.f_locals['keeper']\n"
+        "os.write(frame.f_locals['result_fd'], keeper.gi_frame.f_locals['nonce'])\n"
+        "os._exit(0)\n"
+    )
+    tests = "assert add(2, 2) == 4"
+    assert sandbox.run_program(steal, timeout_s=5, tests=tests, guard=False, os_sandbox=False).passed
+    assert not sandbox.run_program(steal, timeout_s=5, tests=tests, guard=True, os_sandbox=False).passed
+    via_gc = steal.replace("keeper.gi_frame.f_locals['nonce']", "[o for o in gc.get_referrers(keeper)][0]")
+    assert not sandbox.run_program(via_gc, timeout_s=5, tests=tests, guard=True, os_sandbox=False).passed
+    mem = "open('/proc/self/mem', 'rb')"
+    assert sandbox.run_program(mem, timeout_s=5, guard=False, os_sandbox=False).passed
+    assert not sandbox.run_program(mem, timeout_s=5, guard=True, os_sandbox=False).passed
+    for frames in ("sys._current_frames()", "sys.settrace(lambda *a: None)", "(lambda: (yield))().gi_frame"):
+        source = f"import sys\n{frames}"
+        assert sandbox.run_program(source, timeout_s=5, guard=False, os_sandbox=False).passed
+        assert not sandbox.run_program(source, timeout_s=5, guard=True, os_sandbox=False).passed
+
+
+# ---- whole-program limits: the supervisor measures the tree, at every level ----
+
+_FORK_AND_HOLD = (
+    "import os, time\n"
+    "for _ in range({n}):\n"
+    "    if os.fork() == 0:\n"
+    "        block = b'x' * ({mib} << 20)\n"
+    "        time.sleep(30)\n"
+    "        os._exit(0)\n"
+    "time.sleep({wait})\n"
+)
+
+
+@pytest.mark.parametrize("os_sandbox", [False, pytest.param(True, marks=NEEDS_NAMESPACE)])
+def test_total_memory_of_the_tree_is_limited(os_sandbox, monkeypatch):
+    """Four children of 96 MiB each stay under the per-process limit but not under the 256 MiB total."""
+    monkeypatch.setenv(sandbox.MEMORY_ENV, "256")
+    source = _FORK_AND_HOLD.format(n=4, mib=96, wait=8)
+    start = time.monotonic()
+    result = sandbox.run_program(source, timeout_s=20, guard=False, os_sandbox=os_sandbox)
+    assert not result.passed and result.limit is not None and result.limit.startswith("memory")
+    assert time.monotonic() - start < 8, "killed when the total passed the limit, not at the program's end"
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        "import os\nfor _ in range(12):\n    if os.fork() == 0:\n        time.sleep(30)\n        os._exit(0)",
+        "import __main__, multiprocessing\ndel __main__.__file__\nfor _ in range(12):\n    multiprocessing.get_context('spawn').Process("
+        "target=time.sleep, args=(30,)).start()",
+        "import __main__, multiprocessing\ndel __main__.__file__\nfor _ in range(12):\n    multiprocessing.get_context('forkserver').Process("
+        "target=time.sleep, args=(30,)).start()",
+    ],
+    ids=["fork", "spawn", "forkserver"],
+)
+def test_process_count_of_the_tree_is_limited(start, monkeypatch):
+    monkeypatch.setenv(sandbox.PROCESSES_ENV, "6")
+    source = "import time\nif __name__ == '__main__':\n" + "".join(
+        f"    {line}\n" for line in start.splitlines()
+    )
+    source += "    time.sleep(20)\n"
+    result = sandbox.run_program(source, timeout_s=25, guard=False, os_sandbox=False)
+    assert not result.passed and result.limit is not None and result.limit.startswith("processes"), result
+
+
+@NEEDS_NAMESPACE
+@pytest.mark.skipif(os.geteuid() == 0, reason="the kernel does not apply RLIMIT_NPROC to root's processes")
+def test_os_sandbox_caps_processes_with_rlimit_nproc(monkeypatch):
+    """Inside the user namespace the kernel refuses the fork past the limit (before any poll sees it)."""
+    monkeypatch.setenv(sandbox.PROCESSES_ENV, "6")
+    source = (
+        "import os, sys, time\nmade = 0\ntry:\n    for _ in range(12):\n        if os.fork() == 0:\n"
+        "            time.sleep(30)\n            os._exit(0)\n        made += 1\n"
+        "except BlockingIOError:\n    sys.exit(0 if made < 6 else 1)\nsys.exit(1)\n"
+    )
+    assert sandbox.run_program(source, timeout_s=10, guard=False, os_sandbox=True).passed
+
+
+@pytest.mark.parametrize("name", ["MEMORY_ENV", "PROCESSES_ENV"])
+@pytest.mark.parametrize("value", ["0", "-3", "abc", "1e3", "99999999999"])
+def test_limit_settings_are_validated(name, value, monkeypatch):
+    monkeypatch.setenv(getattr(sandbox, name), value)
+    with pytest.raises(sandbox.SandboxError, match=getattr(sandbox, name)):
+        sandbox.run_program("pass", timeout_s=5)
