@@ -21,7 +21,7 @@ from rlkv.testing import HostSyncCounter
 try:  # the name of rlkv's helper since the transformers 5.24 rename
     from rlkv.compat import cache_kwargs
 except ImportError:
-    from rlkv.compat import generate_cache_kwargs as cache_kwargs
+    from rlkv.compat import cache_kwargs
 
 PROMPTS = [
     "let x be 3 then x + 4 = 7",
@@ -115,3 +115,46 @@ def test_sparsity_zero_decode_makes_no_host_sync(make_model, tokenizer):
     cache = make_cache(model, CompressionConfig(head_mask=HeadMask.random(model), sparsity=0.0))
     assert all(layer.store is None for layer in cache.layers)
     assert _decode_syncs(model, tokenizer, cache, padded=True) == [0] * STEPS
+
+
+def _stock_decode_syncs(model, tokenizer) -> list[int]:
+    """Host syncs of each decode step of `model` with transformers' own cache (a left-padded batch)."""
+    from transformers import DynamicCache
+
+    return _decode_syncs(model, tokenizer, DynamicCache(config=model.config), padded=True, steps=6)
+
+
+def _next_logits(model, enc) -> torch.Tensor:
+    """Logits of one decode step after the prompt (the single-token path), [B, V]."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(**enc, **cache_kwargs(cache))
+        mask = torch.cat([enc["attention_mask"], enc["attention_mask"].new_ones(len(PROMPTS), 1)], dim=1)
+        token = out.logits[:, -1:].argmax(-1)
+        return model(input_ids=token, attention_mask=mask, **cache_kwargs(cache)).logits[:, -1]
+
+
+def test_gated_decode_adds_no_host_sync_and_follows_gate_changes(make_model, tokenizer):
+    """The gated single-token path decides which layers are stock attention from a host flag read
+    only when the gates change (issue 40): its decode steps sync as the stock model's do
+    (transformers' own padding-mask read, once per forward), not once more per layer, after one
+    read at the first step; and an in-place change of the gates is seen at the next step."""
+    from rlkv.gates import attach_gates
+
+    stock = _stock_decode_syncs(make_model("llama"), tokenizer)
+    model = make_model("llama")
+    gates = attach_gates(model, sink=2, local=4)
+    with torch.no_grad():
+        gates.alpha[0] = 0.3  # layer 0 mixed, layer 1 stock
+    counts = _stock_decode_syncs(model, tokenizer)
+    assert counts[1:] == stock[1:] and counts[0] == stock[0] + 1  # the read after the change
+    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        gates.alpha.fill_(1.0)
+    reference = _next_logits(make_model("llama"), enc)
+    torch.testing.assert_close(_next_logits(model, enc), reference)  # every layer stock
+    with torch.no_grad():
+        gates.alpha[0, 0] = 0.0  # in place: layer 0 is sink + local for this head from now on
+    assert not torch.allclose(_next_logits(model, enc), reference)

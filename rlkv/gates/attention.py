@@ -19,6 +19,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from rlkv.compat import tensor_version
+
 ATTENTION_NAME = "rlkv_mixed"
 SCORE_CHUNK_ELEMENTS = 1 << 24  # float32 scores held at once by the shared-scores path (64 MiB)
 
@@ -200,7 +202,7 @@ def mixed_attention_forward(
     # (training, activation-checkpoint recomputation, scoring without gradients) always runs the same
     # two-branch kernels, so its numbers do not depend on whether gradients are on.
     if query.shape[2] == 1 and not needs_grad and not (dropout > 0 and module.training):
-        if bool((alpha == 1).all()):  # exactly the stock attention, and as fast
+        if stock_layers(gates)[module.layer_idx]:  # exactly the stock attention, and as fast
             return sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout, scaling, **kwargs
             )
@@ -214,6 +216,20 @@ def mixed_attention_forward(
     groups = query.shape[1] // key.shape[1]
     a = alpha.to(full.dtype).repeat_interleave(groups)[None, None, :, None]  # per query head
     return a * full + (1 - a) * local, None
+
+
+def stock_layers(gates: torch.nn.Module) -> list[bool]:
+    """Per layer, whether every gate is >= 1 (clamped: 1, the layer is exactly the stock attention),
+    as Python bools. Read from the device only when `gates.alpha` changed (a new tensor, or its
+    in-place version counter moved: an optimizer step, `clamp_`, a loaded state), so a decode
+    step makes no host sync for it."""
+    alpha = gates.alpha
+    key = (id(alpha), alpha.data_ptr(), tensor_version(alpha))
+    cached = getattr(gates, "_rlkv_stock_layers", None)
+    if cached is None or cached[0] != key:
+        cached = (key, (alpha.detach() >= 1).all(dim=1).tolist())
+        gates._rlkv_stock_layers = cached
+    return cached[1]
 
 
 def register() -> str:
