@@ -419,13 +419,7 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
         By score, then `tie_break`; where both tie, the higher (layer, head) index counts as less
         important (so the lower index keeps its full cache first).
         """
-        n = self.scores.numel()
-        # most important first: stable sorts from the last key to the first; the index is the last key
-        idx = torch.arange(n)
-        if self.tie_break is not None:
-            idx = idx[torch.sort(-self.tie_break.flatten()[idx], stable=True).indices]
-        idx = idx[torch.sort(-self.scores.flatten()[idx], stable=True).indices]
-        idx = idx.flip(0)
+        idx = rank_heads(self.scores, self.tie_break).flip(0)
         return torch.stack([idx // self.num_kv_heads, idx % self.num_kv_heads], dim=1)
 
     def index_decided_ties(self) -> int:
@@ -534,6 +528,19 @@ def _check_unit_interval(scores: torch.Tensor, source: str) -> None:
             f"{source}: score {scores[bad[0], bad[1]].item():.4g} at layer {bad[0]}, head {bad[1]} is outside "
             "[0, 1]; scores are clamped gate values (HeadMask.from_tsv clamps a TSV's values for you)"
         )
+
+
+def rank_heads(scores: torch.Tensor, tie_break: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat (layer * H_kv + head) indices of `scores` [L, H_kv], most important first.
+
+    By score (higher first), equal scores by `tie_break` (same shape, higher first), and where both
+    tie the lower index first. Works on any device; no host read.
+    """
+    # stable sorts from the last key to the first; the index is the last key
+    idx = torch.arange(scores.numel(), device=scores.device)
+    if tie_break is not None:
+        idx = idx[torch.sort(-tie_break.flatten()[idx], stable=True).indices]
+    return idx[torch.sort(-scores.flatten()[idx], stable=True).indices]
 
 
 def _tie_break_field(raw: Any, fp: ModelFingerprint, source: str) -> torch.Tensor | None:

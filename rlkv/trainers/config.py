@@ -58,7 +58,33 @@ class GateGRPOConfig(GRPOConfig):
         default=256, metadata={"help": "Local-window tokens of the local branch during training."}
     )
     gate_init: float = field(
-        default=1.0, metadata={"help": "Initial gate value in [0, 1] (1 = full attention)."}
+        default=1.0,
+        metadata={
+            "help": "Initial gate value in [0, 1] (1 = full attention); with gate_init_from, the most important "
+            "head's."
+        },
+    )
+    gate_init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "A head mask whose ranking sets the initial gates (anything HeadMask.from_pretrained reads, e.g. "
+            "the folder `rlkv ablation-mask` wrote): its most important head starts at gate_init, its least "
+            "important at gate_init_low, the others evenly spaced by rank between. Default: every gate at gate_init."
+        },
+    )
+    gate_init_low: float = field(
+        default=0.5,
+        metadata={
+            "help": "With gate_init_from: the initial gate of the mask's least important head (<= gate_init)."
+        },
+    )
+    penalty_scope: str = field(
+        default="all",
+        metadata={
+            "help": "Which gates the L1 term pushes down: 'all' (RLKV, DuoAttention) or 'outside_target': only the "
+            "heads outside the current top round((1 - target_sparsity) * L * H) by gate value (ties by "
+            "HeadGates.below_zero), so the heads the deployed mask keeps full are ranked by reward alone."
+        },
     )
     target_sparsity: float = field(
         default=0.5,
@@ -121,6 +147,17 @@ class GateGRPOConfig(GRPOConfig):
         _check_range("l1_beta", self.l1_beta, 0.0, math.inf, "a non-negative penalty weight such as 1e-3")
         _check_range("reward_threshold", self.reward_threshold, -math.inf, math.inf, "a finite reward level")
         _check_range("gate_init", self.gate_init, 0.0, 1.0, "a value in [0, 1]")
+        _check_range(
+            "gate_init_low",
+            self.gate_init_low,
+            0.0,
+            self.gate_init,
+            f"a value in [0, gate_init={self.gate_init}]",
+        )
+        if self.penalty_scope not in PENALTY_SCOPES:
+            raise ValueError(
+                f"penalty_scope={self.penalty_scope!r} is invalid: use one of {', '.join(map(repr, PENALTY_SCOPES))}"
+            )
         _check_range("target_sparsity", self.target_sparsity, 0.0, 1.0, "a fraction of heads in [0, 1]")
         if self.use_vllm:
             raise ValueError(
@@ -135,6 +172,9 @@ class GateGRPOConfig(GRPOConfig):
                 "(paper: 128 and 256)"
             )
         super().__post_init__()
+
+
+PENALTY_SCOPES = ("all", "outside_target")
 
 
 def _requested_sharding_engine() -> str | None:

@@ -29,6 +29,7 @@ from rlkv.compat import GATE_TRAINER_API, check_attributes, check_private_api
 from rlkv.cpu_memory import keep_freed_memory
 from rlkv.gates import attach_gates
 from rlkv.gates.heads import full_alpha
+from rlkv.head_mask import HeadMask, rank_heads
 from rlkv.trainers.callbacks import GateClampCallback, HeadMaskExportCallback, gate_statistics
 from rlkv.trainers.checkpoints import load_below_zero, load_gate_checkpoint, save_gate_checkpoint
 from rlkv.trainers.config import GateGRPOConfig
@@ -73,9 +74,34 @@ def set_cpu_threads(requested: int = 0) -> int:
     return threads
 
 
-def l1_penalty(alpha: torch.Tensor, weight: float) -> torch.Tensor:
-    """`weight / (L * H) * ||alpha||_1` as a differentiable scalar."""
-    return weight * alpha.abs().mean()
+def l1_penalty(alpha: torch.Tensor, weight: float, scope: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight / (L * H) * ||alpha||_1` as a differentiable scalar; with `scope` (BoolTensor like alpha),
+    the sum runs over those gates only (each still weighted 1 / (L * H))."""
+    if scope is None:
+        return weight * alpha.abs().mean()
+    return weight * (alpha.abs() * scope).sum() / alpha.numel()
+
+
+def outside_target(alpha: torch.Tensor, below_zero: torch.Tensor, target_sparsity: float) -> torch.Tensor:
+    """BoolTensor like `alpha` [L, H_kv]: the heads outside the top round((1 - s) * L * H) by gate value
+    (ties by `below_zero`), i.e. those the mask at `target_sparsity` would compress. No host read."""
+    keep = round((1.0 - target_sparsity) * alpha.numel())
+    scope = torch.ones(alpha.numel(), dtype=torch.bool, device=alpha.device)
+    scope[rank_heads(alpha.detach(), below_zero.to(alpha.device))[:keep]] = False
+    return scope.view_as(alpha)
+
+
+def init_gates_from_mask(gates: Any, model: Any, source: str, high: float, low: float) -> None:
+    """Set `gates.alpha` from the ranking of the head mask at `source`: the mask's most important head
+    gets `high`, its least important `low`, the rest evenly spaced by rank (`HeadMaskError` for a mask
+    of another geometry)."""
+    mask = HeadMask.from_pretrained(source, model)
+    order = rank_heads(mask.scores, mask.tie_break)
+    steps = torch.linspace(high, low, order.numel()) if order.numel() > 1 else torch.tensor([high])
+    values = torch.empty(order.numel())
+    values[order] = steps
+    with torch.no_grad():
+        gates.alpha.copy_(values.view_as(gates.alpha).to(gates.alpha))
 
 
 class GateGRPOTrainer(GRPOTrainer):
@@ -112,6 +138,13 @@ class GateGRPOTrainer(GRPOTrainer):
         gates = getattr(model, "rlkv_gates", None)
         if gates is None:
             gates = attach_gates(model, sink=args.gate_sink, local=args.gate_local, init=args.gate_init)
+            if args.gate_init_from:
+                init_gates_from_mask(gates, model, args.gate_init_from, args.gate_init, args.gate_init_low)
+        elif args.gate_init_from:
+            raise ValueError(
+                "gate_init_from sets the gates this trainer attaches, but the model already carries rlkv_gates: "
+                "drop gate_init_from or pass a model without gates"
+            )
         elif (gates.sink, gates.local) != (args.gate_sink, args.gate_local):
             raise ValueError(
                 f"model already has rlkv gates with sink/local {gates.sink}/{gates.local} but args say "
@@ -128,6 +161,8 @@ class GateGRPOTrainer(GRPOTrainer):
             "reward_threshold": args.reward_threshold,
             "adaptive_penalty": args.adaptive_penalty,
             "target_sparsity": args.target_sparsity,
+            "penalty_scope": args.penalty_scope,
+            **({"gate_init_from": args.gate_init_from} if args.gate_init_from else {}),
         }
         callbacks = [
             *(kwargs.pop("callbacks", None) or []),
@@ -181,8 +216,12 @@ class GateGRPOTrainer(GRPOTrainer):
         args: GateGRPOConfig = self.args
         r_bar = self._mean_reward[mode]
         weight = penalty_weight(r_bar, args.l1_beta, args.reward_threshold, args.adaptive_penalty)
-        alpha = full_alpha(self.accelerator.unwrap_model(model).rlkv_gates.alpha)
-        penalty = l1_penalty(alpha, weight)
+        gates = self.accelerator.unwrap_model(model).rlkv_gates
+        alpha = full_alpha(gates.alpha)
+        scope = None
+        if args.penalty_scope == "outside_target":
+            scope = outside_target(alpha, gates.below_zero, args.target_sparsity)
+        penalty = l1_penalty(alpha, weight, scope)
         # TRL divides its loss by the accumulation steps in training; the penalty is per optimizer step
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         self._metrics[mode]["rlkv/r_bar"].append(r_bar)
