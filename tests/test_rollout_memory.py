@@ -50,3 +50,34 @@ def test_memory_report_max_batch_and_peaks_are_measured(tmp_path, make_model, to
     assert doc["max_batch_ratio"] == pytest.approx(report.max_batch_ratio)
     assert doc["compressed"]["max_batch"] == report.compressed.max_batch
     assert "| compressed |" in report.to_markdown()
+
+
+def test_importance_ratio_measures_the_compressed_vs_full_attention_mismatch(make_model, tokenizer):
+    model = make_model("llama")
+    new_tokens = 48
+
+    def ratio(sparsity):
+        compression = CompressedRolloutConfig(
+            head_mask=HeadMask.random(model), sparsity=sparsity, sink=2, window=8, protect_prompt=False
+        )
+        report = measure_rollout_memory(
+            model,
+            tokenizer,
+            PROMPTS,
+            compression,
+            max_new_tokens=new_tokens,
+            kv_cap_bytes=2**30,
+            batch_size=3,
+            max_batch_limit=3,
+        )
+        assert report.compressed.peak_allocated_bytes is None and report.device == "cpu"  # CUDA only
+        assert "importance-sampling ratio p_full/p_rollout" in report.to_markdown()
+        return report.importance_ratio
+
+    exact, evicting = ratio(0.0), ratio(0.75)
+    assert exact.tokens == evicting.tokens == 3 * new_tokens  # every sampled token of the reference batch
+    # nothing compressed: the rollout's log-probs are the teacher-forced full-attention ones
+    assert exact.mean_abs_logp_diff < 1e-4 and exact.min == pytest.approx(1, abs=1e-3)
+    # streaming heads that dropped tokens: rollout and loss see different distributions
+    assert evicting.mean_abs_logp_diff > 100 * max(exact.mean_abs_logp_diff, 1e-6)
+    assert evicting.min < 1 < evicting.max

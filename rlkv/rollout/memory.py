@@ -9,7 +9,11 @@ per cache kind:
   estimate from the per-sequence peak, then probing batch sizes until batch b fits and b + 1
   does not (every probe is kept in the report);
 - on CUDA, the peak allocator memory of the generate call above what was allocated before it
-  (KV + activations + logits), for context.
+  (KV + activations + logits) and `torch.cuda.max_memory_allocated` itself (weights included);
+- the importance-sampling ratio of the compressed rollouts: exp(log p_full - log p_rollout) of every
+  sampled token of the compressed reference batch, log p_full from a teacher-forced forward with
+  the model's own attention (what the GRPO loss evaluates, and TRL's per-token ratio before its
+  truncation); exactly 1 where compression dropped nothing.
 Every rollout runs the full `max_new_tokens` (EOS is suppressed): memory caps must hold for the
 longest rollouts, and it makes both cache kinds see the same lengths.
 """
@@ -37,7 +41,9 @@ class CacheMemory:
     batch_size / peak_bytes / resident_bytes: the reference run (bytes of the whole batch);
     peak_bytes_per_sequence: peak_bytes / batch_size; max_batch: largest batch with peak <= cap
     (0 if not even one rollout fits); probes: batch size -> measured peak bytes;
-    peak_device_bytes: CUDA allocator peak of the reference generate call (None on CPU).
+    peak_device_bytes: CUDA allocator peak of the reference generate call above what was
+    allocated before it (None on CPU); peak_allocated_bytes: `torch.cuda.max_memory_allocated`
+    during that call, weights included (None on CPU).
     """
 
     name: str
@@ -48,6 +54,19 @@ class CacheMemory:
     max_batch: int
     probes: dict[int, int] = field(default_factory=dict)
     peak_device_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+
+
+@dataclass
+class ImportanceRatio:
+    """exp(log p_full - log p_rollout) over the `tokens` sampled tokens of the compressed reference
+    batch (min / mean / max), and the mean |log p_full - log p_rollout|."""
+
+    tokens: int
+    min: float
+    mean: float
+    max: float
+    mean_abs_logp_diff: float
 
 
 @dataclass
@@ -61,6 +80,8 @@ class RolloutMemoryReport:
     compression: dict[str, Any]
     full: CacheMemory
     compressed: CacheMemory
+    importance_ratio: ImportanceRatio | None = None
+    device: str = "cpu"
 
     @property
     def peak_ratio(self) -> float:
@@ -85,21 +106,28 @@ class RolloutMemoryReport:
         mib = 2.0**20
         lines = [
             f"model {self.model}, {self.max_new_tokens} new tokens, prompts {min(self.prompt_tokens)}-"
-            f"{max(self.prompt_tokens)} tokens, KV cap {self.kv_cap_bytes / mib:.2f} MiB",
+            f"{max(self.prompt_tokens)} tokens, KV cap {self.kv_cap_bytes / mib:.2f} MiB, device {self.device}",
             "",
-            "| cache | peak KV MiB (batch) | peak KV KiB / sequence | max batch under cap | device peak MiB |",
-            "| --- | --- | --- | --- | --- |",
+            "| cache | resident KV MiB | peak KV MiB (batch) | peak KV KiB / sequence | max batch under cap "
+            "| generate peak MiB (above start) | max allocated MiB |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for m in (self.full, self.compressed):
-            device = "-" if m.peak_device_bytes is None else f"{m.peak_device_bytes / mib:.1f}"
+            above = "-" if m.peak_device_bytes is None else f"{m.peak_device_bytes / mib:.1f}"
+            total = "-" if m.peak_allocated_bytes is None else f"{m.peak_allocated_bytes / mib:.1f}"
             lines.append(
-                f"| {m.name} | {m.peak_bytes / mib:.3f} ({m.batch_size}) | {m.peak_bytes_per_sequence / 1024:.1f} "
-                f"| {m.max_batch} | {device} |"
+                f"| {m.name} | {m.resident_bytes / mib:.3f} | {m.peak_bytes / mib:.3f} ({m.batch_size}) "
+                f"| {m.peak_bytes_per_sequence / 1024:.1f} | {m.max_batch} | {above} | {total} |"
             )
         lines += [
             "",
             f"peak ratio compressed/full {self.peak_ratio:.3f}; max-batch ratio {self.max_batch_ratio:.2f}",
         ]
+        if (r := self.importance_ratio) is not None:
+            lines.append(
+                f"importance-sampling ratio p_full/p_rollout over {r.tokens} compressed-rollout tokens: min "
+                f"{r.min:.4f}, mean {r.mean:.4f}, max {r.max:.4f} (mean |log-prob diff| {r.mean_abs_logp_diff:.4f})"
+            )
         return "\n".join(lines)
 
 
@@ -112,7 +140,8 @@ class _RolloutProbe:
         self.peaks: dict[int, int] = {}
 
     def run(self, batch_size: int):
-        """(CacheStats of the batch, CUDA peak bytes or None) of one batch of `batch_size` rollouts."""
+        """One batch of `batch_size` rollouts: (its RolloutBatch, CUDA peak bytes above the start or None,
+        torch.cuda.max_memory_allocated or None); its prompts are kept as `last_inputs`."""
         from trl.trainer.utils import pad
 
         device = next(self.model.parameters()).device
@@ -138,9 +167,10 @@ class _RolloutProbe:
             temperature=self.temperature,
             eos_token_ids=self.eos,
         )
-        device_peak = torch.cuda.max_memory_allocated(device) - before if on_cuda else None
+        peak_allocated = torch.cuda.max_memory_allocated(device) if on_cuda else None
         self.peaks[batch_size] = batch.kv.peak_bytes
-        return batch.kv, device_peak
+        self.last_inputs = (input_ids, attention_mask)
+        return batch, None if peak_allocated is None else peak_allocated - before, peak_allocated
 
     def peak(self, batch_size: int) -> int:
         if batch_size not in self.peaks:
@@ -204,10 +234,13 @@ def measure_rollout_memory(
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
         eos_token_id=eos,
     )
-    results = {}
+    results, ratio = {}, None
     for name, cache_config in (("full", None), ("compressed", compression)):
         probe = _RolloutProbe(model, prompt_ids, generation_config, cache_config, temperature, [eos], seed)
-        kv, device_peak = probe.run(batch_size)
+        batch, device_peak, peak_allocated = probe.run(batch_size)
+        kv = batch.kv
+        if cache_config is not None:
+            ratio = importance_ratio(model, *probe.last_inputs, batch, temperature)
         per_sequence = kv.peak_bytes / batch_size
         max_batch = probe.max_batch(kv_cap_bytes, per_sequence, max_batch_limit)
         results[name] = CacheMemory(
@@ -219,6 +252,7 @@ def measure_rollout_memory(
             max_batch=max_batch,
             probes=dict(sorted(probe.peaks.items())),
             peak_device_bytes=device_peak,
+            peak_allocated_bytes=peak_allocated,
         )
     config = getattr(model, "config", None)
     mask = compression.head_mask
@@ -239,4 +273,52 @@ def measure_rollout_memory(
         },
         full=results["full"],
         compressed=results["compressed"],
+        importance_ratio=ratio,
+        device=str(next(model.parameters()).device),
+    )
+
+
+def full_attention_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """log_softmax(logits / temperature) [B, N] of `completion_ids` [B, N] after the left-padded prompts
+    `input_ids` [B, P], teacher-forced with the model's own attention (no cache), one row at a time so
+    at most one row's [N, vocab] logits exist."""
+    sequences = torch.cat([input_ids, completion_ids], dim=1)
+    mask = torch.cat([attention_mask, torch.ones_like(completion_ids)], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: the positions generate used
+    num = completion_ids.shape[1]
+    rows = []
+    with torch.no_grad():
+        for i in range(sequences.shape[0]):
+            logits = model(
+                input_ids=sequences[i : i + 1],
+                attention_mask=mask[i : i + 1],
+                position_ids=positions[i : i + 1],
+                use_cache=False,
+                logits_to_keep=num + 1,
+            ).logits[:, :-1]
+            logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+            rows.append(logp.gather(-1, completion_ids[i : i + 1, :, None]).squeeze(-1))
+    return torch.cat(rows)
+
+
+def importance_ratio(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch, temperature: float
+) -> ImportanceRatio:
+    """`ImportanceRatio` of a compressed `RolloutBatch` sampled from `input_ids` / `attention_mask`."""
+    completion = torch.tensor(batch.completion_ids, device=input_ids.device)  # EOS suppressed: equal lengths
+    full = full_attention_logprobs(model, input_ids, attention_mask, completion, temperature)
+    diff = full - torch.tensor(batch.logprobs, device=full.device)
+    ratio = diff.exp()
+    return ImportanceRatio(
+        tokens=diff.numel(),
+        min=ratio.min().item(),
+        mean=ratio.mean().item(),
+        max=ratio.max().item(),
+        mean_abs_logp_diff=diff.abs().mean().item(),
     )
