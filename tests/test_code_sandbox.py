@@ -131,6 +131,7 @@ def test_temp_dir_is_removed_even_when_the_caller_is_killed(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path), sandbox.CONTAINMENT_ENV: "guard"}
     code = (  # the module alone (standard library only): no torch import to wait for
         f"import sys; sys.path.insert(0, {os.path.dirname(sandbox.__file__)!r})\n"
+        "sys.modules['rlkv'] = None\n"  # no package import (torch writes caches to TMPDIR while loading)
         "from sandbox import run_program\n"
         "run_program('import time\\ntime.sleep(324.5)', timeout_s=60, guard=False)\n"
     )
