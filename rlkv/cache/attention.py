@@ -21,6 +21,9 @@ from rlkv.cache.layer import HeadMixedLayer
 from rlkv.policies.base import CompressionPolicy
 
 ATTENTION_NAME = "rlkv_cache"
+# Layers of other cache layouts (rlkv/cache/static.py) register their type here; `update` returns
+# such a layer and its `attend(module, query, attention_mask, scaling)` -> [B, Q, H_q, D] runs.
+SELF_ATTENDING_LAYERS: list[type] = []
 # Float32 scores per query chunk of the explicit attention that policies observing attention (H2O)
 # need: 2**24 (64 MiB) bounds a long prefill's score matrix instead of B x H x Q x K at once.
 EAGER_CHUNK_ELEMENTS = 1 << 24
@@ -237,6 +240,10 @@ def rlkv_cache_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention output [B, Q, H_q, D]; `key` is the `HeadMixedLayer` returned by `HeadMixedCache.update`."""
+    if isinstance(key, tuple(SELF_ATTENDING_LAYERS)):
+        return key.attend(
+            module, query, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5
+        ), None
     if isinstance(key, HeadMixedLayer):
         if dropout:
             raise ValueError(

@@ -86,6 +86,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--device", default=None, help="e.g. cuda, cpu (default: where from_pretrained puts it)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument(
+        "--no-static-cache",
+        action="store_true",
+        help="on CUDA, decode with the dynamic cache instead of the static, compiled one (CUDA graphs)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -134,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         apply_chat_template=not args.no_chat_template,
         progress=False,
         seed=args.seed,
+        static_cache=False if args.no_static_cache else None,
     )
     for i, out in enumerate(outputs):
         if args.json:

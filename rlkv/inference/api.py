@@ -14,6 +14,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    CompileConfig,
     DynamicCache,
     PreTrainedModel,
     StoppingCriteria,
@@ -22,6 +23,8 @@ from transformers import (
 )
 
 from rlkv.cache import CacheStats, HeadMixedCache, install_observers, register_attention
+from rlkv.cache.static import StaticHeadMixedCache, install_step_hook
+from rlkv.cache.static_budget import StaticCacheError
 from rlkv.cache.stats import full_cache_stats
 from rlkv.compat import generate_cache_kwargs
 from rlkv.cpu_memory import keep_freed_memory
@@ -45,11 +48,19 @@ class GenerationOutput:
 
 
 def make_cache(
-    model: PreTrainedModel, compression: CompressionConfig, batch_size: int | None = None
-) -> HeadMixedCache:
+    model: PreTrainedModel,
+    compression: CompressionConfig,
+    batch_size: int | None = None,
+    *,
+    static: bool = False,
+    max_cache_len: int | None = None,
+) -> HeadMixedCache | StaticHeadMixedCache:
     """A `HeadMixedCache` for `model` laid out by `compression`; switches the model to "rlkv_cache" attention.
 
-    Raises `CompressionConfigError` / `HeadMaskError` for an invalid config or a mask of another model.
+    static: a `StaticHeadMixedCache` instead (static shapes, fixed addresses: torch.compile and CUDA
+    graphs), holding at most `max_cache_len` (prompt + new tokens) columns; raises `StaticCacheError`
+    for a layout without a static form. Raises `CompressionConfigError` / `HeadMaskError` for an
+    invalid config or a mask of another model.
     """
     compression.validate()
     if hasattr(model, "rlkv_gates"):
@@ -69,6 +80,24 @@ def make_cache(
             raise ValueError(
                 f"policy {compression.policy!r} needs final hidden states, but the model has no decoder.norm"
             )
+    if static:
+        if max_cache_len is None:
+            raise StaticCacheError(
+                "make_cache(static=True) needs max_cache_len (prompt tokens + max_new_tokens)"
+            )
+        cache = StaticHeadMixedCache(
+            model.config,
+            full_heads,
+            policy,
+            max_cache_len=max_cache_len,
+            sink=compression.sink,
+            window=compression.window,
+            budget=compression.budget,
+            protect_prompt=compression.protect_prompt,
+            batch_size=batch_size,
+        )
+        install_step_hook(model)
+        return cache
     return HeadMixedCache(
         model.config,
         full_heads,
@@ -202,6 +231,29 @@ class _RowEndStats(StoppingCriteria):
         return done
 
 
+def _make_generate_cache(
+    model: PreTrainedModel,
+    compression: CompressionConfig | None,
+    static_cache: bool | None,
+    device: torch.device,
+    max_cache_len: int,
+) -> HeadMixedCache | StaticHeadMixedCache | None:
+    """The cache `generate` reuses for every batch (None: plain full cache); see its `static_cache`."""
+    if compression is None:
+        if static_cache:
+            raise StaticCacheError(
+                "static_cache=True needs a compression config (load(..., compression=...) or compression=)"
+            )
+        return None
+    if static_cache or (static_cache is None and device.type == "cuda"):
+        try:
+            return make_cache(model, compression, static=True, max_cache_len=max_cache_len)
+        except StaticCacheError:
+            if static_cache:
+                raise
+    return make_cache(model, compression)
+
+
 def generate(
     model: PreTrainedModel,
     tokenizer: Any,
@@ -219,6 +271,7 @@ def generate(
     seed: int | None = None,
     stopping_criteria: list[Any] | None = None,
     stop_strings: list[str] | None = None,
+    static_cache: bool | None = None,
 ) -> list[GenerationOutput]:
     """Generate for a list of prompts (strings or chat message lists), in batches, left-padded.
 
@@ -228,6 +281,11 @@ def generate(
     stopping_criteria: extra transformers `StoppingCriteria` (e.g. the eval harness's repetition
     stop); a row they end has finish reason "stop" and ends at the token where they stopped it.
     stop_strings: end a row once its text ends with one of these (transformers' `StopStringCriteria`).
+    static_cache: None (default) decodes with a `StaticHeadMixedCache` compiled by transformers
+    (`CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")`: CUDA graphs, prefill
+    eager) on CUDA when the layout has a static form, else with the dynamic `HeadMixedCache`; True
+    uses the static cache on any device (eager on CPU) and raises `StaticCacheError` for a layout
+    without a static form; False always uses the dynamic cache.
     """
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], dict)):
         raise TypeError(
@@ -244,7 +302,15 @@ def generate(
         stopping_criteria = [*(stopping_criteria or []), StopStringCriteria(tokenizer, stop_strings)]
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
-    cache = make_cache(model, compression) if compression is not None else None
+    device = next(model.parameters()).device
+    cache = _make_generate_cache(
+        model, compression, static_cache, device, max(map(len, encoded), default=0) + max_new_tokens
+    )
+    compile_kwargs = {}
+    if isinstance(cache, StaticHeadMixedCache) and device.type == "cuda":
+        compile_kwargs["compile_config"] = CompileConfig(
+            fullgraph=True, dynamic=False, mode="reduce-overhead"
+        )
     if seed is not None:
         torch.manual_seed(seed)
     sampling = (
@@ -254,7 +320,6 @@ def generate(
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     from tqdm.auto import tqdm
 
-    device = next(model.parameters()).device
     for batch in tqdm(batches, desc="generate", disable=not progress):
         width = max(len(encoded[i]) for i in batch)
         input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -283,6 +348,7 @@ def generate(
                 pad_token_id=pad_id,
                 eos_token_id=sorted(eos),
                 stopping_criteria=StoppingCriteriaList([row_end]),
+                **compile_kwargs,
                 **sampling,
             )
         stats = read_stats()

@@ -1,0 +1,254 @@
+"""StaticHeadMixedCache: the dynamic cache's results with static shapes, fixed addresses, no host sync, compiled."""
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from rlkv.cache.static import StaticHeadMixedCache
+from rlkv.cache.static_budget import StaticCacheError
+from rlkv.head_mask import HeadMask
+from rlkv.inference import CompressionConfig, generate, make_cache
+from rlkv.testing import HostSyncCounter, tiny_model
+
+SINK, WINDOW = 2, 4
+STEPS = 30
+
+
+def _mixed_mask(model) -> HeadMask:
+    """One KV head per layer full at sparsity 0.5, a different one in each layer."""
+    mask = HeadMask.random(model, seed=0)
+    mask.scores = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    return mask
+
+
+CASES = {
+    "streaming": dict(sparsity=0.5),
+    "streaming-unprotected": dict(sparsity=0.5, protect_prompt=False),
+    "streaming-all-heads": dict(mask=False, protect_prompt=False),
+    "rkv": dict(sparsity=0.5, policy="rkv", budget=10, policy_kwargs=dict(buffer=4)),
+    "snapkv": dict(mask=False, policy="snapkv", budget=10, policy_kwargs=dict(buffer=3)),
+    "knorm": dict(mask=False, policy="knorm", budget=10, policy_kwargs=dict(buffer=2)),
+    "sink-recent": dict(mask=False, policy="sink-recent", budget=8),
+}
+
+
+def _config(model, case: str) -> CompressionConfig:
+    kwargs = dict(CASES[case])
+    head_mask = _mixed_mask(model) if kwargs.pop("mask", True) else None
+    return CompressionConfig(head_mask=head_mask, sink=SINK, window=WINDOW, **kwargs)
+
+
+def _run(model, batch, cache, steps=STEPS, **kwargs):
+    input_ids, attention_mask = batch
+    return model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=steps,
+        do_sample=False,
+        cache=cache,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+
+
+def _position_sets(positions: torch.Tensor) -> list[list[list[int]]]:
+    return [[sorted(p for p in head if p >= 0) for head in row] for row in positions.tolist()]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_tokens_logits_and_kept_positions_as_the_dynamic_cache(left_padded_batch, case):
+    model = tiny_model("llama")
+    config = _config(model, case)
+    dynamic = make_cache(model, config)
+    expected = _run(model, left_padded_batch, dynamic)
+    static = make_cache(model, config, static=True, max_cache_len=left_padded_batch[0].shape[1] + STEPS)
+    got = _run(model, left_padded_batch, static)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
+    evicted = 0
+    for dyn_layer, static_layer in zip(dynamic.layers, static.layers, strict=True):
+        if dyn_layer.store is None:
+            assert static_layer.kept_positions() is None
+            continue
+        assert _position_sets(static_layer.kept_positions()) == _position_sets(dyn_layer.store.positions)
+        evicted += int(dyn_layer.store.evicted.sum())
+    assert evicted > 0  # the case really evicts
+    strip = ("resident_bytes",)
+    assert [{k: v for k, v in s.items() if k not in strip} for s in static.stats()] == [
+        {k: v for k, v in s.items() if k not in strip} for s in dynamic.stats()
+    ]
+
+
+def test_streaming_keeps_sink_and_window_at_logical_positions(left_padded_batch):
+    """Unprotected streaming: each row keeps its first SINK real columns and the last WINDOW columns."""
+    model = tiny_model("qwen2")
+    input_ids, attention_mask = left_padded_batch
+    cache = make_cache(
+        model, _config(model, "streaming-all-heads"), static=True, max_cache_len=input_ids.shape[1] + STEPS
+    )
+    _run(model, left_padded_batch, cache)
+    length = input_ids.shape[1] + STEPS - 1  # the last token is sampled, never fed
+    for layer in cache.layers:
+        for row, heads in enumerate(_position_sets(layer.kept_positions())):
+            start = int((attention_mask[row] == 0).sum())
+            expected = [*range(start, start + SINK), *range(length - WINDOW, length)]
+            assert heads == [expected] * len(heads)
+
+
+def test_sparsity0_token_identical_to_plain_generate(model, left_padded_batch):
+    input_ids, attention_mask = left_padded_batch
+    plain = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=24, do_sample=False
+    )
+    config = CompressionConfig(head_mask=_mixed_mask(model), sparsity=0.0)
+    cache = make_cache(model, config, static=True, max_cache_len=input_ids.shape[1] + 24)
+    assert torch.equal(_run(model, left_padded_batch, cache, steps=24).sequences, plain)
+
+
+def _capacity(model, cache: StaticHeadMixedCache, batch: int, width: int) -> int:
+    """Analytic bytes of the static layout: full columns, compressed slots + int32 positions, observation
+    queries, per-layer bookkeeping (row starts, counters, head indices), the full-head mask."""
+    cfg = model.config
+    dim, groups = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    element = 4  # fp32
+    settings, form = cache.settings, cache.form
+    if form.kind == "budget":
+        early = width
+    else:
+        early = max(settings.sink, width) if settings.protect_prompt else settings.sink
+    slots = early + form.region_slots(settings.window)
+    total = cache.full_heads.numel()  # bool
+    for full in cache.full_heads.tolist():
+        h_full, h_comp = sum(full), len(full) - sum(full)
+        total += 2 * batch * h_full * cache.max_cache_len * dim * element
+        total += batch * h_comp * slots * (2 * dim * element + 4)
+        total += batch * h_comp * groups * form.observe * dim * element
+        total += 8 * (batch + 3 + (batch if h_comp else 0) + (h_full + h_comp) * (1 + groups))
+    return total
+
+
+@pytest.mark.parametrize("case", ["streaming", "rkv"])
+def test_resident_bytes_equal_the_analytic_capacity(left_padded_batch, case):
+    model = tiny_model("llama")
+    input_ids = left_padded_batch[0]
+    cache = make_cache(model, _config(model, case), static=True, max_cache_len=input_ids.shape[1] + STEPS)
+    _run(model, left_padded_batch, cache)
+    expected = _capacity(model, cache, *input_ids.shape)
+    assert cache.resident_bytes() == expected
+    dynamic = make_cache(model, _config(model, case))
+    _run(model, left_padded_batch, dynamic)
+    assert cache.resident_bytes() < dynamic.full_resident_bytes()  # compression is real
+
+
+def test_rows_are_independent(left_padded_batch):
+    model = tiny_model("llama")
+    config = _config(model, "rkv")
+    input_ids, attention_mask = left_padded_batch
+    cache = make_cache(model, config, static=True, max_cache_len=input_ids.shape[1] + STEPS)
+    batched = _run(model, left_padded_batch, cache).sequences[:, input_ids.shape[1] :]
+    for row in range(input_ids.shape[0]):
+        real = input_ids[row, attention_mask[row].bool()][None]
+        alone = _run(model, (real, torch.ones_like(real)), cache).sequences[0, real.shape[1] :]
+        assert torch.equal(alone, batched[row])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(policy="h2o", budget=32),
+        dict(policy="knorm"),  # float default budget
+        dict(policy="rkv", budget=64, protect_prompt=False),
+        dict(policy="rpc", budget=64),
+    ],
+    ids=["h2o", "float-budget", "unprotected-budget", "rpc"],
+)
+def test_layouts_without_a_static_form_name_the_fix(kwargs):
+    model = tiny_model("llama")
+    config = CompressionConfig(head_mask=None, sink=SINK, window=WINDOW, **kwargs)
+    with pytest.raises(StaticCacheError, match="static_cache=False"):
+        make_cache(model, config, static=True, max_cache_len=64)
+
+
+def test_lengths_beyond_max_cache_len_are_refused(left_padded_batch):
+    model = tiny_model("llama")
+    input_ids = left_padded_batch[0]
+    config = _config(model, "streaming")
+    with pytest.raises(StaticCacheError, match="max_cache_len"):
+        make_cache(model, config, static=True)
+    short = make_cache(model, config, static=True, max_cache_len=input_ids.shape[1] - 1)
+    with pytest.raises(StaticCacheError, match="max_cache_len="):
+        _run(model, left_padded_batch, short)
+    tight = make_cache(model, config, static=True, max_cache_len=input_ids.shape[1] + 2)
+    with pytest.raises(StaticCacheError, match="max_cache_len="):
+        _run(model, left_padded_batch, tight, steps=4)
+
+
+@pytest.mark.parametrize("case", ["streaming", "rkv", "snapkv", "knorm", "sink-recent"])
+def test_decode_steps_never_read_the_device(left_padded_batch, case):
+    """Every decode step, compaction steps included, runs without a host sync."""
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded_batch
+    steps = 20
+    total = input_ids.shape[1] + steps
+    cache = make_cache(model, _config(model, case), static=True, max_cache_len=total)
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    real = torch.cat([attention_mask, torch.ones(input_ids.shape[0], steps, dtype=torch.long)], 1).bool()
+    counts = []
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        for step in range(steps - 1):
+            column = input_ids.shape[1] + step
+            mask = real[:, None, None, :] & (torch.arange(total) <= column)  # the 4D mask generate builds
+            with HostSyncCounter() as syncs:
+                out = model(
+                    input_ids=token,
+                    attention_mask=mask,
+                    position_ids=positions[:, -1:] + 1 + step,
+                    cache=cache,
+                )
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+            counts.append(syncs.count)
+    assert counts == [0] * (steps - 1)
+    if cache.form.kind == "budget":
+        assert any(layer.compacted_at > 0 for layer in cache.layers)  # compaction steps were among them
+
+
+@pytest.mark.parametrize("case", ["streaming", "rkv"])
+def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, case):
+    """transformers' compiled decode (fullgraph, static shapes) captures one graph and replays it."""
+    model = tiny_model("llama")
+    input_ids = left_padded_batch[0]
+    cache = make_cache(model, _config(model, case), static=True, max_cache_len=input_ids.shape[1] + 64)
+    eager = _run(model, left_padded_batch, cache, steps=64, disable_compile=True).sequences
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    compile_config._compile_all_devices = True  # transformers compiles on accelerators only by default
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):  # the second request replays the same graph (same addresses, same shapes)
+            compiled = _run(model, left_padded_batch, cache, steps=64, compile_config=compile_config)
+            assert torch.equal(compiled.sequences, eager)
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
+def test_generate_static_cache_option(tokenizer):
+    model = tiny_model("llama")
+    config = _config(model, "rkv")
+    prompts = ["solve the following math problem", "wait"]
+    dynamic = generate(model, tokenizer, prompts, 20, compression=config, static_cache=False, progress=False)
+    static = generate(model, tokenizer, prompts, 20, compression=config, static_cache=True, progress=False)
+    assert [o.token_ids for o in static] == [o.token_ids for o in dynamic]
+    assert [o.cache_stats.kept_tokens for o in static] == [o.cache_stats.kept_tokens for o in dynamic]
+    h2o = CompressionConfig(policy="h2o", budget=128)
+    with pytest.raises(StaticCacheError, match="static_cache=False"):
+        generate(model, tokenizer, prompts, 4, compression=h2o, static_cache=True, progress=False)
+    # None on CPU: the dynamic cache, so a layout without a static form still generates
+    assert len(generate(model, tokenizer, prompts, 4, compression=h2o, progress=False)) == 2
