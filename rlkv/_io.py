@@ -1,8 +1,10 @@
-"""Atomic file writes: a temp file in the target directory, fsync, then rename."""
+"""File I/O: atomic writes (a temp file in the target directory, fsync, rename) and checked reads
+(a regular file of bounded size, UTF-8), so a FIFO, /dev/zero or a binary file is one clear error."""
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -37,3 +39,69 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+MAX_TEXT_BYTES = 256 << 20  # far above any mask, recipe, problems file or results file the project writes
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device")):
+        if test(mode):
+            return name
+    return "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+
+
+def check_regular_file(
+    path: str | os.PathLike,
+    *,
+    what: str = "file",
+    error: type[Exception] = ValueError,
+    max_bytes: int = MAX_TEXT_BYTES,
+) -> Path:
+    """`path` as a Path after checking, without opening it, that it is a regular file of at most `max_bytes`.
+
+    Symlinks are followed (a link to /dev/zero is refused as a device, one to a FIFO as a FIFO:
+    reading those never ends or hangs). Raises `error(message)` naming the path and the fix.
+    """
+    path = Path(path)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what}") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read the {what} ({e.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise error(f"{path}: is {_kind(info.st_mode)}, not a regular file; give a {what}")
+    if info.st_size > max_bytes:
+        raise error(f"{path}: {info.st_size} bytes, more than the {max_bytes} a {what} may have")
+    return path
+
+
+def read_text_file(
+    path: str | os.PathLike,
+    *,
+    what: str = "file",
+    error: type[Exception] = ValueError,
+    max_bytes: int = MAX_TEXT_BYTES,
+) -> str:
+    """The UTF-8 text of `path`, a regular file of at most `max_bytes` (checked as `check_regular_file`).
+
+    Raises `error(message)` for a missing, special, oversized or non-UTF-8 file.
+    """
+    path = check_regular_file(path, what=what, error=error, max_bytes=max_bytes)
+    try:  # non-blocking: a FIFO swapped in after the check must not hang the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        raise error(f"{path}: cannot read the {what} ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise error(f"{path}: is not a regular file; give a {what}")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise error(f"{path}: more than the {max_bytes} bytes a {what} may have")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(
+            f"{path}: not UTF-8 text (bad byte at offset {e.start}); save the {what} as UTF-8"
+        ) from None

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlkv._io import atomic_write_text
+from rlkv._io import atomic_write_text, read_text_file
 from rlkv.errors import UserError
 from rlkv.geometry import attention_geometry, text_config
 
@@ -127,7 +127,8 @@ class HeadMask:
         """Read a DuoAttention / RLKV official TSV (L rows x H_kv tab-separated floats, no header)."""
         path = Path(path)
         rows = []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        text = read_text_file(path, what="head-mask TSV", error=HeadMaskError)
+        for lineno, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -269,7 +270,9 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
         counts = torch.unique(self.scores, return_counts=True)[1]
         tied = int(counts[counts > 1].sum())
         if self.tie_break is None:
-            return f"ranking: by score; {tied} heads share a score with another, ranked by (layer, head) index"
+            return (
+                f"ranking: by score; {tied} heads share a score with another, ranked by (layer, head) index"
+            )
         source = self.metadata.get("tie_break", "tie_break")
         return (
             f"ranking: by score; the {tied} heads that share a score with another by `tie_break` ({source}); "
@@ -305,13 +308,12 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
     def load(cls, path: str | os.PathLike) -> HeadMask:
         """Read and validate a JSON head mask written by `save`."""
         path = Path(path)
+        text = read_text_file(path, what="head-mask file", error=HeadMaskError)
         try:
-            doc = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise HeadMaskError(f"{path}: no such head-mask file") from None
-        except json.JSONDecodeError as e:
+            doc = json.loads(text)
+        except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
             raise HeadMaskError(
-                f"{path}: not valid JSON ({e}); expected a file written by HeadMask.save"
+                f"{path}: not valid JSON ({type(e).__name__}: {e}); expected a file written by HeadMask.save"
             ) from None
         return cls.from_dict(doc, source=str(path))
 
@@ -346,26 +348,30 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
             raise HeadMaskError(f"{source}: field 'scores' must be a list of L lists of H_kv numbers")
         if len({len(r) for r in raw}) != 1:
             raise HeadMaskError(f"{source}: field 'scores' rows have different lengths")
+        if any(isinstance(x, bool) or not isinstance(x, (int, float)) for r in raw for x in r):
+            raise HeadMaskError(
+                f"{source}: field 'scores' holds a non-number (true/false, a string, null...)"
+            )
         try:
             scores = torch.tensor(raw, dtype=torch.float32)
-        except (TypeError, ValueError) as e:
-            raise HeadMaskError(f"{source}: field 'scores' holds a non-number ({e})") from None
+        except (TypeError, ValueError, OverflowError) as e:
+            raise HeadMaskError(
+                f"{source}: field 'scores' holds a value that is not a float32 ({e})"
+            ) from None
         _validate_scores(scores, fp, source=f"{source}: field 'scores'")
         _check_unit_interval(scores, source=f"{source}: field 'scores'")
         tie_break = _tie_break_field(doc.get("tie_break"), fp, source)
-        try:
-            return cls(
-                scores=scores,
-                fingerprint=fp,
-                train_sink=int(doc.get("train_sink", 128)),
-                train_local=int(doc.get("train_local", 256)),
-                inference_sink=int(doc.get("inference_sink", 16)),
-                inference_local=int(doc.get("inference_local", 64)),
-                metadata=dict(doc.get("metadata") or {}),
-                tie_break=tie_break,
+        metadata = doc.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise HeadMaskError(
+                f"{source}: field 'metadata' must be a JSON object, not {type(metadata).__name__}"
             )
-        except (TypeError, ValueError) as e:
-            raise HeadMaskError(f"{source}: sink/local fields must be integers ({e})") from None
+        defaults = {"train_sink": 128, "train_local": 256, "inference_sink": 16, "inference_local": 64}
+        sizes = {
+            name: _token_count(doc.get(name, default), f"{source}: field {name!r}")
+            for name, default in defaults.items()
+        }
+        return cls(scores=scores, fingerprint=fp, metadata=dict(metadata), tie_break=tie_break, **sizes)
 
     # use ----------------------------------------------------------------------------------
     @property
@@ -500,9 +506,9 @@ def _mask_file_in(folder: Path) -> Path:
 def _duo_config(path: Path) -> dict[str, Any]:
     """DuoAttention's training config.json: sink_size and recent_size (ints) plus its other settings."""
     try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise HeadMaskError(f"{path}: not valid JSON ({e})") from None
+        doc = json.loads(read_text_file(path, what="DuoAttention config.json", error=HeadMaskError))
+    except (ValueError, RecursionError) as e:
+        raise HeadMaskError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(doc, dict):
         raise HeadMaskError(f"{path}: expected a JSON object with sink_size and recent_size")
     for name in ("sink_size", "recent_size"):
@@ -562,6 +568,16 @@ def _tie_break_field(raw: Any, fp: ModelFingerprint, source: str) -> torch.Tenso
         raise HeadMaskError(f"{where} holds a value that is not a float32 ({e})") from None
     _validate_scores(tie_break, fp, source=where)
     return tie_break
+
+
+MAX_TOKENS = 1 << 30  # a sink/local size beyond any context length
+
+
+def _token_count(value: Any, where: str) -> int:
+    """A sink/local size: an integer from 0 to MAX_TOKENS (not a bool, a float or a string)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
+        raise HeadMaskError(f"{where}={value!r} must be an integer number of tokens from 0 to {MAX_TOKENS}")
+    return value
 
 
 def _validate_scores(scores: torch.Tensor, fp: ModelFingerprint, source: str) -> None:
