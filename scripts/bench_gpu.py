@@ -23,9 +23,11 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import json
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from bench_gpu_profile import (
@@ -45,6 +47,7 @@ from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCr
 from transformers.generation import CompileConfig
 
 from rlkv import HeadMask
+from rlkv._io import atomic_write_text
 from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
 
@@ -94,10 +97,10 @@ def static_unavailable() -> str | None:
 
 def row_cache(model, row: Row, batch: int, max_len: int):
     """The cache of `row` for `batch` rows of up to `max_len` tokens."""
-    if row.policy is None:
+    if row.policy is None:  # stock attention again after an rlkv row switched it to "rlkv_cache"
+        model.set_attn_implementation("sdpa")
         if row.static:
             return StaticCache(config=model.config, max_cache_len=max_len)
-        model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
     config = CompressionConfig(
         head_mask=HeadMask.random(model, seed=0) if row.sparsity is not None else None,
@@ -168,11 +171,14 @@ def measure(model, row: Row, batch: int, args, hard_end: float) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     max_len = args.gpu_prompt + args.gpu_steps
+    if cuda and row.static:  # a fresh compile per static row: no stale CUDA graph pools, no recompile limit
+        torch.compiler.reset()
     try:
         cache = row_cache(model, row, batch, max_len)
     except (ValueError, TypeError, NotImplementedError) as e:
         return dict(out, status=f"not available: {e}")
-    compiled = cuda and row.static
+    # transformers compiles the decode step only on CUDA and only for a compileable cache
+    compiled = cuda and row.static and bool(getattr(cache, "is_compileable", False))
     warm = args.gpu_warm + (args.gpu_warm_compiled if compiled else 0)
     clock = StepClock(batch, device, warm, args.gpu_profile_steps, args.gpu_row_s, hard_end)
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -182,7 +188,7 @@ def measure(model, row: Row, batch: int, args, hard_end: float) -> dict:
     hook = None if compiled else model.register_forward_pre_hook(_forward_mark)
     start = clock.stamp()
     try:
-        with sdpa_backends(row.sdpa, device), torch.inference_mode():
+        with sdpa_backends(row.sdpa, device), torch.no_grad():
             model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
@@ -285,6 +291,7 @@ def suite_gpu(args: argparse.Namespace) -> dict:
                     r = dict(asdict(row), batch=batch, status=f"error: {type(e).__name__}: {e}"[:300])
                 r["wall_s"] = time.perf_counter() - t
             results.append(r)
+            write_partial(args, results)
             tps = (
                 f"{r['tokens_per_s']:.0f} tok/s, {r['ms_per_step']:.1f} ms/step"
                 if "tokens_per_s" in r
@@ -306,6 +313,16 @@ def suite_gpu(args: argparse.Namespace) -> dict:
     summary["verdicts"] = verdicts(summary)
     summary["passed"] = bool(summary["verdicts"]) and all(v["verdict"] == "PASS" for v in summary["verdicts"])
     return summary
+
+
+def write_partial(args: argparse.Namespace, rows_so_far: list[dict]) -> None:
+    """The rows measured so far as --out/bench_gpu_rows.json: what a killed run leaves behind (bench.py
+    writes the whole report at the end)."""
+    if getattr(args, "out", None):
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(
+            Path(args.out) / "bench_gpu_rows.json", json.dumps(rows_so_far, indent=1, default=str)
+        )
 
 
 def resolve_gpu_args(args: argparse.Namespace) -> None:

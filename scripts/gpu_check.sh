@@ -56,7 +56,8 @@ GPU_S=$(($(left) - SERVE_S - 30))
 if [ "$GPU_S" -gt 30 ]; then
   step gpu $((GPU_S + 60)) "$PY" scripts/bench.py --suite gpu --device "$DEVICE" $QUICK --gpu-budget-s "$GPU_S" \
     --gpu-row-s 15 --out "$WORK/gpu"
-  cp "$WORK/gpu/bench.json" "$OUT/bench_gpu.json" 2>/dev/null
+  cp "$WORK/gpu/bench.json" "$OUT/bench_gpu.json" 2>/dev/null \
+    || cp "$WORK/gpu/bench_gpu_rows.json" "$OUT/bench_gpu.json" 2>/dev/null  # the rows of a killed run
   cp "$WORK/gpu/bench.md" "$OUT/bench_gpu.md" 2>/dev/null
 else
   log "gpu: skipped, ${GPU_S}s left for it"

@@ -6,6 +6,7 @@ defaults, the evictable prompt of a random geometry, the time limit) run on CPU.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -72,15 +73,19 @@ def test_report_has_a_verdict_line_per_target(quick_run):
     assert text.count("\n| 2 | ") == len(quick_run["rows"])
 
 
-def test_time_budget_skips_rows_instead_of_overrunning():
+def test_time_budget_skips_rows_instead_of_overrunning(tmp_path):
     started = time.perf_counter()
-    out = bench_gpu.suite_gpu(quick_args("--gpu-budget-s", "3", "--gpu-row-s", "2.5"))
+    args = quick_args("--gpu-budget-s", "3", "--gpu-row-s", "2.5")
+    args.out = str(tmp_path)
+    out = bench_gpu.suite_gpu(args)
     statuses = [r["status"] for r in out["rows"]]
     assert any(s.startswith("skipped (time budget") for s in statuses)
     first_skip = next(i for i, s in enumerate(statuses) if s.startswith("skipped"))
     assert all(s.startswith("skipped") for s in statuses[first_skip:])  # once out of time, every later row
     assert time.perf_counter() - started < 3 + 30  # the build, and one row at most past its 2.5 s
     assert "skipped (time budget" in "\n".join(bench_gpu.report_gpu(out))
+    # every finished row is on disk at once: a run killed by the device's time limit keeps them
+    assert json.loads((tmp_path / "bench_gpu_rows.json").read_text()) == json.loads(json.dumps(out["rows"]))
 
 
 def test_step_clock_stops_every_row_at_the_deadline():
