@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -177,6 +178,12 @@ def trace_events(prof: torch.profiler.profile) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and "ts" in e]
 
 
+def api_name(name: str) -> str:
+    """A CUDA API name without the version / per-thread-stream suffix CUPTI may add
+    (cudaLaunchKernelExC_v11060, cudaLaunchKernel_ptsz -> cudaLaunchKernelExC, cudaLaunchKernel)."""
+    return re.sub(r"(_v\d+|_ptsz|_ptds)+$", "", name)
+
+
 def _between(times: list[float], lo: float, hi: float) -> int:
     return sum(1 for t in times if lo < t < hi)
 
@@ -206,10 +213,12 @@ def step_counts(events: list[dict], device: str) -> dict[str, float | None]:
     if steps < 1 or not device.startswith("cuda"):
         return out
     lo, hi = marks[0], marks[-1]
-    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    launches = [e["ts"] for e in runtime if e["name"] in LAUNCH_NAMES]
-    graphs = [e["ts"] for e in runtime if e["name"] in GRAPH_LAUNCH_NAMES]
-    syncs = [e["ts"] for e in runtime if e["name"] in SYNC_NAMES]
+    runtime = [
+        (e["ts"], api_name(e["name"])) for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+    ]
+    launches = [t for t, name in runtime if name in LAUNCH_NAMES]
+    graphs = [t for t, name in runtime if name in GRAPH_LAUNCH_NAMES]
+    syncs = [t for t, name in runtime if name in SYNC_NAMES]
     out["kernel_launches"] = _between(launches, lo, hi) / steps
     out["graph_launches"] = _between(graphs, lo, hi) / steps
     out["host_syncs"] = _between(syncs, lo, hi) / steps

@@ -113,7 +113,7 @@ def test_step_counts_read_launches_syncs_and_busy_time_from_a_cuda_trace():
         events.append(_event("cuda_runtime", "cudaStreamSynchronize", t + 5))
         events.append(_event("user_annotation", bench_gpu_profile.FORWARD_MARK, t + 10))
         events += [_event("cuda_runtime", "cudaLaunchKernel", t + 20 + i) for i in range(4)]
-        events.append(_event("cuda_driver", "cuLaunchKernelEx", t + 30))
+        events.append(_event("cuda_driver", "cuLaunchKernelEx_v11060", t + 30))  # CUPTI's versioned name
         events.append(_event("cuda_runtime", "cudaMemcpyAsync", t + 40))  # not a sync by itself
         events.append(_event("cuda_runtime", "cudaStreamSynchronize", t + 41))
         events.append(_event("kernel", "gemm", t + 20, 30))
