@@ -24,407 +24,16 @@ import functools
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.cache_utils import Cache
 
-from rlkv.cache.attention import SELF_ATTENDING_LAYERS
-from rlkv.cache.static_budget import (
-    StaticCacheError,
-    StaticForm,
-    compact_region,
-    dynamic_order,
-    policy_view,
-    static_form,
-)
+from rlkv.cache.static_budget import StaticCacheError, static_form
+from rlkv.cache.static_layer import StaticHeadMixedLayer
+from rlkv.cache.static_slots import kept_per_head
 from rlkv.cache.stats import CacheStats
 from rlkv.cache.store import CompressionSettings, storage_bytes
 from rlkv.compat import forward_cache
 from rlkv.geometry import attention_geometry
 from rlkv.policies.base import CompressionPolicy
-
-
-def _heads(mask: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
-    """Indices of the True entries of `mask` [H], and the same as a slice when they are contiguous."""
-    idx = torch.nonzero(mask, as_tuple=True)[0]
-    if idx.numel() and int(idx[-1] - idx[0]) + 1 == idx.numel():
-        return idx, slice(int(idx[0]), int(idx[-1]) + 1)
-    return idx, None
-
-
-def _pick(t: torch.Tensor, idx: torch.Tensor, sl: slice | None) -> torch.Tensor:
-    """Heads `idx` (dim 1) of `t`: a view when they are a contiguous slice, else a gather."""
-    return t[:, sl] if sl is not None else t.index_select(1, idx)
-
-
-def _decode_sdpa(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
-):
-    """One query token [B, H_kv * G, 1, D] over keys/values [B, H_kv, S, D], bool mask [B, 1 or H_kv, 1, S]:
-    the G query heads of a KV head packed as G rows of one SDPA head (every key read once)."""
-    batch, heads, _, dim = query.shape
-    packed = query.reshape(batch, keys.shape[1], heads // keys.shape[1], dim)
-    out = torch.nn.functional.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(batch, 1, heads, dim)
-
-
-class StaticHeadMixedLayer(CacheLayerMixin):
-    """One layer of a `StaticHeadMixedCache` (see the module docstring for the layout)."""
-
-    is_sliding = False
-    is_compileable = True
-    is_croppable = False
-
-    def __init__(
-        self,
-        layer_idx: int,
-        full_heads: torch.Tensor,
-        num_groups: int,
-        settings: CompressionSettings,
-        form: StaticForm,
-        max_cache_len: int,
-    ) -> None:
-        super().__init__()
-        self.layer_idx, self.num_groups, self.settings, self.form = layer_idx, int(num_groups), settings, form
-        self.num_kv_heads = int(full_heads.numel())
-        self.max_cache_len = int(max_cache_len)
-        self.full_idx, self.full_slice = _heads(full_heads)
-        self.comp_idx, self.comp_slice = _heads(~full_heads)
-        groups = torch.arange(self.num_groups)
-        self.full_q = (self.full_idx[:, None] * self.num_groups + groups).flatten()
-        self.comp_q = (self.comp_idx[:, None] * self.num_groups + groups).flatten()
-        # query heads of a contiguous run of KV heads are contiguous too
-        self.full_q_slice = self._query_slice(self.full_slice)
-        self.comp_q_slice = self._query_slice(self.comp_slice)
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.early = 0  # slots of the early region (host int; shapes depend on it)
-        self.host_length = 0  # tokens stored, known on the host (decode indices use `length`)
-        self.prompt_width = 0
-        self.begun = False  # the step hook already did this forward's bookkeeping
-        self.in_flight = 0  # tokens of a begun forward not yet written: get_seq_length excludes them
-        self.compacted_at = -1
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the prompt's key/value, until attend
-
-    def _query_slice(self, kv: slice | None) -> slice | None:
-        return slice(kv.start * self.num_groups, kv.stop * self.num_groups) if kv is not None else None
-
-    # allocation and host bookkeeping (eager) ---------------------------------------------------
-    def _early_needed(self, width: int) -> int:
-        if self.form.kind == "budget":
-            return width  # the protected prompt
-        return max(self.settings.sink, width) if self.settings.protect_prompt else self.settings.sink
-
-    def allocate(self, key_states: torch.Tensor, width: int) -> None:
-        """Allocate (or keep, when they fit this request) the static tensors for batch B and prompt `width`."""
-        batch, _, _, dim = key_states.shape
-        needed = self._early_needed(width) if self.comp_idx.numel() else 0
-        same = self.is_initialized and self.batch == batch and self.early >= needed
-        if same and self.dtype == key_states.dtype and self.device == key_states.device:
-            return
-        self.dtype, self.device, self.batch, self.early = key_states.dtype, key_states.device, batch, needed
-        new = functools.partial(torch.zeros, device=self.device)
-        bufs = {"row_start": new(batch, dtype=torch.long)}
-        for name in ("length", "prompt_len", "early_offset"):
-            bufs[name] = new((), dtype=torch.long)
-        h_full, h_comp = self.full_idx.numel(), self.comp_idx.numel()
-        if h_full:
-            bufs["full_k"] = new(batch, h_full, self.max_cache_len, dim, dtype=self.dtype)
-            bufs["full_v"] = new(batch, h_full, self.max_cache_len, dim, dtype=self.dtype)
-        if h_comp:
-            slots = self.early + self.form.region_slots(self.settings.window)
-            bufs["comp_k"] = new(batch, h_comp, slots, dim, dtype=self.dtype)
-            bufs["comp_v"] = new(batch, h_comp, slots, dim, dtype=self.dtype)
-            bufs["comp_pos"] = torch.full((batch, h_comp, slots), -1, dtype=torch.int32, device=self.device)
-            bufs["early_len"] = new(batch, dtype=torch.long)
-            if self.form.observe:
-                bufs["obs_q"] = new(batch, h_comp, self.num_groups, self.form.observe, dim, dtype=self.dtype)
-        for t in bufs.values():
-            torch._dynamo.mark_static_address(t)  # fixed addresses: CUDA graphs replay on them
-        self.buffers = bufs
-        for i in ("full_idx", "comp_idx", "full_q", "comp_q"):
-            setattr(self, i, getattr(self, i).to(self.device))
-        self.is_initialized = True
-
-    def begin(self, q_len: int) -> None:
-        """Host bookkeeping before a forward of `q_len` tokens: checks, a due compaction, the host length."""
-        if self.host_length and q_len > 1:
-            raise StaticCacheError(
-                f"a {q_len}-token forward reached a StaticHeadMixedCache holding {self.host_length} tokens: "
-                "the static cache takes the prompt in one forward, then one token per step (call "
-                "cache.reset() before a new request; chunked prefill needs static_cache=False)"
-            )
-        if self.host_length + q_len > self.max_cache_len:
-            raise StaticCacheError(
-                f"{self.host_length + q_len} tokens exceed max_cache_len={self.max_cache_len}: make the "
-                "cache with max_cache_len >= prompt length + max_new_tokens"
-            )
-        if not self.host_length:
-            self.prompt_width = q_len
-        elif self.form.compaction_due(self.host_length - self.prompt_width):
-            self.compact()
-        self.host_length += q_len
-        self.in_flight = q_len
-
-    def compact(self) -> None:
-        """Compact the budget region now, if due and not done at this length (between decode steps)."""
-        length = self.host_length
-        if self.compacted_at == length or not self.form.compaction_due(length - self.prompt_width):
-            return
-        b = self.buffers
-        slots = (b["comp_k"], b["comp_v"], b["comp_pos"])
-        queries = None
-        if self.form.observe:
-            n = min(length, self.form.observe)
-            held = torch.arange(length - n, length, device=self.device)  # oldest first
-            queries = (b["obs_q"].index_select(3, held % self.form.observe), held)
-        region = self.form.region_slots(self.settings.window)
-        order = dynamic_order(
-            b["row_start"], self.prompt_width, self.early, region, self.form.budget, self.compacted_at >= 0
-        )
-        gather = order[:, None, :].expand(-1, slots[2].shape[1], -1)
-        dim = slots[0].shape[-1]
-        view_slots = (
-            *(t.gather(2, gather[..., None].expand(-1, -1, -1, dim)) for t in slots[:2]),
-            slots[2].gather(2, gather),
-        )
-        view = policy_view(
-            self.layer_idx,
-            self.comp_idx,
-            self.num_groups,
-            self.settings,
-            view_slots,
-            queries,
-            b["row_start"],
-            (length, self.prompt_width),
-        )
-        compact_region(view, self.settings.policy, slots, order, self.early, self.form.budget)
-        self.compacted_at = length
-
-    # CacheLayerMixin -------------------------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.allocate(key_states, key_states.shape[2])
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new tokens' key/value [B, H_kv, Q, D] in place; returns (self, self) for `attend`."""
-        if not torch.compiler.is_compiling():  # transformers compiles decode steps only: prefill is here
-            if self.begun:
-                self.begun = False
-            else:
-                self.begin(key_states.shape[2])
-            self.in_flight = 0
-            if self.host_length == key_states.shape[2]:
-                self.allocate(key_states, key_states.shape[2])
-                self.pending = (key_states, value_states)
-                return self, self
-        b = self.buffers
-        pos = b["length"].clone()
-        b["length"].add_(1)
-        at = pos.view(1)
-        if self.full_idx.numel():
-            b["full_k"].index_copy_(2, at, _pick(key_states, self.full_idx, self.full_slice))
-            b["full_v"].index_copy_(2, at, _pick(value_states, self.full_idx, self.full_slice))
-        if self.comp_idx.numel():
-            keys = _pick(key_states, self.comp_idx, self.comp_slice)
-            values = _pick(value_states, self.comp_idx, self.comp_slice)
-            if self.form.kind == "streaming":
-                self._write_streaming(pos, keys, values)
-            else:
-                self._write_budget(pos, keys, values)
-        return self, self
-
-    def _write_streaming(self, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Decode write: the ring slot pos % (window + 1), and the early slot when the token is a sink token."""
-        b = self.buffers
-        batch, heads, _, dim = keys.shape
-        early = (pos - b["row_start"]) < b["early_len"]  # [B]: the token belongs to the row's sink
-        ring = (self.early + pos % (self.settings.window + 1)).view(1)
-        b["comp_k"].index_copy_(2, ring, keys)
-        b["comp_v"].index_copy_(2, ring, values)
-        ring_pos = torch.where(early, -1, pos).to(torch.int32)[:, None, None].expand(batch, heads, 1)
-        b["comp_pos"].index_copy_(2, ring, ring_pos)
-        if not self.early:
-            return
-        slot = (b["early_offset"] + pos - b["row_start"]).clamp(0, self.early - 1)  # [B]
-        idx = slot[:, None, None, None].expand(batch, heads, 1, dim)
-        for name, new in (("comp_k", keys), ("comp_v", values)):
-            old = b[name].gather(2, idx)
-            b[name].scatter_(2, idx, torch.where(early[:, None, None, None], new, old))
-        idx = idx[..., 0]
-        old = b["comp_pos"].gather(2, idx)
-        b["comp_pos"].scatter_(2, idx, torch.where(early[:, None, None], pos.to(torch.int32), old))
-
-    def _write_budget(self, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Decode write: generated token g at region slot g until the budget, then budget + (g - budget) % slack."""
-        b = self.buffers
-        budget, slack = self.form.budget, self.form.slack
-        generated = pos - b["prompt_len"]
-        slot = (
-            self.early + torch.where(generated < budget, generated, budget + (generated - budget) % slack)
-        ).view(1)
-        b["comp_k"].index_copy_(2, slot, keys)
-        b["comp_v"].index_copy_(2, slot, values)
-        batch, heads = keys.shape[:2]
-        b["comp_pos"].index_copy_(2, slot, pos.to(torch.int32).expand(batch, heads, 1))
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.max_cache_len, 0
-
-    def get_seq_length(self) -> int | torch.Tensor:
-        # a traced forward must not read a host int (it would be baked in and recompiled every step)
-        if torch.compiler.is_compiling():
-            return self.buffers["length"]
-        return self.host_length - self.in_flight  # the model sizes its mask before the tokens are written
-
-    def get_max_length(self) -> int:
-        return self.max_cache_len
-
-    def reset(self) -> None:
-        """Forget the request; the tensors stay allocated at the same addresses."""
-        self.host_length = self.prompt_width = 0
-        self.begun, self.in_flight, self.compacted_at, self.pending = False, 0, -1, None
-        if self.buffers:
-            self.buffers["length"].zero_()
-            if "comp_pos" in self.buffers:
-                self.buffers["comp_pos"].fill_(-1)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("StaticHeadMixedCache does not support beam search; use greedy or sampling")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("StaticHeadMixedCache cannot be cropped: evicted tokens are gone")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("StaticHeadMixedCache does not support num_return_sequences > 1")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("StaticHeadMixedCache does not support selecting batch rows")
-
-    # attention ---------------------------------------------------------------------------------------
-    def attend(
-        self, module: torch.nn.Module, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
-    ) -> torch.Tensor:
-        """Attention output [B, Q, H_q, D] of `query` [B, H_q, Q, D] (post-RoPE) over this layer's storage.
-
-        mask: the model's bool mask [B, 1, Q, max_cache_len] or None (causal, no padding).
-        Prefill: one SDPA over the prompt for every head, then the prompt is written to the slots.
-        Decode: one SDPA for the full heads over their columns, one for the compressed heads over
-        their slots (masked by position >= 0), each with the GQA group packed into one head.
-        """
-        if self.pending is not None:
-            return self._prefill(module, query, mask, scaling)
-        b = self.buffers
-        pos = b["length"] - 1
-        outs = []
-        if self.full_idx.numel():
-            if mask is None:
-                cols = torch.arange(self.max_cache_len, device=query.device)
-                full_mask = ((cols <= pos) & (cols[None, :] >= b["row_start"][:, None]))[:, None, None, :]
-            else:
-                full_mask = mask[:, :, -1:, :]
-            q_full = _pick(query, self.full_q, self.full_q_slice)
-            outs.append(_decode_sdpa(q_full, b["full_k"], b["full_v"], full_mask, scaling))
-        if self.comp_idx.numel():
-            q_comp = _pick(query, self.comp_q, self.comp_q_slice)
-            if self.form.observe:
-                grouped = q_comp.reshape(q_comp.shape[0], -1, self.num_groups, 1, q_comp.shape[-1])
-                b["obs_q"].index_copy_(3, (pos % self.form.observe).view(1), grouped)
-            comp_mask = (b["comp_pos"] >= 0)[:, :, None, :]
-            outs.append(_decode_sdpa(q_comp, b["comp_k"], b["comp_v"], comp_mask, scaling))
-        if len(outs) == 1:
-            return outs[0]
-        out = torch.empty_like(query.transpose(1, 2))
-        out.index_copy_(2, self.full_q, outs[0])
-        out.index_copy_(2, self.comp_q, outs[1])
-        return out
-
-    def _prefill(
-        self, module, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
-    ) -> torch.Tensor:
-        keys, values = self.pending
-        self.pending = None
-        width = keys.shape[2]
-        b = self.buffers
-        mask = mask[..., :width] if mask is not None else None
-        if mask is None:
-            b["row_start"].zero_()
-        else:
-            real = mask[:, 0].any(dim=1)  # [B, W]: a column some query sees is a real token
-            b["row_start"].copy_(torch.where(real.any(1), real.int().argmax(1), width))
-        b["length"].fill_(width)
-        b["prompt_len"].fill_(width)
-        out = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)[0]
-        if self.full_idx.numel():
-            b["full_k"][:, :, :width].copy_(_pick(keys, self.full_idx, self.full_slice))
-            b["full_v"][:, :, :width].copy_(_pick(values, self.full_idx, self.full_slice))
-        if self.comp_idx.numel():
-            self._write_prompt(
-                _pick(keys, self.comp_idx, self.comp_slice), _pick(values, self.comp_idx, self.comp_slice)
-            )
-            if self.form.observe:
-                q_comp = _pick(query, self.comp_q, self.comp_q_slice)
-                n = min(width, self.form.observe)
-                grouped = q_comp[:, :, width - n :].reshape(
-                    q_comp.shape[0], -1, self.num_groups, n, q_comp.shape[-1]
-                )
-                at = torch.arange(width - n, width, device=query.device) % self.form.observe
-                b["obs_q"].index_copy_(3, at, grouped)
-        return out
-
-    def _write_prompt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write the prompt's compressed-head keys/values [B, H_c, W, D] into the slots: the early region
-        (each row's real tokens from slot early_offset on) and, streaming, the ring's last window tokens."""
-        b = self.buffers
-        batch, heads, width, dim = keys.shape
-        sink, window = self.settings.sink, self.settings.window
-        device = keys.device
-        start = b["row_start"]
-        offset = self.early - self._early_needed(width)
-        b["early_offset"].fill_(offset)
-        if self.form.kind == "budget" or self.settings.protect_prompt:
-            early_len = (width - start).clamp(min=sink if self.form.kind == "streaming" else 0)
-        else:
-            early_len = torch.full_like(start, sink)
-        b["early_len"].copy_(early_len)
-        rel = torch.arange(self.early, device=device) - offset
-        cols = start[:, None] + rel
-        positions = torch.where((rel >= 0) & (rel < early_len[:, None]) & (cols < width), cols, -1)
-        if self.form.kind == "streaming":
-            ring = window + 1
-            slot = torch.arange(ring, device=device)
-            last = slot + ring * torch.div(
-                width - 1 - slot, ring, rounding_mode="floor"
-            )  # newest col in slot
-            keep = (last >= max(width - window, 0)) & (last >= start[:, None])
-            keep &= (last - start[:, None]) >= early_len[:, None]  # a sink token lives in the early region
-            positions = torch.cat([positions, torch.where(keep, last, -1)], dim=1)
-        else:
-            tail = torch.full((batch, self.form.region_slots(window)), -1, device=device, dtype=torch.long)
-            positions = torch.cat([positions, tail], dim=1)
-        idx = positions.clamp(min=0)[:, None, :, None].expand(batch, heads, -1, dim)
-        b["comp_k"].copy_(keys.gather(2, idx))
-        b["comp_v"].copy_(values.gather(2, idx))
-        b["comp_pos"].copy_(positions[:, None, :].expand(batch, heads, -1))
-
-    # what the cache reports --------------------------------------------------------------------------
-    def kept_positions(self) -> torch.Tensor | None:
-        """Positions [B, H_c, S] (int64) of the compressed slots the dynamic cache also keeps now, -1 elsewhere
-        (streaming: the ring slot the next token overwrites is dropped). None without compressed heads."""
-        if not self.comp_idx.numel() or not self.buffers:
-            return None
-        self.compact()  # a compaction due before the next step (the dynamic cache did it after this one)
-        pos = self.buffers["comp_pos"].long()
-        if self.form.kind == "streaming":
-            ring = pos[:, :, self.early :]
-            pos = torch.cat(
-                [
-                    pos[:, :, : self.early],
-                    ring.masked_fill(ring < self.host_length - self.settings.window, -1),
-                ],
-                2,
-            )
-        return pos
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [*self.buffers.values(), self.full_idx, self.comp_idx, self.full_q, self.comp_q]
 
 
 class StaticHeadMixedCache(Cache):
@@ -517,27 +126,34 @@ class StaticHeadMixedCache(Cache):
         tensors = [t for layer in self.layers for t in layer.tensors()]
         return storage_bytes([self.full_heads, *tensors, *self.settings.policy.state_tensors()])
 
-    def stats(self) -> list[CacheStats]:
-        """One `CacheStats` per batch row (host reads: call between steps, not inside one)."""
+    def stats_snapshot(self) -> int:
+        """What `stats(at=...)` needs of this moment, read on the host only: the tokens seen."""
+        return self.layers[0].host_length
+
+    def stats(self, at: int | None = None) -> list[CacheStats]:
+        """One `CacheStats` per batch row, at `stats_snapshot()` `at` (None: now). Token counts follow
+        from the host-known layout; the row starts are read from the device (call between steps)."""
         layer0 = self.layers[0]
-        if not layer0.host_length:
+        length = layer0.host_length if at is None else at
+        if not length:
             return []
-        batch, length = layer0.batch, layer0.host_length
+        batch = layer0.batch
         head_dim = next(t for n, t in layer0.buffers.items() if n.endswith("_k")).shape[-1]
         element = torch.finfo(layer0.dtype).bits // 8
         # what a DynamicCache holds for the batch (padding columns included), shared by the rows as resident is
         full = 2 * batch * len(self.layers) * layer0.num_kv_heads * length * head_dim * element
-        real = (length - layer0.buffers["row_start"]).tolist()
+        starts = layer0.buffers["row_start"].tolist()
         kept, evicted = [0] * batch, [0] * batch
         for layer in self.layers:
-            positions = layer.kept_positions()
-            comp = (positions >= 0).sum((1, 2)).tolist() if positions is not None else [0] * batch
-            for row in range(batch):
-                kept[row] += layer.full_idx.numel() * real[row] + comp[row]
-                evicted[row] += layer.comp_idx.numel() * real[row] - comp[row]
+            h_full, h_comp = layer.full_idx.numel(), layer.comp_idx.numel()
+            for row, start in enumerate(starts):
+                comp = kept_per_head(layer, length, start) if h_comp else 0
+                kept[row] += h_full * (length - start) + h_comp * comp
+                evicted[row] += h_comp * (length - start - comp)
         resident = self.resident_bytes() // batch
         return [
-            CacheStats(resident, full // batch, real[row], kept[row], evicted[row]) for row in range(batch)
+            CacheStats(resident, full // batch, length - starts[row], kept[row], evicted[row])
+            for row in range(batch)
         ]
 
 
@@ -564,6 +180,3 @@ def install_step_hook(model: torch.nn.Module) -> None:
 
     model.prepare_inputs_for_generation = prepare_inputs_for_generation
     model._rlkv_static_step_hook = True
-
-
-SELF_ATTENDING_LAYERS.append(StaticHeadMixedLayer)

@@ -1,0 +1,108 @@
+"""Where a `StaticHeadMixedLayer` (rlkv/cache/static_layer.py) writes its compressed heads' tokens.
+
+The compressed slots of a layer are `[early | region]`: the early region holds each row's protected
+prompt and sink (row b's first real token at slot `early_offset`, so rows line up as in the dynamic
+cache's store), the region a ring of window + 1 slots (streaming) or the budget region
+(rlkv/cache/static_budget.py). `write_prompt` fills them after prefill; `write_streaming` /
+`write_budget` write one decode token with device indices only; `kept_per_head` counts, on the
+host, how many tokens the dynamic cache keeps per compressed head at a given length.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from rlkv.cache.static_layer import StaticHeadMixedLayer
+
+
+def write_prompt(layer: StaticHeadMixedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write the prompt's compressed-head keys/values [B, H_c, W, D] into the slots: the early region
+    (each row's real tokens from slot early_offset on) and, streaming, the ring's last window tokens."""
+    b = layer.buffers
+    batch, heads, width, dim = keys.shape
+    sink, window = layer.settings.sink, layer.settings.window
+    device = keys.device
+    start = b["row_start"]
+    offset = layer.early - layer.early_needed(width)
+    b["early_offset"].fill_(offset)
+    if layer.form.kind == "budget" or layer.settings.protect_prompt:
+        early_len = (width - start).clamp(min=sink if layer.form.kind == "streaming" else 0)
+    else:
+        early_len = torch.full_like(start, sink)
+    b["early_len"].copy_(early_len)
+    rel = torch.arange(layer.early, device=device) - offset
+    cols = start[:, None] + rel
+    positions = torch.where((rel >= 0) & (rel < early_len[:, None]) & (cols < width), cols, -1)
+    if layer.form.kind == "streaming":
+        ring = window + 1
+        slot = torch.arange(ring, device=device)
+        last = slot + ring * torch.div(width - 1 - slot, ring, rounding_mode="floor")  # newest col in slot
+        keep = (last >= max(width - window, 0)) & (last >= start[:, None])
+        keep &= (last - start[:, None]) >= early_len[:, None]  # a sink token lives in the early region
+        positions = torch.cat([positions, torch.where(keep, last, -1)], dim=1)
+    else:
+        tail = torch.full((batch, layer.form.region_slots(window)), -1, device=device, dtype=torch.long)
+        positions = torch.cat([positions, tail], dim=1)
+    idx = positions.clamp(min=0)[:, None, :, None].expand(batch, heads, -1, dim)
+    b["comp_k"].copy_(keys.gather(2, idx))
+    b["comp_v"].copy_(values.gather(2, idx))
+    b["comp_pos"].copy_(positions[:, None, :].expand(batch, heads, -1))
+
+
+def write_streaming(
+    layer: StaticHeadMixedLayer, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Decode write: the ring slot pos % (window + 1), and the early slot when the token is a sink token."""
+    b = layer.buffers
+    batch, heads, _, dim = keys.shape
+    early = (pos - b["row_start"]) < b["early_len"]  # [B]: the token belongs to the row's sink
+    ring = (layer.early + pos % (layer.settings.window + 1)).view(1)
+    b["comp_k"].index_copy_(2, ring, keys)
+    b["comp_v"].index_copy_(2, ring, values)
+    ring_pos = torch.where(early, -1, pos).to(torch.int32)[:, None, None].expand(batch, heads, 1)
+    b["comp_pos"].index_copy_(2, ring, ring_pos)
+    if not layer.early:
+        return
+    slot = (b["early_offset"] + pos - b["row_start"]).clamp(0, layer.early - 1)  # [B]
+    idx = slot[:, None, None, None].expand(batch, heads, 1, dim)
+    for name, new in (("comp_k", keys), ("comp_v", values)):
+        old = b[name].gather(2, idx)
+        b[name].scatter_(2, idx, torch.where(early[:, None, None, None], new, old))
+    idx = idx[..., 0]
+    old = b["comp_pos"].gather(2, idx)
+    b["comp_pos"].scatter_(2, idx, torch.where(early[:, None, None], pos.to(torch.int32), old))
+
+
+def write_budget(
+    layer: StaticHeadMixedLayer, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Decode write: generated token g at region slot g until the budget, then budget + (g - budget) % slack."""
+    b = layer.buffers
+    budget, slack = layer.form.budget, layer.form.slack
+    generated = pos - b["prompt_len"]
+    slot = (
+        layer.early + torch.where(generated < budget, generated, budget + (generated - budget) % slack)
+    ).view(1)
+    b["comp_k"].index_copy_(2, slot, keys)
+    b["comp_v"].index_copy_(2, slot, values)
+    batch, heads = keys.shape[:2]
+    b["comp_pos"].index_copy_(2, slot, pos.to(torch.int32).expand(batch, heads, 1))
+
+
+def kept_per_head(layer: StaticHeadMixedLayer, length: int, row_start: int) -> int:
+    """Tokens the dynamic cache keeps per compressed head of a row starting at column `row_start` once
+    `length` columns were seen (host ints only: the static layout holds exactly these, plus the ring
+    slot the next token overwrites)."""
+    settings, form, width = layer.settings, layer.form, layer.prompt_width
+    real = length - row_start
+    if form.kind == "budget":
+        generated = length - width
+        if generated >= form.budget + form.slack:  # compacted to the budget, then refilled
+            generated = form.budget + (generated - form.budget) % form.slack
+        return width - row_start + generated
+    early = max(settings.sink, width - row_start) if settings.protect_prompt else settings.sink
+    recent_from = max(length - settings.window, row_start + early)
+    return min(early, real) + max(0, length - recent_from)
