@@ -18,6 +18,10 @@ torch's private CPU flash-attention op that also returns the log-sum-exp (the sp
 `rlkv.cache.decode`) is reached through `cpu_flash_attention_with_lse`, which checks it once
 against the public SDPA and raises `UnsupportedVersionError` if its signature or results changed.
 
+transformers' `generate` asks after every decode step whether all rows finished, a host read of a
+device value; `host_stop_check` subclasses its private `StopCheck` so that rlkv's `generate` decides
+from what it reads every few steps (installed once, checked by signature, inactive outside it).
+
 transformers' `generate` resetting a user cache through `cache._is_user_defined` is not fenced
 here: `HeadMixedCache.update` refuses a new prefill on a non-empty cache (`StaleCacheError`) and
 rlkv's own call sites reset their caches explicitly.
@@ -25,12 +29,14 @@ rlkv's own call sites reset their caches explicitly.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import importlib.metadata
 import inspect
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,3 +280,54 @@ def tensor_version(tensor: Any) -> int:
     whenever the tensor is modified in place (an optimizer step, a `copy_`), so a host-side flag
     derived from the tensor can be recomputed only when it may have changed."""
     return tensor._version
+
+
+# (max_length, finished) of the `host_stop_check` context the current `generate` call runs in, or None
+_HOST_STOP: contextvars.ContextVar[tuple[int, Callable[[], bool]] | None] = contextvars.ContextVar(
+    "rlkv_host_stop", default=None
+)
+
+
+@functools.cache
+def _install_stop_check() -> bool:
+    """Subclass transformers' private `generation.utils.StopCheck` (its decode loop's "has every row
+    finished?" test, a host read of `unfinished_sequences.max()` at every step) with one that asks
+    the host inside `host_stop_check` and is the original elsewhere. False (nothing installed)
+    where transformers has no such class or it changed."""
+    import transformers.generation.utils as generation
+
+    base = getattr(generation, "StopCheck", None)
+    if base is None or _method_problem(base, "__call__", ("unfinished_sequences", "tokens", "length")):
+        return False
+
+    class HostStopCheck(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.host = _HOST_STOP.get()
+
+        def __call__(self, unfinished_sequences: Any, tokens: Any, length: int) -> bool:
+            if self.host is None or getattr(self, "streamer", None) is not None:
+                return super().__call__(unfinished_sequences, tokens, length)
+            max_length, finished = self.host
+            return length >= max_length or finished()
+
+    generation.StopCheck = HostStopCheck
+    return True
+
+
+@contextlib.contextmanager
+def host_stop_check(max_length: int, finished: Callable[[], bool]) -> Iterator[bool]:
+    """Inside, transformers' `generate` (this thread / context only) stops at `max_length` columns or
+    once `finished()` (the caller's host knowledge of its rows) says every row ended, instead of
+    reading whether they did from the device at every step (the host would wait for the GPU).
+
+    Rows that ended keep receiving padding until `finished()` knows it; the caller trims them. Yields
+    whether this is in place (False on a transformers without the private `StopCheck`: it reads the
+    device at every step, as before).
+    """
+    installed = _install_stop_check()
+    token = _HOST_STOP.set((int(max_length), finished))
+    try:
+        yield installed
+    finally:
+        _HOST_STOP.reset(token)

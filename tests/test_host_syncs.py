@@ -14,7 +14,7 @@ import torch
 from policy_matrix import POLICY_MATRIX
 
 from rlkv.head_mask import HeadMask
-from rlkv.inference import CompressionConfig, make_cache
+from rlkv.inference import CompressionConfig, generate, make_cache
 from rlkv.policies import available
 from rlkv.testing import HostSyncCounter
 
@@ -158,3 +158,20 @@ def test_gated_decode_adds_no_host_sync_and_follows_gate_changes(make_model, tok
     with torch.no_grad():
         gates.alpha[0, 0] = 0.0  # in place: layer 0 is sink + local for this head from now on
     assert not torch.allclose(_next_logits(model, enc), reference)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "rkv"])
+def test_generate_loop_reads_finished_rows_every_few_steps(policy, make_model, tokenizer):
+    """`rlkv.inference.generate`'s whole loop (forward, cache, policy, stopping, row-end stats) reads
+    the device once per ROW_END_READ_EVERY steps: 16 more tokens cost 1 more read, not 16 or more."""
+    from rlkv.inference.api import ROW_END_READ_EVERY
+
+    model = make_model("llama")
+    config = _config(model, policy, tokenizer, full_heads=True)
+    syncs = {}
+    for tokens in (16, 32):
+        with HostSyncCounter() as counter:
+            out = generate(model, tokenizer, PROMPTS, tokens, compression=config, progress=False)
+        assert max(o.num_generated_tokens for o in out) == tokens  # a row ran to the limit
+        syncs[tokens] = counter.count
+    assert syncs[32] - syncs[16] == 16 // ROW_END_READ_EVERY == 1

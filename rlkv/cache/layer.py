@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from rlkv.cache.stats import CacheStats, head_mixed_stats
+from rlkv.cache.stats import CacheStats, head_mixed_counts, head_mixed_stats
 from rlkv.cache.store import CompressedStore, CompressionSettings, append_along_tokens, storage_bytes
 from rlkv.geometry import attention_geometry
 from rlkv.policies.base import CompressionPolicy
@@ -237,8 +237,13 @@ class HeadMixedCache(Cache):
             total += 2 * batch * layer.num_kv_heads * layer.logical_length * head_dim * stored.element_size()
         return total
 
-    def stats(self) -> list[CacheStats]:
-        """One `CacheStats` per batch row: resident_bytes (share of the batched storage),
+    def stats_snapshot(self) -> tuple:
+        """What `stats(at=...)` needs of this moment, host counts only (no device read, O(layers))."""
+        return head_mixed_counts(self)
+
+    def stats(self, at: tuple | None = None) -> list[CacheStats]:
+        """One `CacheStats` per batch row: resident_bytes (share of the batched storage, now),
         full_resident_bytes, logical_length (real tokens seen), kept_tokens (KV entries kept over
-        layers and KV heads), evictions (KV entries evicted over layers and KV heads)."""
-        return head_mixed_stats(self)
+        layers and KV heads), evictions (KV entries evicted over layers and KV heads); at a
+        `stats_snapshot()` `at` (None: now)."""
+        return head_mixed_stats(self, at)

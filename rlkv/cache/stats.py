@@ -54,26 +54,55 @@ class CacheStats(Mapping):
 _FIELDS = tuple(f.name for f in fields(CacheStats))
 
 
-def head_mixed_stats(cache: Any) -> list[CacheStats]:
-    """Per batch row of a `HeadMixedCache` (see `HeadMixedCache.stats`); [] before the first forward."""
+def head_mixed_counts(cache: Any) -> tuple[tuple[Any, ...], ...]:
+    """The host counts `head_mixed_stats` reads, as they are now, per layer: (tokens seen, row starts,
+    full KV heads, compressed KV heads, slots per row, slots per (row, head) or None, evictions per
+    row). The lists are ones the cache replaces rather than mutates, so this holds references, costs
+    O(layers) and reads nothing from the device: `generate` takes one at every step."""
+    counts = []
+    for layer in cache.layers:
+        store = layer.store
+        filled = store is not None and store.positions is not None
+        counts.append(
+            (
+                layer.logical_length,
+                layer.row_start_host,
+                int(layer.full_idx.numel()),
+                store.positions.shape[1] if filled else 0,
+                store.slot_counts if filled else None,
+                store.head_counts if filled else None,
+                store.evicted_host if filled else None,
+            )
+        )
+    return tuple(counts)
+
+
+def head_mixed_stats(cache: Any, counts: tuple[tuple[Any, ...], ...] | None = None) -> list[CacheStats]:
+    """Per batch row of a `HeadMixedCache` (see `HeadMixedCache.stats`); [] before the first forward.
+
+    counts: a `head_mixed_counts(cache)` taken earlier (None: now). Token counts, evictions and
+    full_resident_bytes describe that moment; resident_bytes is read from the storage now.
+    """
     layer0 = cache.layers[0]
     some = layer0.keys if layer0.keys is not None else (layer0.store.keys if layer0.store else None)
     if some is None:
         return []
-    batch = some.shape[0]
-    resident, full = cache.resident_bytes() // batch, cache.full_resident_bytes() // batch
+    batch, head_dim = some.shape[0], some.shape[-1]
+    counts = head_mixed_counts(cache) if counts is None else counts
+    resident = cache.resident_bytes() // batch
+    # what a full cache holds for those tokens: keys + values of every KV head and column
+    per_column = 2 * head_dim * some.element_size()
+    full = sum(layer.num_kv_heads * length * per_column for layer, (length, *_) in zip(cache.layers, counts))
     rows = []
     # host counts only (no read of the device): row starts, slot counts and evictions are Python ints
     for b in range(batch):
         kept = evicted = real = 0
-        for layer in cache.layers:
-            real = layer.logical_length - (layer.row_start_host[b] if layer.row_start_host is not None else 0)
-            kept += int(layer.full_idx.numel()) * real
-            store = layer.store
-            if store is not None and store.positions is not None:
-                heads = store.positions.shape[1]
-                kept += sum(store.head_counts[b]) if store.head_counts else heads * store.slot_counts[b]
-                evicted += store.evicted_host[b]
+        for length, starts, num_full, heads, slots, per_head, evictions in counts:
+            real = length - (starts[b] if starts is not None else 0)
+            kept += num_full * real
+            if slots is not None:
+                kept += sum(per_head[b]) if per_head else heads * slots[b]
+                evicted += evictions[b]
         rows.append(
             CacheStats(
                 resident_bytes=resident,
@@ -86,12 +115,18 @@ def head_mixed_stats(cache: Any) -> list[CacheStats]:
     return rows
 
 
-def full_cache_stats(cache: Any, attention_mask: torch.Tensor) -> list[CacheStats]:
-    """Per-row stats of a plain (full, e.g. DynamicCache) cache, from its tensors' storage."""
+def full_cache_stats(cache: Any, attention_mask: torch.Tensor, length: int | None = None) -> list[CacheStats]:
+    """Per-row stats of a plain (full, e.g. DynamicCache) cache, from its tensors' storage.
+
+    length: the columns the cache held at the moment described (None: now); a plain cache stores
+    exactly its columns, so the bytes of an earlier moment are the per-column bytes times `length`.
+    """
     tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
     batch = attention_mask.shape[0]
-    resident = sum(t.untyped_storage().nbytes() for t in tensors) // batch
-    length = cache.get_seq_length()
+    now = cache.get_seq_length()
+    length = now if length is None else length
+    stored = sum(t.untyped_storage().nbytes() for t in tensors)
+    resident = (stored if length == now else stored // max(now, 1) * length) // batch
     heads = sum(t.shape[1] for t in tensors) // 2
     pads = (attention_mask == 0).sum(1).tolist()
     return [

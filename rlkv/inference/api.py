@@ -7,6 +7,7 @@ outputs = generate(model, tok, ["Solve ..."], max_new_tokens=8192)
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from rlkv.cache import CacheStats, HeadMixedCache, install_observers, register_a
 from rlkv.cache.static import StaticHeadMixedCache, install_step_hook
 from rlkv.cache.static_budget import StaticCacheError
 from rlkv.cache.stats import full_cache_stats
-from rlkv.compat import generate_cache_kwargs
+from rlkv.compat import generate_cache_kwargs, host_stop_check
 from rlkv.cpu_memory import keep_freed_memory
 from rlkv.inference.config import CompressionConfig
 from rlkv.inference.dtypes import resolve_dtype
@@ -204,31 +205,84 @@ def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:
     return ids
 
 
-class _RowEndStats(StoppingCriteria):
-    """Reads each row's cache stats at the step the row ends (EOS, or one of `criteria`): later steps of
-    its batch only feed it padding, which must not count. Stops the rows that `criteria` stop, and
-    records in `stopped` the sequence width at which `criteria` (not EOS) ended a row."""
+# Finished rows are read back every ROW_END_READ_EVERY decode steps, not at every step: each read
+# makes the host wait for the device (docs/design.md, "No host sync in a decode step").
+ROW_END_READ_EVERY = 16
 
-    def __init__(self, read_stats: Any, eos: set[int], criteria: list[Any] | None) -> None:
-        self.read_stats, self.eos, self.criteria = (
-            read_stats,
-            sorted(eos),
-            StoppingCriteriaList(criteria or []),
-        )
+
+class _RowEnds(StoppingCriteria):
+    """Each row's end (EOS, or one of `criteria`) and its cache stats at that step: later steps of its
+    batch only feed it padding, which must not count. Stops the rows that `criteria` stop, and
+    records in `stopped` the sequence width at which `criteria` (not EOS) ended a row.
+
+    The width at which each row ended stays on the device and is read every `every` calls (and by
+    `read()` after generation); `snapshot()` (host values only) is taken at every call, and
+    `stats_at(snapshot)` turns the one of a row's end step into its `CacheStats` when it is read.
+    """
+
+    def __init__(
+        self,
+        snapshot: Callable[[], Any],
+        stats_at: Callable[[Any], list[CacheStats]],
+        eos: set[int],
+        criteria: list[Any] | None,
+        every: int = ROW_END_READ_EVERY,
+    ) -> None:
+        self.snapshot, self.stats_at, self.every = snapshot, stats_at, every
+        self.eos, self.criteria = sorted(eos), StoppingCriteriaList(criteria or [])
         self.stats: dict[int, CacheStats] = {}
         self.stopped: dict[int, int] = {}
+        self._eos: torch.Tensor | None = None  # the EOS ids on the device, built once
+        self._end: torch.Tensor | None = None  # LongTensor[B]: width at which each row ended, 0 = not yet
+        self._by_criteria: torch.Tensor | None = None  # BoolTensor[B]: `criteria` (not EOS) ended it
+        self._snapshots: dict[int, Any] = {}  # width -> snapshot, since the last read
 
     def __call__(
         self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
     ) -> torch.BoolTensor:
-        eos = torch.isin(input_ids[:, -1], torch.tensor(self.eos, device=input_ids.device))
+        width = input_ids.shape[1]
+        if self._eos is None:
+            self._eos = torch.tensor(self.eos, device=input_ids.device)
+            self._end = input_ids.new_zeros(input_ids.shape[0])
+            self._by_criteria = torch.zeros_like(self._end, dtype=torch.bool)
+        eos = torch.isin(input_ids[:, -1], self._eos)
         done = eos | self.criteria(input_ids, scores, **kwargs) if self.criteria else eos
-        ended = [row for row in done.nonzero().flatten().tolist() if row not in self.stats]
-        self.stopped.update((row, input_ids.shape[1]) for row in ended if not eos[row])
-        if ended:
-            now = self.read_stats()
-            self.stats.update((row, now[row]) for row in ended)
+        newly = done & (self._end == 0)
+        self._end = torch.where(newly, width, self._end)
+        self._by_criteria = self._by_criteria | (newly & ~eos)
+        self._snapshots[width] = self.snapshot()
+        if len(self._snapshots) >= self.every:
+            self.read()
         return done
+
+    def all_ended(self) -> bool:
+        """Whether the last read saw every row end (host only)."""
+        return self._end is not None and len(self.stats) == self._end.shape[0]
+
+    def read(self) -> None:
+        """Record the rows that ended since the last read: their stats and `stopped` widths (one host read)."""
+        if self._end is None:
+            return
+        ends, by_criteria = torch.stack([self._end, self._by_criteria.long()]).tolist()
+        at_width: dict[int, list[CacheStats]] = {}
+        for row, (end, stopped) in enumerate(zip(ends, by_criteria, strict=True)):
+            if end and row not in self.stats:
+                if end not in at_width:
+                    at_width[end] = self.stats_at(self._snapshots[end])
+                self.stats[row] = at_width[end][row]
+                if stopped:
+                    self.stopped[row] = end
+        self._snapshots.clear()
+
+
+def _stats_readers(
+    cache: Any, attention_mask: torch.Tensor
+) -> tuple[Callable[[], Any], Callable[[Any], list]]:
+    """(snapshot, stats_at) of `_RowEnds` for a batch's cache: what the stats of a moment need, read on
+    the host at every step, and the per-row `CacheStats` of such a moment."""
+    if hasattr(cache, "stats_snapshot"):  # HeadMixedCache, StaticHeadMixedCache
+        return cache.stats_snapshot, (lambda at: cache.stats(at))
+    return cache.get_seq_length, (lambda length: full_cache_stats(cache, attention_mask, length))
 
 
 def _make_generate_cache(
@@ -333,13 +387,11 @@ def generate(
             cache.reset()  # explicit: never rely on generate's `_is_user_defined` reset alone
         batch_cache = cache if cache is not None else DynamicCache(config=model.config)
 
-        def read_stats(batch_cache=batch_cache, attention_mask=attention_mask) -> list[CacheStats]:
-            if cache is not None:
-                return batch_cache.stats()
-            return full_cache_stats(batch_cache, attention_mask)
-
-        row_end = _RowEndStats(read_stats, eos, stopping_criteria)
-        with torch.inference_mode():
+        snapshot, stats_at = _stats_readers(batch_cache, attention_mask)
+        row_end = _RowEnds(snapshot, stats_at, eos, stopping_criteria)
+        # the decode loop stops when the last read saw every row end (or at the length limit)
+        stop = host_stop_check(width + max_new_tokens, row_end.all_ended)
+        with torch.inference_mode(), stop:
             sequences = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -351,7 +403,8 @@ def generate(
                 **compile_kwargs,
                 **sampling,
             )
-        stats = read_stats()
+        row_end.read()
+        stats = stats_at(snapshot())
         for row, i in enumerate(batch):
             generated = sequences[row, width:].tolist()
             end = next((j for j, t in enumerate(generated) if t in eos), None)
