@@ -10,9 +10,9 @@ supported range declared in pyproject.toml, instead of a `TypeError` deep inside
 
 Forward hooks read the model's cache from the forward's keyword arguments through `forward_cache`:
 transformers 5.24 renamed the argument `past_key_values` to `cache` (the old name is mapped until
-5.40), so a hook that reads only one name misses the cache on the other side of the rename; calls to
-`generate` pass their cache through `generate_cache_kwargs` (the old name warns from 5.24 and is
-removed in 6).
+5.40), so a hook that reads only one name misses the cache on the other side of the rename. Every call
+that hands a cache to `generate` or to a model's forward passes it through `cache_kwargs` (the old name
+warns on every call from 5.24; forward drops it in 5.40, `generate` in 6).
 
 torch's private CPU flash-attention op that also returns the log-sum-exp (the split decode of
 `rlkv.cache.decode`) is reached through `cpu_flash_attention_with_lse`, which checks it once
@@ -36,6 +36,7 @@ import importlib
 import importlib.metadata
 import inspect
 import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,13 +141,33 @@ def forward_cache(kwargs: dict[str, Any]) -> Any:
     return cache if cache is not None else kwargs.get("past_key_values")
 
 
-def generate_cache_kwargs(cache: Any) -> dict[str, Any]:
-    """`generate`'s keyword argument for a user cache: {"cache": cache} on transformers >= 5.24, else
-    {"past_key_values": cache} (the name 5.24 deprecated and 6 removes)."""
+def cache_kwargs(cache: Any) -> dict[str, Any]:
+    """The keyword argument that hands a user cache to `generate` or to a model's forward.
+
+    {"cache": cache} on transformers >= 5.24, {"past_key_values": cache} before (5.24 renamed it and
+    warns under the old name on every call). Use as `model.generate(ids, **cache_kwargs(cache))`.
+    """
+    return {_cache_argument(): cache}
+
+
+@functools.cache
+def _cache_argument() -> str:
+    # cached: forward calls run once per decode step, and reading the package metadata costs ~0.1 ms
     from packaging.version import Version
 
     renamed = Version(_version("transformers")) >= Version("5.24.0.dev0")
-    return {"cache" if renamed else "past_key_values": cache}
+    return "cache" if renamed else "past_key_values"
+
+
+def generate_cache_kwargs(cache: Any) -> dict[str, Any]:
+    """Deprecated alias of `cache_kwargs` (same result; it serves forward calls too). Removed in rlkv 0.3."""
+    warnings.warn(
+        "rlkv.compat.generate_cache_kwargs is deprecated and will be removed in rlkv 0.3; "
+        "use rlkv.compat.cache_kwargs (the same dict, for generate and forward calls)",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return cache_kwargs(cache)
 
 
 @functools.cache

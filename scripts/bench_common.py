@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from rlkv import HeadMask
+from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig
 
 ATTN_SHAPE = dict(
@@ -99,4 +100,4 @@ def run_decode(model, cache, ids: torch.Tensor, steps: int) -> None:
     """`steps` single-token forwards of `ids` [B, 1] against `cache`."""
     with torch.no_grad():
         for _ in range(steps):
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **cache_kwargs(cache), use_cache=True)

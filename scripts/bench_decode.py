@@ -10,6 +10,7 @@ import torch
 from bench_common import ATTN_SHAPE, TARGETS, build_model, compression_for, run_decode, sync, timed
 from transformers import DynamicCache
 
+from rlkv.compat import cache_kwargs
 from rlkv.inference import make_cache
 
 
@@ -29,7 +30,7 @@ def filled_cache(model, mode: str | None, batch: int, length: int, device: str):
     with torch.no_grad():  # one real token first: the cache learns the batch layout (no padding)
         model(
             input_ids=torch.zeros(batch, 1, dtype=torch.long, device=device),
-            past_key_values=cache,
+            **cache_kwargs(cache),
             use_cache=True,
         )
     gen = torch.Generator(device="cpu").manual_seed(1)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from rlkv.compat import generate_cache_kwargs
+from rlkv.compat import cache_kwargs
 
 LAUNCH_EVENTS = {
     "cudaLaunchKernel",
@@ -126,12 +126,12 @@ def decode_probe(model, make_cache: Callable[[], object], batch: int, prompt_tok
     with torch.no_grad():
         cache = make_cache()
         with PartTimer(device).part("prefill") as prefill:
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **generate_cache_kwargs(cache))
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
         state = {"next": out.logits[:, -1:].argmax(-1)}
 
         def steps(n: int = PROBE_STEPS) -> None:
             for _ in range(n):
-                logits = model(input_ids=state["next"], use_cache=True, **generate_cache_kwargs(cache)).logits
+                logits = model(input_ids=state["next"], use_cache=True, **cache_kwargs(cache)).logits
                 state["next"] = logits[:, -1:].argmax(-1)
 
         steps(2)

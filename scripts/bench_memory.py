@@ -12,6 +12,7 @@ import sys
 import torch
 from bench_common import MODES, SMALL_SHAPE, TARGETS, build_model, compression_for
 
+from rlkv.compat import cache_kwargs
 from rlkv.inference import make_cache
 
 CAP_BYTES = 8 * 2**30
@@ -64,7 +65,7 @@ def memory_worker(mode: str, lengths: list[int], device: str, chunk: int) -> dic
             while seen < target:
                 n = 1 if decode_steps and seen >= chunk else min(chunk, target - seen)
                 ids = torch.randint(0, 512, (1, n), generator=gen).to(device)
-                model(input_ids=ids, past_key_values=cache, use_cache=True)
+                model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
                 seen += n
             kv, analytic = analytic_bytes(cache)
             resident = cache.resident_bytes()

@@ -9,6 +9,7 @@ import time
 import torch
 from bench_common import ATTN_SHAPE, TARGETS, build_model, run_decode, sync, timed
 
+from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
 
 
@@ -50,7 +51,7 @@ def suite_overhead(args) -> dict:
         timer = SelectTimer(cache.policy, args.device)
         ids = torch.randint(0, 512, (1, 1024), device=args.device)
         with torch.no_grad():
-            model(input_ids=ids, past_key_values=cache, use_cache=True)  # prefill 1024
+            model(input_ids=ids, **cache_kwargs(cache), use_cache=True)  # prefill 1024
             one = ids[:, :1]
             timer.events, timer.seconds = 0, 0.0
             total = timed(functools.partial(run_decode, model, cache, one, steps), args.device)

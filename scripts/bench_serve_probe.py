@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rlkv.compat import cache_kwargs
+
 
 @dataclass(frozen=True)
 class Method:
@@ -143,7 +145,7 @@ def serve_probe(
             model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
-                past_key_values=cache,
+                **cache_kwargs(cache),
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,  # EOS suppressed: every row runs to the end
                 do_sample=True,

@@ -164,6 +164,7 @@ def run_rlkv(spec: dict[str, Any], mask: Any, worker: Any) -> dict[str, Any]:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlkv.compat import cache_kwargs
     from rlkv.inference import make_cache
 
     torch.manual_seed(0)
@@ -187,7 +188,7 @@ def run_rlkv(spec: dict[str, Any], mask: Any, worker: Any) -> dict[str, Any]:
                 model.eval()
 
                 def factory(model=model, config=config):
-                    return make_cache(model, config)
+                    return cache_kwargs(make_cache(model, config))
 
             started = time.perf_counter()
             row = worker.run_method(model, tokenizer, prompts, answers, new, worker._NullContext(), factory)

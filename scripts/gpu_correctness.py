@@ -34,7 +34,7 @@ from bench_gpu_profile import HostReads  # noqa: E402
 
 from rlkv import HeadMask  # noqa: E402
 from rlkv._io import atomic_write_text  # noqa: E402
-from rlkv.compat import generate_cache_kwargs  # noqa: E402
+from rlkv.compat import cache_kwargs  # noqa: E402
 from rlkv.inference import CompressionConfig, generate, load, make_cache  # noqa: E402
 from rlkv.policies import available  # noqa: E402
 
@@ -128,7 +128,7 @@ def policy_syncs(model, tokenizer, name: str, device: str, steps: int, counter: 
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.inference_mode():
             logits = model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, **generate_cache_kwargs(cache)
+                input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache)
             ).logits
             counts = []
             for _ in range(steps):
@@ -137,7 +137,7 @@ def policy_syncs(model, tokenizer, name: str, device: str, steps: int, counter: 
                 positions = positions[:, -1:] + 1
                 step = dict(input_ids=ids, attention_mask=mask, position_ids=positions)
                 with counter.counting() as syncs:
-                    logits = model(**step, **generate_cache_kwargs(cache)).logits
+                    logits = model(**step, **cache_kwargs(cache)).logits
                 counts.append(syncs[0])
         known = [c for c in counts if c is not None]
         out[layout] = (sum(known) / len(known), max(known)) if known else None

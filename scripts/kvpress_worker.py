@@ -89,7 +89,8 @@ class GenerationProbe:
 
     def _hook(self, module, args, kwargs, output) -> None:
         end = time.perf_counter()
-        cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
+        # transformers 5.24 renamed past_key_values to cache (arguments and outputs); kvpress pins < 5.3
+        cache = kwargs.get("cache") or kwargs.get("past_key_values") or _output_cache(output)
         if cache is not None:
             self.peak_kv = max(self.peak_kv, tensor_storage_bytes(cache))
         self.times.append(end)
@@ -105,6 +106,12 @@ class GenerationProbe:
 
     def remove(self) -> None:
         self.handle.remove()
+
+
+def _output_cache(output: Any) -> Any:
+    """The cache a model or generate output carries: `cache` from transformers 5.24, `past_key_values` before."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 def boxed_answer(text: str) -> str | None:
@@ -123,9 +130,12 @@ def run_method(
     answers: list[str],
     max_new_tokens: int,
     context,
-    make_cache=None,
+    make_cache_kwargs=None,
 ) -> dict[str, Any]:
     """Greedy generation, one prompt at a time, under `context` (a press or a null context).
+
+    `make_cache_kwargs()`, if given, returns the keyword argument that hands `generate` a fresh cache
+    (the rlkv side: `rlkv.compat.cache_kwargs(make_cache(...))`, named for the installed transformers).
 
     Returns accuracy, mean resident KV after generation, mean peak KV during generation, VmHWM
     (reset before the method; max over its prompts), decode tokens/s and the generated token ids.
@@ -136,7 +146,7 @@ def run_method(
         for ids, answer in zip(prompts, answers):
             input_ids = torch.tensor([ids])
             probe = GenerationProbe(model)
-            kwargs = {"past_key_values": make_cache()} if make_cache is not None else {}
+            kwargs = make_cache_kwargs() if make_cache_kwargs is not None else {}
             with torch.no_grad():
                 out = model.generate(
                     input_ids=input_ids,
@@ -151,7 +161,7 @@ def run_method(
             new = out.sequences[0, input_ids.shape[1] :].tolist()
             text = tokenizer.decode(new, skip_special_tokens=True)
             correct += boxed_answer(text) == str(answer)
-            resident.append(tensor_storage_bytes(out.past_key_values))
+            resident.append(tensor_storage_bytes(_output_cache(out)))
             peaks.append(probe.peak_kv)
             n, s = probe.decode_seconds()
             steps, seconds = steps + n, seconds + s

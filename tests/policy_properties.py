@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rlkv.cache import HeadMixedCache, register_attention
+from rlkv.compat import cache_kwargs
 from rlkv.head_mask import HeadMask
 from rlkv.policies.base import CompressionPolicy
 
@@ -56,7 +57,7 @@ def generate_with_logits(
     out = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        past_key_values=cache,
+        **cache_kwargs(cache),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,

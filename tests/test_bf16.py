@@ -7,6 +7,7 @@ import torch
 from test_gates import LOCAL, SINK, reference_logits, sink_local_mask
 
 import rlkv
+from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, load, make_cache, resolve_dtype
 from rlkv.inference.dtypes import cpu_has_bf16
 from rlkv.testing import tiny_model
@@ -47,7 +48,7 @@ def test_bf16_head_mixed_cache_at_sparsity_zero_is_token_identical_to_plain_gene
     model = bf16_model("qwen2")
     cache = make_cache(model, CompressionConfig(head_mask=None, policy="full"))
     got = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, past_key_values=cache
+        input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, **cache_kwargs(cache)
     )
     assert torch.equal(got, expected)
 

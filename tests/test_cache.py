@@ -6,6 +6,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from rlkv.cache import HeadMixedCache
+from rlkv.compat import cache_kwargs
 from rlkv.head_mask import HeadMask
 from rlkv.inference import CompressionConfig, make_cache
 
@@ -43,7 +44,7 @@ def test_identical_to_plain_generate(model, left_padded_batch, compression):
         attention_mask=attention_mask,
         max_new_tokens=24,
         do_sample=False,
-        past_key_values=cache,
+        **cache_kwargs(cache),
     )
     assert torch.equal(got, expected)
     assert sum(s["evictions"] for s in cache.stats()) == 0
@@ -120,8 +121,8 @@ def test_compressed_run_equals_explicit_keep_mask_reference(family, make_model, 
                 got = set(torch.nonzero(REFERENCE_KEEP[0][comp_head, :length]).flatten().tolist())
                 assert got == expected
             new = tokens[:, length:]
-            logits = model(input_ids=new, past_key_values=cache).logits[:, -1]
-            ref_logits = reference(input_ids=ref_tokens[:, length:], past_key_values=ref_cache).logits[:, -1]
+            logits = model(input_ids=new, **cache_kwargs(cache)).logits[:, -1]
+            ref_logits = reference(input_ids=ref_tokens[:, length:], **cache_kwargs(ref_cache)).logits[:, -1]
             max_diff = max(max_diff, float((logits - ref_logits).abs().max()))
             tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
             ref_tokens = torch.cat([ref_tokens, ref_logits.argmax(-1, keepdim=True)], dim=1)
@@ -170,7 +171,7 @@ def test_resident_bytes_match_formula_and_tensors_shrink(make_model, left_padded
         max_new_tokens=new_tokens,
         do_sample=False,
         eos_token_id=None,  # run the full length in every row
-        past_key_values=cache,
+        **cache_kwargs(cache),
     )
     batch, width = input_ids.shape
     length = width + new_tokens - 1  # the last sampled token is never fed back
@@ -207,7 +208,7 @@ def test_padding_never_takes_budget(make_model, left_padded_batch):
         attention_mask=attention_mask,
         max_new_tokens=12,
         do_sample=False,
-        past_key_values=cache,
+        **cache_kwargs(cache),
     )
     prompt_real = attention_mask.sum(1)
     pads = attention_mask.shape[1] - prompt_real
@@ -226,10 +227,10 @@ def test_second_generate_with_same_cache_starts_clean(make_model, tokenizer):
     first = tokenizer(["1 + 2 = 3. 2 * 3 = 6. therefore the final answer is"], return_tensors="pt")
     second = tokenizer(["wait"], return_tensors="pt")
     reused = make_cache(model, config)
-    model.generate(**first, max_new_tokens=20, do_sample=False, past_key_values=reused)
-    got = model.generate(**second, max_new_tokens=20, do_sample=False, past_key_values=reused)
+    model.generate(**first, max_new_tokens=20, do_sample=False, **cache_kwargs(reused))
+    got = model.generate(**second, max_new_tokens=20, do_sample=False, **cache_kwargs(reused))
     fresh = model.generate(
-        **second, max_new_tokens=20, do_sample=False, past_key_values=make_cache(model, config)
+        **second, max_new_tokens=20, do_sample=False, **cache_kwargs(make_cache(model, config))
     )
     assert torch.equal(got, fresh)
     assert reused.stats() == make_cache_stats_after(model, config, second)
@@ -237,7 +238,7 @@ def test_second_generate_with_same_cache_starts_clean(make_model, tokenizer):
 
 def make_cache_stats_after(model, config, enc):
     cache = make_cache(model, config)
-    model.generate(**enc, max_new_tokens=20, do_sample=False, past_key_values=cache)
+    model.generate(**enc, max_new_tokens=20, do_sample=False, **cache_kwargs(cache))
     return cache.stats()
 
 
@@ -246,12 +247,12 @@ def test_unsupported_cache_operations_fail_clearly(make_model, tokenizer):
     cache = make_cache(model, CompressionConfig(head_mask=None))
     with pytest.raises(NotImplementedError, match="beam search"):
         model.generate(
-            **tokenizer(["wait"], return_tensors="pt"), max_new_tokens=4, num_beams=2, past_key_values=cache
+            **tokenizer(["wait"], return_tensors="pt"), max_new_tokens=4, num_beams=2, **cache_kwargs(cache)
         )
     cache = make_cache(model, CompressionConfig(head_mask=None), batch_size=1)
     enc = tokenizer(["wait", "solve"], return_tensors="pt", padding=True)
     with pytest.raises(ValueError, match="batch_size=1"):
-        model.generate(**enc, max_new_tokens=2, past_key_values=cache)
+        model.generate(**enc, max_new_tokens=2, **cache_kwargs(cache))
 
 
 def test_chunked_prefill_protects_the_whole_prompt(make_model, tokenizer):
@@ -261,11 +262,11 @@ def test_chunked_prefill_protects_the_whole_prompt(make_model, tokenizer):
     )
     config = CompressionConfig(head_mask=_mixed_mask(model), sparsity=0.5, sink=2, window=8)
     whole = model.generate(
-        **enc, max_new_tokens=20, do_sample=False, past_key_values=make_cache(model, config)
+        **enc, max_new_tokens=20, do_sample=False, **cache_kwargs(make_cache(model, config))
     )
     chunked_cache = make_cache(model, config)
     chunked = model.generate(
-        **enc, max_new_tokens=20, do_sample=False, past_key_values=chunked_cache, prefill_chunk_size=8
+        **enc, max_new_tokens=20, do_sample=False, **cache_kwargs(chunked_cache), prefill_chunk_size=8
     )
     assert torch.equal(whole, chunked)
     assert chunked_cache.layers[0].store.prompt_length == enc["input_ids"].shape[1]
@@ -291,7 +292,7 @@ def test_mistral_update_object_is_safe(make_model, left_padded_batch):
         attention_mask=attention_mask,
         max_new_tokens=16,
         do_sample=False,
-        past_key_values=cache,
+        **cache_kwargs(cache),
     )
     assert torch.equal(got, expected)
 
@@ -312,14 +313,14 @@ def test_new_prefill_on_a_used_cache_is_refused_and_reset_clears_it(make_model, 
     cache = make_cache(model, config)
     ids = tokenizer(["1 + 2 = 3. 2 * 3 = 6. therefore"], return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        model(input_ids=ids[:, :6], past_key_values=cache)  # chunked prefill: two multi-token chunks
-        model(input_ids=ids[:, 6:], past_key_values=cache)
-        model(input_ids=ids[:, -1:], past_key_values=cache)  # a decode step
+        model(input_ids=ids[:, :6], **cache_kwargs(cache))  # chunked prefill: two multi-token chunks
+        model(input_ids=ids[:, 6:], **cache_kwargs(cache))
+        model(input_ids=ids[:, -1:], **cache_kwargs(cache))  # a decode step
         with pytest.raises(StaleCacheError, match="cache.reset\\(\\)"):
-            model(input_ids=ids, past_key_values=cache)  # the next request's prefill
+            model(input_ids=ids, **cache_kwargs(cache))  # the next request's prefill
         cache.reset()
-        again = model(input_ids=ids, past_key_values=cache).logits
-        fresh = model(input_ids=ids, past_key_values=make_cache(model, config)).logits
+        again = model(input_ids=ids, **cache_kwargs(cache)).logits
+        fresh = model(input_ids=ids, **cache_kwargs(make_cache(model, config))).logits
     assert torch.equal(again, fresh)
 
 
@@ -330,14 +331,14 @@ def test_generate_without_transformers_reset_fails_loudly(make_model, tokenizer,
     model = make_model("qwen3")
     cache = make_cache(model, CompressionConfig(head_mask=_mixed_mask(model), sparsity=0.5, sink=2, window=6))
     enc = tokenizer(["1 + 2 = 3. 2 * 3 = 6. therefore the final answer is"], return_tensors="pt")
-    model.generate(**enc, max_new_tokens=8, do_sample=False, past_key_values=cache)
+    model.generate(**enc, max_new_tokens=8, do_sample=False, **cache_kwargs(cache))
     longer = tokenizer(["1 + 2 = 3. 2 * 3 = 6. therefore the final answer is 6, so 6 + 1 = 7 and"])
     with pytest.raises(StaleCacheError):
         model.generate(
             input_ids=torch.tensor(longer["input_ids"]),
             max_new_tokens=8,
             do_sample=False,
-            past_key_values=cache,
+            **cache_kwargs(cache),
         )
 
 

@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from rlkv import HeadMask
 from rlkv.cache import GROWTH_DIVISOR, append_along_tokens
 from rlkv.cache.store import CompressedStore, CompressionSettings
+from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
 from rlkv.policies import get_policy
 from rlkv.policies.rkv import key_redundancy
@@ -57,10 +58,10 @@ def test_long_decode_writes_in_place_counts_capacity_and_matches_dynamic_cache(m
         model, CompressionConfig(head_mask=mask, sparsity=0.5, min_full_per_layer=1, sink=4, window=16)
     )
     with torch.no_grad():
-        model(input_ids=prompt, past_key_values=mixed)
+        model(input_ids=prompt, **cache_kwargs(mixed))
         pointers = [layer.keys.data_ptr() for layer in mixed.layers]
         for _ in range(spare):
-            model(input_ids=prompt[:, :1], past_key_values=mixed)
+            model(input_ids=prompt[:, :1], **cache_kwargs(mixed))
     for layer, pointer in zip(mixed.layers, pointers, strict=True):
         assert layer.full_idx.numel() == 1
         assert layer.keys.data_ptr() == pointer  # no copy of the history
@@ -74,8 +75,8 @@ def test_long_decode_writes_in_place_counts_capacity_and_matches_dynamic_cache(m
     with torch.no_grad():
         for _ in range(spare + 4):  # prefill, then decode past the first growth
             length = everything.get_seq_length()
-            logits = model(input_ids=tokens[:, length:], past_key_values=everything).logits[:, -1]
-            ref_logits = reference(input_ids=tokens[:, length:], past_key_values=ref_cache).logits[:, -1]
+            logits = model(input_ids=tokens[:, length:], **cache_kwargs(everything)).logits[:, -1]
+            ref_logits = reference(input_ids=tokens[:, length:], **cache_kwargs(ref_cache)).logits[:, -1]
             torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
             tokens = torch.cat([tokens, ref_logits.argmax(-1, keepdim=True)], dim=1)
     used = sum(layer.keys.numel() + layer.values.numel() for layer in everything.layers) * 4
@@ -291,9 +292,9 @@ def test_streaming_decode_holds_only_kept_tokens(make_model, monkeypatch):
     full_heads = torch.tensor([[True, False], [False, True]])
     calls = _fast_path_spy(monkeypatch)
     prompt = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
-    cache_kwargs = dict(full_heads=full_heads, sink=sink, window=window, protect_prompt=False)
+    layout = dict(full_heads=full_heads, sink=sink, window=window, protect_prompt=False)
     tokens, _, cache = _greedy_logits(
-        model, "streaming", None, (prompt, torch.ones_like(prompt)), new_tokens, **cache_kwargs
+        model, "streaming", None, (prompt, torch.ones_like(prompt)), new_tokens, **layout
     )
     # prefill, then every step
     assert len(calls) == 2 * new_tokens and set(calls) == {("columns", sink + window)}
@@ -301,7 +302,7 @@ def test_streaming_decode_holds_only_kept_tokens(make_model, monkeypatch):
     model.set_attn_implementation("sdpa")
     reference = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=sequence, past_key_values=reference)
+        model(input_ids=sequence, **cache_kwargs(reference))
     ref_keys = reference.layers[0].keys  # [1, H_kv, T, D]: layer 0's keys do not depend on the cache
     store = cache.layers[0].store
     expected = list(range(sink)) + list(range(sequence.shape[1] - window, sequence.shape[1]))

@@ -17,6 +17,7 @@ sys.path.insert(0, str(SCRIPTS))
 import compare_kvpress  # noqa: E402
 
 from rlkv import HeadMask  # noqa: E402
+from rlkv.compat import cache_kwargs  # noqa: E402
 from rlkv.inference import CompressionConfig, make_cache  # noqa: E402
 from rlkv.testing import tiny_model  # noqa: E402
 
@@ -55,7 +56,7 @@ def test_storage_walk_of_a_cache_after_generate():
     rl = make_cache(
         model, CompressionConfig(policy="streaming", sink=4, window=8, head_mask=None, protect_prompt=False)
     )
-    model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, past_key_values=rl, min_new_tokens=6)
+    model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, **cache_kwargs(rl), min_new_tokens=6)
     assert worker.tensor_storage_bytes(rl) == rl.resident_bytes()
 
 

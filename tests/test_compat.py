@@ -1,6 +1,7 @@
 """The fence around private TRL / transformers API: checked at construction, one named error."""
 
 import importlib.metadata
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from rlkv.compat import (
     GATE_TRAINER_API,
     PrivateAPI,
     UnsupportedVersionError,
+    cache_kwargs,
     check_attributes,
     check_private_api,
     forward_cache,
@@ -85,15 +87,16 @@ def test_forward_cache_reads_the_cache_under_either_name(make_model):
     seen = []
     model.register_forward_pre_hook(lambda m, a, kw: seen.append(forward_cache(kw)), with_kwargs=True)
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
-    assert seen == [cache]
+    model(input_ids=torch.tensor([[1, 2, 3]]), **cache_kwargs(cache), use_cache=True)
+    with warnings.catch_warnings():  # the old name on purpose: 5.24 maps it (and warns)
+        warnings.simplefilter("ignore", FutureWarning)
+        model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
+    assert seen == [cache, cache]
     assert forward_cache({"cache": cache}) is cache and forward_cache({}) is None
 
 
-def test_generate_gets_the_user_cache_without_a_deprecation_warning(make_model):
-    """generate fills the cache handed over by generate_cache_kwargs, under the installed version's name."""
-    import warnings
-
+def test_generate_and_forward_get_the_user_cache_without_a_deprecation_warning(make_model):
+    """generate and a forward fill the cache handed over by cache_kwargs, under the installed version's name."""
     from transformers import DynamicCache
 
     model = make_model("llama")
@@ -104,9 +107,28 @@ def test_generate_gets_the_user_cache_without_a_deprecation_warning(make_model):
             input_ids=torch.tensor([[1, 2, 3]]),
             max_new_tokens=4,
             do_sample=False,
-            **generate_cache_kwargs(cache),
+            **cache_kwargs(cache),
         )
-    assert cache.get_seq_length() == 3 + 4 - 1  # the last sampled token is never fed back
+        assert cache.get_seq_length() == 3 + 4 - 1  # the last sampled token is never fed back
+        model(input_ids=torch.tensor([[5]]), **cache_kwargs(cache), use_cache=True)
+    assert cache.get_seq_length() == 3 + 4
+
+
+def test_the_old_name_of_cache_kwargs_warns_and_gives_the_same_dict():
+    cache = object()
+    with pytest.warns(FutureWarning, match=r"generate_cache_kwargs is deprecated.*cache_kwargs"):
+        assert generate_cache_kwargs(cache) == cache_kwargs(cache)
+
+
+def test_pytest_turns_the_transformers_cache_rename_warning_into_an_error(make_model):
+    """pyproject's filterwarnings: a call site passing `past_key_values=` fails the suite on transformers >= 5.24."""
+    from transformers import DynamicCache
+
+    if "cache" not in cache_kwargs(None):
+        pytest.skip("transformers < 5.24 has no cache argument to rename to")
+    model = make_model("llama")
+    with pytest.raises(FutureWarning, match="`past_key_values` is deprecated"):
+        model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=DynamicCache(config=model.config))
 
 
 def test_private_cpu_flash_op_is_checked_against_public_sdpa():

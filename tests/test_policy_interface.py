@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
 from rlkv.policies import (
     CompressionPolicy,
@@ -92,7 +93,7 @@ def test_policy_observes_tokens_hidden_states_queries_and_attention(make_model, 
     enc = tokenizer(["solve the following math problem"], return_tensors="pt")
     cache = make_cache(model, CompressionConfig(head_mask=None, policy="test_recorder"))
     policy = cache.policy
-    out = model.generate(**enc, max_new_tokens=6, do_sample=False, eos_token_id=None, past_key_values=cache)
+    out = model.generate(**enc, max_new_tokens=6, do_sample=False, eos_token_id=None, **cache_kwargs(cache))
     fed = out[:, :-1]  # every token the model consumed
     length = fed.shape[1]
 
@@ -131,7 +132,7 @@ def test_per_layer_selection_and_budget(make_model, tokenizer):
         head_mask=None, policy="test_newest", budget=budget, sink=0, window=4, protect_prompt=False
     )
     cache = make_cache(model, config)
-    model.generate(**enc, max_new_tokens=30, do_sample=False, eos_token_id=None, past_key_values=cache)
+    model.generate(**enc, max_new_tokens=30, do_sample=False, eos_token_id=None, **cache_kwargs(cache))
     length = cache.get_seq_length()
     for layer in cache.layers:
         positions = layer.store.positions
@@ -147,7 +148,7 @@ def test_slot_buffers_follow_evictions_and_forced_set_is_kept(make_model, tokeni
     prompt_len = enc["input_ids"].shape[1]
     config = CompressionConfig(head_mask=None, policy="test_stamped", budget=budget, sink=sink, window=window)
     cache = make_cache(model, config)
-    model.generate(**enc, max_new_tokens=40, do_sample=False, eos_token_id=None, past_key_values=cache)
+    model.generate(**enc, max_new_tokens=40, do_sample=False, eos_token_id=None, **cache_kwargs(cache))
     length = cache.get_seq_length()
     pads = (enc["attention_mask"] == 0).sum(1)
     for layer in cache.layers:
@@ -171,7 +172,7 @@ def test_ratio_budget_follows_each_rows_length(make_model, tokenizer):
         head_mask=None, policy="test_newest", budget=ratio, sink=0, window=window, protect_prompt=False
     )
     cache = make_cache(model, config)
-    model.generate(**enc, max_new_tokens=30, do_sample=False, eos_token_id=None, past_key_values=cache)
+    model.generate(**enc, max_new_tokens=30, do_sample=False, eos_token_id=None, **cache_kwargs(cache))
     length = cache.get_seq_length()
     real = enc["attention_mask"].sum(1) + length - enc["input_ids"].shape[1]  # real tokens seen per row
     for layer in cache.layers:

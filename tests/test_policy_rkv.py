@@ -12,6 +12,7 @@ from policy_properties import (
     store_snapshot,
 )
 
+from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
 from rlkv.policies import get_policy
 from rlkv.policies.rkv import RKVPolicy, key_redundancy
@@ -151,7 +152,7 @@ def test_kept_counts_within_budget_plus_buffer_and_prompt_kept(qwen2, left_padde
         qwen2.generate(
             input_ids=ids,
             attention_mask=mask,
-            past_key_values=cache,
+            **cache_kwargs(cache),
             max_new_tokens=3 * BUFFER + BUDGET + 3,
             min_new_tokens=3 * BUFFER + BUDGET + 3,
             do_sample=False,

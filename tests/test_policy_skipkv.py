@@ -14,6 +14,7 @@ from policy_properties import (
 from transformers import AutoTokenizer
 
 from rlkv.cache import HeadMixedCache, install_observers, register_attention, storage_bytes
+from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
 from rlkv.policies.rkv import RKVPolicy
 from rlkv.policies.skipkv import DELIMITERS, SkipKVPolicy, delimiter_token_mask
@@ -68,7 +69,7 @@ def teacher_force(model, cache, prompt_ids, prompt_mask, continuation, prefill_c
             input_ids=prompt_ids[:, lo:hi],
             attention_mask=mask[:, :hi],
             position_ids=positions[:, lo:hi],
-            past_key_values=cache,
+            **cache_kwargs(cache),
         )
     for t in range(continuation.shape[1]):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -76,7 +77,7 @@ def teacher_force(model, cache, prompt_ids, prompt_mask, continuation, prefill_c
             input_ids=continuation[:, t : t + 1],
             attention_mask=mask,
             position_ids=mask.sum(-1, keepdim=True) - 1,
-            past_key_values=cache,
+            **cache_kwargs(cache),
         )
 
 
@@ -323,7 +324,7 @@ def test_steering_changes_generation_only_when_configured(qwen2, tokenizer, tmp_
         qwen2, CompressionConfig(policy="skipkv", policy_kwargs={"tokenizer": tokenizer}, budget=4096)
     )
     out_plain = qwen2.generate(
-        input_ids=ids, attention_mask=mask, past_key_values=plain, max_new_tokens=8, do_sample=False
+        input_ids=ids, attention_mask=mask, **cache_kwargs(plain), max_new_tokens=8, do_sample=False
     )
     # the steering hook stays on the model; a cache whose policy has no steering is not affected
     make_cache(
@@ -333,7 +334,7 @@ def test_steering_changes_generation_only_when_configured(qwen2, tokenizer, tmp_
         qwen2, CompressionConfig(policy="skipkv", policy_kwargs={"tokenizer": tokenizer}, budget=4096)
     )
     out_again = qwen2.generate(
-        input_ids=ids, attention_mask=mask, past_key_values=again, max_new_tokens=8, do_sample=False
+        input_ids=ids, attention_mask=mask, **cache_kwargs(again), max_new_tokens=8, do_sample=False
     )
     assert out_plain.tolist() == out_again.tolist()
 

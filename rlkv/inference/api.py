@@ -27,7 +27,7 @@ from rlkv.cache import CacheStats, HeadMixedCache, install_observers, register_a
 from rlkv.cache.static import StaticHeadMixedCache, install_step_hook
 from rlkv.cache.static_budget import StaticCacheError
 from rlkv.cache.stats import full_cache_stats
-from rlkv.compat import generate_cache_kwargs, host_stop_check
+from rlkv.compat import cache_kwargs, host_stop_check
 from rlkv.cpu_memory import keep_freed_memory
 from rlkv.inference.config import CompressionConfig
 from rlkv.inference.dtypes import resolve_dtype
@@ -395,7 +395,7 @@ def generate(
             sequences = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                **generate_cache_kwargs(batch_cache),
+                **cache_kwargs(batch_cache),
                 max_new_tokens=max_new_tokens,
                 pad_token_id=pad_id,
                 eos_token_id=sorted(eos),

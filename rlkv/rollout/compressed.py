@@ -51,7 +51,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from rlkv.cache import CacheStats, HeadMixedCache, storage_bytes
-from rlkv.compat import COMPRESSED_ROLLOUT_API, check_attributes, check_private_api, generate_cache_kwargs
+from rlkv.compat import COMPRESSED_ROLLOUT_API, cache_kwargs, check_attributes, check_private_api
 from rlkv.inference import CompressionConfig, CompressionConfigError, make_cache
 
 
@@ -206,7 +206,7 @@ def generate_rollouts(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     generation_config=generation_config,
-                    **generate_cache_kwargs(cache),
+                    **cache_kwargs(cache),
                 )
         finally:
             hook.remove()
