@@ -11,6 +11,7 @@ modules pass key/value from `update()` straight to the attention function. See d
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -148,7 +149,7 @@ class HeadMixedCache(Cache):
     model to the "rlkv_cache" attention function; or directly with the model's config, a full-head
     layout `full_heads` BoolTensor[L, H_kv] (None = every head compressed) and a policy instance.
     `batch_size`, if given, is checked at every update (a clear error instead of a shape mismatch).
-    Each `model.generate(past_key_values=cache)` call starts from an empty cache (transformers marks
+    Each `model.generate(**cache_kwargs(cache))` call starts from an empty cache (transformers marks
     the cache `_is_user_defined`, which resets it); a multi-token forward once decoding has started
     raises `StaleCacheError` instead of attending to the previous request: call `reset()` first.
     """
@@ -220,6 +221,16 @@ class HeadMixedCache(Cache):
         for layer in self.layers:
             layer.reset()
         self.settings.policy.reset()
+
+    def logical_length(self) -> int:
+        """Deprecated (removed in rlkv 0.3): `get_seq_length()`, the tokens seen so far (padding included)."""
+        warnings.warn(
+            "HeadMixedCache.logical_length() is deprecated and will be removed in rlkv 0.3; use "
+            "cache.get_seq_length() (the same number: tokens seen so far, padding columns included)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.get_seq_length()
 
     def resident_bytes(self) -> int:
         """Bytes of every tensor the cache and its policy hold (KV, positions, bookkeeping), read from storage."""
