@@ -142,7 +142,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.config:
         import yaml
 
-        base = yaml.safe_load(open(args.config)) or {}
+        from rlkv._io import read_text_file
+
+        text = read_text_file(args.config, what="eval recipe", error=UserInputError)
+        try:
+            base = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise UserInputError(f"{args.config}: not valid YAML ({e})") from None
         if not isinstance(base, dict):
             raise UserInputError(f"{args.config}: an eval recipe must be a YAML mapping of config fields")
     for name in _OVERRIDES:

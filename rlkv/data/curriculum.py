@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlkv._io import atomic_write_text
+from rlkv._io import atomic_write_text, read_text_file
 from rlkv.data.prompts import build_prompt
 from rlkv.data.verify import check_verifiers, verify
 from rlkv.errors import UserError
@@ -182,8 +182,17 @@ def _check_or_write_manifest(out_dir: Path, problems: Dataset, config: Curriculu
         "generator": generator_identity(engine),
     }
     path = out_dir / "run.json"
-    if path.exists():
-        previous = json.loads(path.read_text())
+    if path.exists() or path.is_symlink():
+        try:
+            previous = json.loads(read_text_file(path, what="curriculum run.json", error=CurriculumError))
+        except (ValueError, RecursionError) as e:
+            raise CurriculumError(
+                f"{path}: not valid JSON ({e}); use another --out folder or delete it"
+            ) from None
+        if not isinstance(previous, dict):
+            raise CurriculumError(
+                f"{path}: not a run.json written by rlkv; use another --out folder or delete it"
+            )
         for key in ("pool_fingerprint", "generation", "generator"):
             if key == "generator" and key not in previous:
                 continue  # written before run.json recorded the generator

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlkv._io import MAX_TEXT_BYTES, check_regular_file, read_text_file
 from rlkv.data.errors import ProblemDataError
 
 if TYPE_CHECKING:
@@ -60,38 +61,55 @@ def _to_dataset(rows: list[dict[str, str]], origin: str) -> Dataset:
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Raw records of a local .jsonl / .json (a list of objects) / .parquet file (optionally .gz), in order."""
+    """Raw records of a local .jsonl / .json (a list of objects) / .parquet file (optionally .gz), in order.
+
+    The file must be a regular file of bounded size; text must be UTF-8 (`ProblemDataError` otherwise).
+    """
     path = Path(path)
-    if not path.exists():
-        raise ProblemDataError(f"{path}: no such file")
     name = path.name.lower()
+    if not name.endswith(LOCAL_SUFFIXES):
+        raise ProblemDataError(f"{path}: unsupported file type; use one of {LOCAL_SUFFIXES}")
+    check_regular_file(path, what="problems file", error=ProblemDataError)
     if name.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    opener = gzip.open if name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        if name.endswith((".jsonl", ".jsonl.gz")):
-            records = []
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ProblemDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(records[-1], dict):
-                    raise ProblemDataError(f"{path}:{lineno}: expected a JSON object per line")
-            return records
-        if name.endswith((".json", ".json.gz")):
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's own error types (ArrowInvalid, ...) for a damaged file
+            raise ProblemDataError(f"{path}: not a readable parquet file ({e})") from None
+    if name.endswith(".gz"):
+        try:
+            with gzip.open(path, "rb") as f:
+                data = f.read(MAX_TEXT_BYTES + 1)
+        except (OSError, EOFError) as e:
+            raise ProblemDataError(f"{path}: not a readable gzip file ({e})") from None
+        if len(data) > MAX_TEXT_BYTES:
+            raise ProblemDataError(f"{path}: decompresses to more than {MAX_TEXT_BYTES} bytes")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ProblemDataError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
+    else:
+        text = read_text_file(path, what="problems file", error=ProblemDataError)
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        records = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
             try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ProblemDataError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
-            if isinstance(data, dict) and not ("problems" in data and isinstance(data["problems"], dict)):
-                raise ProblemDataError(f"{path}: expected a JSON list of objects")
-            return data if isinstance(data, list) else [data]
-    raise ProblemDataError(f"{path}: unsupported file type; use one of {LOCAL_SUFFIXES}")
+                records.append(json.loads(line))
+            except (ValueError, RecursionError) as e:
+                raise ProblemDataError(f"{path}:{lineno}: not valid JSON ({type(e).__name__}: {e})") from None
+            if not isinstance(records[-1], dict):
+                raise ProblemDataError(f"{path}:{lineno}: expected a JSON object per line")
+        return records
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ProblemDataError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    if isinstance(data, dict) and not ("problems" in data and isinstance(data["problems"], dict)):
+        raise ProblemDataError(f"{path}: expected a JSON list of objects")
+    return data if isinstance(data, list) else [data]
 
 
 def _require(record: dict[str, Any], fields: tuple[str, ...], origin: str, index: int) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
+from rlkv._io import read_text_file
+from rlkv.errors import UserInputError
 from rlkv.eval.errors import RepetitionRule
 from rlkv.eval.methods import MASK_FIELDS, BudgetRule, parse_method
 from rlkv.eval.stopping import StopRule, stop_rule
@@ -149,7 +150,11 @@ class EvalConfig:
         """Read a YAML recipe (see recipes/eval/)."""
         import yaml
 
-        doc = yaml.safe_load(Path(path).read_text()) or {}
+        text = read_text_file(path, what="eval recipe", error=UserInputError)
+        try:
+            doc = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise UserInputError(f"{path}: not valid YAML ({e})") from None
         if not isinstance(doc, dict):
             raise ValueError(f"{path}: an eval recipe must be a YAML mapping of config fields")
         return cls.from_dict(doc)

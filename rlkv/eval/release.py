@@ -11,7 +11,6 @@ in order: the card lists which steps each one ran.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -19,9 +18,10 @@ from typing import Any
 
 import yaml
 
-from rlkv._io import atomic_write_text
+from rlkv._io import atomic_write_text, read_text_file
 from rlkv.errors import UserInputError
 from rlkv.eval.plots import plot_gate_heatmap, plot_training_curves
+from rlkv.eval.results import read_json
 from rlkv.head_mask import MASK_JSON, MODEL_CARD, HeadMask
 from rlkv.trainers.checkpoints import checkpoint_step, checkpoint_tie_break, head_mask_from_checkpoint
 
@@ -34,7 +34,7 @@ def training_history(checkpoint: str | os.PathLike) -> tuple[list[dict[str, Any]
     path = Path(checkpoint) / "trainer_state.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not a trainer checkpoint (no trainer_state.json)")
-    state = json.loads(path.read_text())
+    state = read_json(path, what="trainer_state.json")
     return [row for row in state.get("log_history", []) if "reward" in row], state
 
 
@@ -97,7 +97,7 @@ def card_eval_section(report: str | os.PathLike, card_folder: str | os.PathLike)
         return match.group(1) + Path(moved).as_posix() + match.group(3)
 
     lines = []
-    for line in report.read_text().strip().splitlines():
+    for line in read_text_file(report, what="eval report", error=UserInputError).strip().splitlines():
         if line.startswith("# "):
             continue
         lines.append("#" + line if line.startswith("#") else line)
@@ -110,7 +110,7 @@ def _training_section(
 ) -> str:
     lines = ["", "## Training", ""]
     steps = state.get("global_step", len(history))
-    texts = [r.read_text().strip() for r in recipes]
+    texts = [read_text_file(r, what="training recipe", error=UserInputError).strip() for r in recipes]
     docs = [yaml.safe_load(t) or {} for t in texts]
     wall = sum(float(row.get("step_time", 0.0)) for row in history)
     lines.append(f"- GRPO steps: {steps}; wall time of the logged steps: {wall / 3600:.2f} h")
@@ -161,7 +161,7 @@ def _checkpoint_step(recipe: Path, checkpoint: Any) -> int:
     step = checkpoint_step(checkpoint) if isinstance(checkpoint, str) else None
     state = Path(str(checkpoint)) / "trainer_state.json"
     if state.is_file():
-        step = int(json.loads(state.read_text())["global_step"])
+        step = int(read_json(state, what="trainer_state.json")["global_step"])
     if step is None:
         raise UserInputError(
             f"{recipe}: resume_from_checkpoint is {checkpoint!r}; a recipe after the first must name the "
@@ -177,7 +177,7 @@ def _dataset_lines(recipe: dict[str, Any]) -> list[str]:
         return []
     stats = Path(name) / "stats.json"
     if stats.is_file():
-        doc = json.loads(stats.read_text())
+        doc = read_json(stats, what="curriculum stats.json")
         return [
             f"- training data: `{name}`, {doc['selected']} problems selected of a pool of {doc['pool_size']} "
             f"({doc['solved']} solved by the model itself)"

@@ -21,7 +21,7 @@ from typing import Any
 
 from rlkv._io import atomic_write_text
 from rlkv.eval.plots import plot_accuracy, plot_common_length, plot_error_modes, plot_gate_heatmap
-from rlkv.eval.results import CONFIG_FILE, RESULTS_FILE, current_results
+from rlkv.eval.results import CONFIG_FILE, RESULTS_FILE, current_results, read_json
 from rlkv.eval.sensitivity import ORDER_METHODS, plot_sensitivity
 from rlkv.eval.tables import (
     BOOTSTRAP_LEVEL,
@@ -282,7 +282,7 @@ def write_report(
     if not rows:
         raise ValueError(f"{out / RESULTS_FILE}: no results to report; run `rlkv eval` first")
     config_path = out / CONFIG_FILE
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config = read_json(config_path, what=CONFIG_FILE) if config_path.exists() else {}
     num_heads = None
     if head_mask is not None:
         num_heads = int(head_mask.scores.numel())

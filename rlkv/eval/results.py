@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlkv._io import atomic_write_text
+from rlkv._io import atomic_write_text, check_regular_file, read_text_file
+from rlkv.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -23,12 +24,26 @@ def row_key(benchmark: str, problem_id: str, method: str, sparsity: float, sampl
     return f"{benchmark}|{problem_id}|{method}|{sparsity:g}|{sample}"
 
 
+MAX_RESULTS_BYTES = 16 << 30  # results.jsonl grows with every sample; refuse only what no run writes
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    """The JSON document in `path`, a regular UTF-8 file of bounded size (`UserInputError` otherwise)."""
+    text = read_text_file(path, what=what, error=UserInputError)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise UserInputError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+
+
 def read_results(path: str | os.PathLike, repair: bool = False) -> list[dict[str, Any]]:
     """Rows of a results.jsonl. A torn last line (killed writer) is ignored, and cut off when `repair`."""
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return []
-    data = path.read_bytes()
+    data = check_regular_file(
+        path, what="results.jsonl", error=UserInputError, max_bytes=MAX_RESULTS_BYTES
+    ).read_bytes()
     rows, good_end, start = [], 0, 0
     while start < len(data):
         end = data.find(b"\n", start)
@@ -66,7 +81,7 @@ def current_results(out: str | os.PathLike, keys: set[str] | None = None) -> lis
     keys_path = out / KEYS_FILE
     wanted = keys
     if wanted is None and keys_path.exists():
-        wanted = set(json.loads(keys_path.read_text()))
+        wanted = set(read_json(keys_path, what=KEYS_FILE))
     rows: dict[str, dict[str, Any]] = {}
     for row in read_results(out / RESULTS_FILE):
         if wanted is None or row["key"] in wanted:

@@ -31,7 +31,15 @@ from rlkv.eval.methods import (
     parse_method,
     random_mask_seed,
 )
-from rlkv.eval.results import CONFIG_FILE, KEYS_FILE, RESULTS_FILE, current_results, read_results, row_key
+from rlkv.eval.results import (
+    CONFIG_FILE,
+    KEYS_FILE,
+    RESULTS_FILE,
+    current_results,
+    read_json,
+    read_results,
+    row_key,
+)
 from rlkv.eval.stopping import stop_criteria
 from rlkv.head_mask import ModelFingerprint
 
@@ -96,7 +104,7 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
     current = _settings(cfg)
     rows = read_results(out / RESULTS_FILE) if path.exists() else []
     if rows:
-        saved = _upgraded(json.loads(path.read_text()), cfg, current)
+        saved = _upgraded(read_json(path, what=CONFIG_FILE), cfg, current)
         diff = _differences(saved, current, cfg, rows)
         if diff:
             raise ValueError(
@@ -403,7 +411,7 @@ def run_sensitivity(
     keys: set[str] = set()
     for run in runs:
         out = run_eval(run, model=model, tokenizer=tokenizer, write_report=False)
-        keys |= set(json.loads((out / KEYS_FILE).read_text()))  # the run's grid, without reloading problems
+        keys |= set(read_json(out / KEYS_FILE, what=KEYS_FILE))  # the run's grid, without reloading problems
     atomic_write_text(out / KEYS_FILE, json.dumps(sorted(keys)) + "\n")  # `--report-only` reports the sweep
     write_report(out, head_mask=build_masks(cfg, model).get("rlkv"), keys=keys)
     return out
