@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -164,13 +165,7 @@ class GateGRPOConfig(GRPOConfig):
                 "use_vllm=True samples rollouts from vLLM's copy of the model, which has no gates; RLKV's rollouts "
                 "must come from the gated model itself: set use_vllm to false"
             )
-        if self.torch_threads < 0:
-            raise ValueError(f"torch_threads={self.torch_threads}: use 0 (automatic) or a positive count")
-        if self.gate_sink < 0 or self.gate_local < 1:
-            raise ValueError(
-                f"gate_sink={self.gate_sink}, gate_local={self.gate_local}: need gate_sink >= 0 and gate_local >= 1 "
-                "(paper: 128 and 256)"
-            )
+        _check_counts(self)
         super().__post_init__()
 
 
@@ -187,5 +182,54 @@ def _requested_sharding_engine() -> str | None:
 
 
 def _check_range(name: str, value: float, low: float, high: float, what: str) -> None:
-    if not isinstance(value, (int, float)) or math.isnan(value) or not low <= value <= high:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or math.isnan(value)
+        or not low <= value <= high
+    ):
         raise ValueError(f"{name}={value!r} is invalid: use {what}")
+
+
+# (field, smallest value, None allowed): integer settings TRL would otherwise divide by, compare or
+# iterate with, and fail on with ZeroDivisionError / TypeError instead of naming the field
+_COUNT_FIELDS = (
+    ("num_generations", 1, True),
+    ("per_device_train_batch_size", 1, False),
+    ("per_device_eval_batch_size", 1, False),
+    ("gradient_accumulation_steps", 1, False),
+    ("generation_batch_size", 1, True),
+    ("steps_per_generation", 1, True),
+    ("max_completion_length", 1, True),
+    ("max_prompt_length", 1, True),
+    ("max_steps", -1, False),
+    ("seed", 0, False),
+    ("torch_threads", 0, False),
+    ("gate_sink", 0, False),
+    ("gate_local", 1, False),
+)
+_NUMBER_FIELDS = (
+    "learning_rate",
+    "weight_decay",
+    "num_train_epochs",
+    "logging_steps",
+    "save_steps",
+    "epsilon",
+    "beta",
+)
+
+
+def _check_counts(config: GateGRPOConfig) -> None:
+    """Raise ValueError naming the first count that is not an integer in range, or number that is not >= 0."""
+    for name, low, optional in _COUNT_FIELDS:
+        if not hasattr(config, name):
+            continue  # a field this TRL version does not have
+        value = getattr(config, name)
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            allowed = f"an integer >= {low}" + (" or null" if optional else "")
+            raise ValueError(f"{name}={value!r} is invalid: use {allowed}")
+    for name in _NUMBER_FIELDS:
+        if hasattr(config, name) and getattr(config, name) is not None:
+            _check_range(name, getattr(config, name), 0.0, sys.float_info.max, "a finite number >= 0")

@@ -59,6 +59,14 @@ class ScriptArguments:
         },
     )
 
+    def __post_init__(self) -> None:
+        if isinstance(self.rewards, str):  # `rewards: verify` in a recipe: one reward, not its letters
+            self.rewards = [self.rewards]
+        if not self.rewards or not all(isinstance(r, str) and r for r in self.rewards):
+            raise ValueError(
+                f"rewards={self.rewards!r} is invalid: use a list of reward names, e.g. [verify]"
+            )
+
 
 def check_model_geometry(model_name_or_path: str, **load_kwargs) -> None:
     """Fail fast (before loading weights) when the model config lacks what per-KV-head gates need."""
