@@ -105,3 +105,33 @@ def read_text_file(
         raise error(
             f"{path}: not UTF-8 text (bad byte at offset {e.start}); save the {what} as UTF-8"
         ) from None
+
+
+def check_output_path(
+    path: str | os.PathLike, *, what: str = "output", folder: bool = True, error: type[Exception] = ValueError
+) -> Path:
+    """`path` as a Path after checking, before any work, that the `what` (a folder, or a file when not
+    `folder`) can be written there: an existing path has the right kind, and the nearest existing
+    folder on its way accepts a new file (probed with a temporary file, removed at once; this
+    also catches read-only file systems, which permission bits do not show). Raises `error(message)`.
+    """
+    path = Path(path)
+    if path.exists():
+        if folder and not path.is_dir():
+            raise error(f"{path}: exists and is not a folder; give a folder for the {what}")
+        if not folder and path.is_dir():
+            raise error(f"{path}: is a folder; give a file path for the {what}")
+    ancestor = path if folder and path.is_dir() else path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise error(f"{path}: cannot be created for the {what}: {ancestor} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".rlkv-write-probe-", dir=ancestor)
+    except OSError as e:
+        raise error(
+            f"{path}: the {what} cannot be written in {ancestor} ({e.strerror}); choose another path"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+    return path

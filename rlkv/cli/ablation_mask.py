@@ -84,8 +84,11 @@ def run(args: argparse.Namespace) -> int:
     """Score the heads and write the mask folder; prints a summary. Returns the exit status."""
     import time
 
+    from rlkv._io import check_output_path
     from rlkv.ablation import ablation_mask
+    from rlkv.errors import UserInputError
 
+    check_output_path(args.out, what="mask folder (--out)", error=UserInputError)  # before hours of scoring
     problems, model, tokenizer = load_for_solutions(args)
     sink, local = sink_local(args)
     began = time.perf_counter()

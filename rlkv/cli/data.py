@@ -89,10 +89,13 @@ def _curriculum(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace):
+    from rlkv._io import check_output_path
     from rlkv.data.curriculum import CurriculumConfig, build_curriculum
     from rlkv.data.loaders import load_problems
+    from rlkv.errors import UserInputError
     from rlkv.rollout.engines import make_engine
 
+    check_output_path(args.out, what="curriculum folder (--out)", error=UserInputError)
     problems = load_problems(
         args.problems, split=args.split, num=args.num, seed=args.seed, data_files=args.data_files
     )

@@ -135,6 +135,7 @@ def _eval_config(base: dict) -> EvalConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from rlkv._io import check_output_path
     from rlkv.errors import UserInputError
     from rlkv.eval.runner import run_eval
 
@@ -173,6 +174,7 @@ def _run(args: argparse.Namespace) -> int:
         print(write_report(folder, head_mask=_mask_only(base.get("head_mask")), keys=keys))
         return 0
     cfg = _eval_config(base)
+    check_output_path(cfg.out, what="eval folder (--out)", error=UserInputError)
     if args.redo:
         from rlkv.eval.results import drop_rows
 

@@ -102,6 +102,13 @@ def run(args: argparse.Namespace) -> int:
     from rlkv.errors import UserInputError
     from rlkv.inference import CompressionConfig, generate, load
 
+    for i, prompt in enumerate(args.prompt):
+        try:  # argv bytes that are not UTF-8 arrive as lone surrogates, which tokenizers reject with a TypeError
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise UserInputError(
+                f"--prompt {i + 1} is not UTF-8 text (bad byte at {e.start}); pass UTF-8"
+            ) from None
     try:
         policy_kwargs = json.loads(args.policy_kwargs)
     except json.JSONDecodeError as e:

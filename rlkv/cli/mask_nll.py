@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Score every mask at every sparsity and print the table. Returns the exit status."""
-    from rlkv._io import atomic_write_text
+    from rlkv._io import atomic_write_text, check_output_path
     from rlkv.ablation import greedy_solutions, mask_nll
     from rlkv.errors import UserInputError
 
@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [s for s in args.sparsities if not 0.0 <= s <= 1.0]
     if bad:
         raise UserInputError(f"--sparsities {bad}: each must be a fraction of heads in [0, 1]")
+    if args.out:  # before generating and scoring, not after
+        check_output_path(args.out, what="table (--out)", folder=False, error=UserInputError)
     if args.solutions_from:
         model, sequences, (sink, local) = _eval_solutions(args)
         source, num_problems = f"{args.solutions_from}:{args.benchmark}", len(sequences)
