@@ -140,9 +140,11 @@ def worker_command(args, method: Method, batch: int) -> list[str]:
 
 
 def subprocess_probe(args, method: Method) -> Callable[[int], dict]:
-    """probe(batch) running `worker_command` in a fresh process."""
+    """probe(batch) running `worker_command` in a fresh process (none starts past --serve-time-limit)."""
 
     def probe(batch: int) -> dict:
+        if time.perf_counter() > args.deadline:
+            raise ServeTimeLimit(f"{method.name} B={batch}: not started")
         proc = subprocess.run(worker_command(args, method, batch), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"serve probe {method.name!r} batch {batch} failed:\n{proc.stderr[-3000:]}")
@@ -240,22 +242,49 @@ def suite_serve(args) -> dict:
         else:  # probes take minutes on a real model: recorded under --out, reused by a rerun
             probe = recorded_probe(subprocess_probe(args, method), probe_log(args), probe_key(args, method))
         guess = args.cap_bytes // row_kv_estimate(args, method, geometry)
+        done: list[dict] = []  # the probes that finished, kept when the time limit cuts the search
+
+        def recording(batch: int, probe=probe, done=done) -> dict:
+            done.append(probe(batch))
+            return done[-1]
+
         try:
-            rows.append(method_row(method, find_max_batch(probe, args.max_batch, guess)))
+            rows.append(method_row(method, find_max_batch(recording, args.max_batch, guess)))
         except ServeTimeLimit as e:
-            print(f"  serve: time limit ({args.serve_time_limit:.0f}s): {e}; skipped", flush=True)
-            rows.append(method_row(method, None))
+            print(f"  serve: time limit ({args.serve_time_limit:.0f}s): {e}", flush=True)
+            rows.append(method_row(method, partial_search(done), cut=True))
     return serve_summary(rows, args)
 
 
-def method_row(method: Method, search: dict | None) -> dict:
-    """One method's report row from its batch search (None: skipped at the time limit)."""
-    skipped = search is None
+def partial_search(probes: list[dict]) -> dict | None:
+    """A search cut by the time limit, from its finished probes: the largest batch that fitted and the
+    smallest that did not so far (None when no probe finished)."""
+    if not probes:
+        return None
+    fits = [p for p in probes if p["fits"]]
+    overs = [p for p in probes if not p["fits"]]
+    fit = max(fits, key=lambda p: p["batch"]) if fits else None
+    over = min(overs, key=lambda p: p["batch"]) if overs else None
+    return dict(
+        fit=fit["batch"] if fit else 0,
+        over=over["batch"] if over else None,
+        fit_result=fit,
+        over_result=over,
+        probes=probes,
+    )
+
+
+def method_row(method: Method, search: dict | None, cut: bool = False) -> dict:
+    """One method's report row from its batch search (None: skipped at the time limit; `cut`: the time
+    limit ended the search, so the max batch is a lower bound)."""
+    status = "skipped (time limit)" if search is None else "measured"
+    if search is not None and cut:
+        status = "search cut by the time limit"
     search = search or dict(fit=None, over=None, fit_result=None, over_result=None, probes=[])
     best = search["fit_result"] or {}
     return dict(
         method=method.name,
-        status="skipped (time limit)" if skipped else "measured",
+        status=status,
         policy=method.policy or "none (DynamicCache, sdpa)",
         sparsity=method.sparsity,
         budget=method.budget,

@@ -263,3 +263,17 @@ def test_gpu_check_script_runs_to_the_end_and_skips_what_does_not_fit(tmp_path):
         assert f"{step}: skipped" in log
     assert "torch" in log and "done in" in log
     assert [p.name for p in tmp_path.iterdir()] == ["gpu_check.log"]  # at most 8 files come back
+
+
+def test_a_search_cut_by_the_time_limit_keeps_its_finished_probes():
+    probes = [
+        dict(batch=16, fits=True, decode_tokens_per_s=10.0, peak_kv_bytes=4),
+        dict(batch=24, fits=False, peak_kv_bytes=6),
+        dict(batch=20, fits=True, decode_tokens_per_s=12.0, peak_kv_bytes=5),
+    ]
+    full = bench_serve_probe.methods(96, [])[0]
+    row = bench_serve.method_row(full, bench_serve.partial_search(probes), cut=True)
+    assert (row["max_batch"], row["first_over_batch"], row["decode_tokens_per_s"]) == (20, 24, 12.0)
+    assert row["status"] == "search cut by the time limit" and len(row["probes"]) == 3
+    assert bench_serve.partial_search([]) is None
+    assert bench_serve.method_row(full, None)["status"] == "skipped (time limit)"
