@@ -240,15 +240,31 @@ def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, ca
 
 
 def test_generate_static_cache_option(tokenizer):
+    """`generate(static_cache=True)` gives the dynamic cache's outputs, and each row's stats at the step it
+    ended (two rows end with EOS while the third runs on)."""
     model = tiny_model("llama")
     config = _config(model, "rkv")
-    prompts = ["solve the following math problem", "wait"]
-    dynamic = generate(model, tokenizer, prompts, 20, compression=config, static_cache=False, progress=False)
-    static = generate(model, tokenizer, prompts, 20, compression=config, static_cache=True, progress=False)
-    assert [o.token_ids for o in static] == [o.token_ids for o in dynamic]
-    assert [o.cache_stats.kept_tokens for o in static] == [o.cache_stats.kept_tokens for o in dynamic]
+    prompts = ["let x be 3 then x + 4 = 7", "solve the following math problem", "wait"]
+    runs = [
+        generate(
+            model,
+            tokenizer,
+            prompts,
+            40,
+            compression=config,
+            static_cache=static,
+            progress=False,
+            apply_chat_template=False,
+        )
+        for static in (False, True)
+    ]
+    dynamic, static = (
+        [(o.token_ids, o.finish_reason, {**o.cache_stats, "resident_bytes": 0}) for o in run] for run in runs
+    )
+    assert static == dynamic
+    assert [reason for _, reason, _ in static].count("eos") == 2
     h2o = CompressionConfig(policy="h2o", budget=128)
     with pytest.raises(StaticCacheError, match="static_cache=False"):
         generate(model, tokenizer, prompts, 4, compression=h2o, static_cache=True, progress=False)
     # None on CPU: the dynamic cache, so a layout without a static form still generates
-    assert len(generate(model, tokenizer, prompts, 4, compression=h2o, progress=False)) == 2
+    assert len(generate(model, tokenizer, prompts, 4, compression=h2o, progress=False)) == len(prompts)
