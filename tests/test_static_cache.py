@@ -268,3 +268,15 @@ def test_generate_static_cache_option(tokenizer):
         generate(model, tokenizer, prompts, 4, compression=h2o, static_cache=True, progress=False)
     # None on CPU: the dynamic cache, so a layout without a static form still generates
     assert len(generate(model, tokenizer, prompts, 4, compression=h2o, progress=False)) == len(prompts)
+
+
+def test_cli_no_static_cache_flag(capsys):
+    """`rlkv generate --no-static-cache` is accepted and, on CPU (dynamic cache either way), changes nothing."""
+    from rlkv.cli import main
+
+    argv = ["generate", "--model", "tiny:llama", "--prompt", "hi", "--max-new-tokens", "3", "--json"]
+    printed = []
+    for extra in ([], ["--no-static-cache"]):
+        assert main(argv + extra) in (0, None)
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and '"token_ids"' in printed[0]

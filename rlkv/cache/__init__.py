@@ -5,7 +5,9 @@
 - `layer`: `HeadMixedLayer` (full heads + a store per layer) and `HeadMixedCache`;
 - `attention`: the "rlkv_cache" attention function over a layer's split storage, and its registration;
 - `stats`: `CacheStats`, the one shape of cache statistics;
-- `hooks`: the model hooks feeding token ids / hidden states to observing policies.
+- `hooks`: the model hooks feeding token ids / hidden states to observing policies;
+- `static`, `static_layer`, `static_slots`, `static_budget`: `StaticHeadMixedCache`, the same layouts
+  with static shapes and fixed addresses (torch.compile, CUDA graphs), and `StaticCacheError`.
 
 Importing the package registers the attention function with transformers.
 """
@@ -13,6 +15,8 @@ Importing the package registers the attention function with transformers.
 from rlkv.cache.attention import ATTENTION_NAME, register_attention
 from rlkv.cache.hooks import install_observers, observing, uninstall_observers
 from rlkv.cache.layer import HeadMixedCache, HeadMixedLayer, StaleCacheError
+from rlkv.cache.static import StaticHeadMixedCache
+from rlkv.cache.static_budget import StaticCacheError
 from rlkv.cache.stats import CacheStats
 from rlkv.cache.store import (
     GROWTH_DIVISOR,
@@ -31,6 +35,8 @@ __all__ = [
     "HeadMixedCache",
     "HeadMixedLayer",
     "StaleCacheError",
+    "StaticCacheError",
+    "StaticHeadMixedCache",
     "append_along_tokens",
     "install_observers",
     "observing",
