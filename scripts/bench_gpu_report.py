@@ -98,8 +98,10 @@ def report_gpu(d: dict) -> list[str]:
         if "tokens_per_s" not in r:
             lines.append(f"| {r['batch']} | {r['name']} | {r['status']} |" + " |" * 11)
             continue
-        syncs = f"{_num(r.get('forward_syncs'), '.2f')} / {_num(r.get('loop_syncs'), '.2f')}"
-        if r.get("forward_syncs") is None and r.get("host_syncs") is not None:
+        syncs = ""  # not counted (CPU)
+        if r.get("forward_syncs") is not None:
+            syncs = f"{r['forward_syncs']:.2f} / {_num(r.get('loop_syncs'), '.2f')}"
+        elif r.get("host_syncs") is not None:  # a compiled forward: the whole step's
             syncs = f"{r['host_syncs']:.2f} (step)"
         kv = f"{r['resident_kv_bytes'] / gib:.2f} ({r['kv_vs_full']:.2f})"
         peak = _num(r["peak_allocated_bytes"] / gib if r.get("peak_allocated_bytes") else None, ".1f")
