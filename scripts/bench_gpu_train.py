@@ -103,6 +103,10 @@ def random_reward(completions, **kwargs) -> list[float]:
 
 def grpo_settings(args, device: torch.device, tokens: int, output_dir: str) -> dict:
     """GRPOConfig fields shared by the gated and the compressed-rollout step."""
+    rows = args.train_prompts * args.train_generations
+    micro = args.train_micro_batch or rows
+    if rows % micro:
+        raise SystemExit(f"--train-micro-batch {micro} must divide the {rows} completions of a step")
     return dict(
         output_dir=output_dir,
         report_to="none",
@@ -111,7 +115,10 @@ def grpo_settings(args, device: torch.device, tokens: int, output_dir: str) -> d
         disable_tqdm=True,
         save_strategy="no",
         num_generations=args.train_generations,
-        per_device_train_batch_size=args.train_prompts * args.train_generations,
+        # the loss runs in micro-batches of --train-micro-batch completions (gradient accumulation); the
+        # rollout still samples all of them in one generate call (TRL's steps_per_generation)
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=rows // micro,
         max_completion_length=tokens,
         generation_kwargs={"min_new_tokens": tokens, "top_k": 0},
         activation_checkpointing=True,
@@ -216,16 +223,16 @@ def suite_gpu_train(args) -> dict:
     gated = step_parts(timer)
     in_step = len(timer.records.get("logps_no_grad", []))
     # the no-grad log-prob pass of an off-policy step (old / reference log-probs), on the step's sequences
-    inputs = trainer.loss_inputs
     with torch.no_grad():
-        trainer._get_per_token_logps_and_entropies(
-            trainer.model,
-            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-            inputs["completion_ids"].size(1),
-            batch_size=rows,
-        )
-    logps_pass = timer.records["logps_no_grad"][in_step]
+        for inputs in trainer.loss_inputs:  # the step's micro-batches
+            trainer._get_per_token_logps_and_entropies(
+                trainer.model,
+                torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+                inputs["completion_ids"].size(1),
+                batch_size=inputs["completion_ids"].size(0),
+            )
+    logps_pass_seconds = sum(r["seconds"] for r in timer.records["logps_no_grad"][in_step:])
 
     # plain: the same rollout call with the gates detached (stock attention), and its decode probe
     rlkv.detach_gates(model)
@@ -233,7 +240,7 @@ def suite_gpu_train(args) -> dict:
     trainer._generate_single_turn(*call_args, **call_kwargs)
     plain_probe = decode_probe(model, lambda: DynamicCache(config=model.config), rows, prompt_tokens, vocab)
     gated_rollout, plain_rollout = rollout_part(timer, 0), rollout_part(timer, 1)
-    del trainer, inputs
+    del trainer
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -288,9 +295,7 @@ def suite_gpu_train(args) -> dict:
         requested=requested,
         build_seconds=build.seconds("build"),
         weights_bytes=weights_bytes,
-        gated=dict(
-            **gated, rollout=gated_rollout, probe=gated_probe, logps_pass_seconds=logps_pass["seconds"]
-        ),
+        gated=dict(**gated, rollout=gated_rollout, probe=gated_probe, logps_pass_seconds=logps_pass_seconds),
         plain=dict(rollout=plain_rollout, probe=plain_probe),
         compressed=compressed,
         wall_seconds=time.perf_counter() - started,
@@ -434,3 +439,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--train-prompt-tokens", type=int, default=256, help="tokens per prompt (about)")
     group.add_argument("--train-sparsity", type=float, default=0.5, help="compressed-rollout sparsity")
     group.add_argument("--train-memory-gb", type=float, default=80, help="memory target, GB (1e9 bytes)")
+    group.add_argument(
+        "--train-micro-batch",
+        type=int,
+        default=0,
+        help="completions per loss forward/backward (gradient accumulation); 0 = all of the step's",
+    )

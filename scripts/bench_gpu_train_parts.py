@@ -121,6 +121,8 @@ def decode_probe(model, make_cache: Callable[[], object], batch: int, prompt_tok
     PROBE_STEPS steps three times (timed, sync-counted, profiled) on one growing cache.
     """
     device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()  # as in a rollout
     generator = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, vocab, (batch, prompt_tokens), generator=generator).to(device)
     with torch.no_grad():
@@ -140,6 +142,7 @@ def decode_probe(model, make_cache: Callable[[], object], batch: int, prompt_tok
             steps()
         syncs = count_host_syncs(steps, device)
         launches = count_kernel_launches(steps, device)
+    model.train(was_training)
     return dict(
         prefill_seconds=prefill["seconds"],
         seconds_per_step=timer.seconds("decode") / PROBE_STEPS,
@@ -154,7 +157,7 @@ def timed_trainer(cls: type, timer: PartTimer) -> type:
 
     class Timed(cls):
         rollout_call: tuple | None = None
-        loss_inputs: dict | None = None
+        loss_inputs: list[dict] = []
 
         def _generate_single_turn(self, *args, **kwargs):
             self.rollout_call = (args, kwargs)
@@ -172,7 +175,7 @@ def timed_trainer(cls: type, timer: PartTimer) -> type:
                 return super()._generate_and_score_completions(inputs)
 
         def _compute_loss(self, model, inputs):
-            self.loss_inputs = inputs
+            self.loss_inputs = [*self.loss_inputs, inputs]  # one per micro-batch (an instance list)
             with timer.part("loss_forward"):
                 return super()._compute_loss(model, inputs)
 

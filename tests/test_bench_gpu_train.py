@@ -101,3 +101,20 @@ def test_full_geometry_on_cpu_is_refused_with_the_way_out(tmp_path):
         timeout=120,
     )
     assert proc.returncode != 0 and "--quick" in proc.stderr and "--device cuda" in proc.stderr
+
+
+def test_micro_batches_split_the_loss_not_the_rollout():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench_gpu_train.add_options(parser)
+    args = parser.parse_args(["--train-micro-batch", "16"])
+    settings = bench_gpu_train.grpo_settings(args, torch.device("cpu"), 1024, "out")
+    assert settings["per_device_train_batch_size"] == 16 and settings["gradient_accumulation_steps"] == 4
+    assert settings["generation_kwargs"]["min_new_tokens"] == 1024  # every completion full length
+    whole = bench_gpu_train.grpo_settings(parser.parse_args([]), torch.device("cpu"), 8, "out")
+    assert whole["per_device_train_batch_size"] == 64 and whole["gradient_accumulation_steps"] == 1
+    with pytest.raises(SystemExit, match="must divide the 64 completions"):
+        bench_gpu_train.grpo_settings(
+            parser.parse_args(["--train-micro-batch", "24"]), torch.device("cpu"), 8, "o"
+        )
