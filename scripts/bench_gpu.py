@@ -46,13 +46,10 @@ from bench_serve_probe import kv_resident_bytes
 from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation import CompileConfig
 
-from rlkv import HeadMask, compat
+from rlkv import HeadMask
 from rlkv._io import atomic_write_text
+from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
-
-# generate's cache keyword (`cache=` from transformers 5.24): rlkv.compat.cache_kwargs, named
-# generate_cache_kwargs in rlkv versions before that rename reached every call site
-cache_kwargs = getattr(compat, "cache_kwargs", None) or compat.generate_cache_kwargs
 
 
 @dataclass(frozen=True)
