@@ -3,6 +3,8 @@
 `tiny_model(family)` builds a randomly initialised causal LM of a real architecture
 (Llama, Qwen2, Qwen3, Mistral) with grouped-query attention; `tiny_tokenizer()` trains a
 small byte-level BPE tokenizer from an in-memory corpus and gives it a ChatML chat template.
+`HostSyncCounter` counts, on any device, the tensor operations that would make the host wait for
+a GPU (tests/test_host_syncs.py: none in a decode step).
 """
 
 from __future__ import annotations

@@ -198,6 +198,7 @@ def _fast_path_spy(monkeypatch) -> list[tuple[str, int]]:
     """Records the compactions that took a fast path: ("columns" | "rows", slots kept per (row, head))."""
     calls: list[tuple[str, int]] = []
     take_slots, take_columns = CompressedStore._take_slots, CompressedStore._take_columns
+    take_ends = CompressedStore._take_ends
 
     def rows_spy(self, keep, size):
         calls.append(("rows", size))
@@ -207,6 +208,11 @@ def _fast_path_spy(monkeypatch) -> list[tuple[str, int]]:
         calls.append(("columns", columns.numel()))
         return take_columns(self, columns)
 
+    def ends_spy(self, early, size):
+        calls.append(("columns", size))  # two ranges of whole columns (no index): a columns path too
+        return take_ends(self, early, size)
+
+    monkeypatch.setattr(CompressedStore, "_take_ends", ends_spy)
     monkeypatch.setattr(CompressedStore, "_take_slots", rows_spy)
     monkeypatch.setattr(CompressedStore, "_take_columns", columns_spy)
     return calls

@@ -218,8 +218,7 @@ def _after_attention(layer: HeadMixedLayer) -> None:
     store = layer.store
     policy = layer.settings.policy
     if store.is_prefill and not store.all_valid:
-        # padding never occupies memory or budget
-        store.compact(store.valid(), store.slot_counts, by_position=True)
+        store.drop_padding()
     if policy.should_compress(store):  # a Python bool from host counts (the policy contract)
         kept = policy.kept_counts(store)  # before select: a policy may advance its schedule there
         keep = policy.select(store)

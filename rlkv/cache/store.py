@@ -159,6 +159,14 @@ class CompressedStore:
         """Valid, unprotected slots per (row, head), per row (host `num_evictable`)."""
         return [n - p for n, p in zip(self.slot_counts, self.protected_counts(), strict=True)]
 
+    def _early_ends(self) -> list[int]:
+        """Per row, the end of the forced early region (the sink, and the prompt when protected)."""
+        end, protect = self.logical_length, self.settings.protect_prompt
+        return [
+            min(max(start + self.sink, self.prompt_length) if protect else start + self.sink, end)
+            for start in self.row_starts()
+        ]
+
     def forced_counts(self) -> list[int]:
         """Slots of `forced_keep()` per (row, head), per row, from host ints.
 
@@ -166,11 +174,7 @@ class CompressedStore:
         columns. Every such column is still stored: it was forced at every compaction since it
         arrived (the early region never shrinks, the window only slides forward)."""
         end, counts = self.logical_length, []
-        for start in self.row_starts():
-            early_end = start + self.sink
-            if self.settings.protect_prompt:
-                early_end = max(early_end, self.prompt_length)
-            early_end = min(early_end, end)
+        for start, early_end in zip(self.row_starts(), self._early_ends(), strict=True):
             late = max(end - self.window, start)
             counts.append(max(0, early_end - start) + (end - late) - max(0, early_end - late))
         return counts
@@ -284,6 +288,18 @@ class CompressedStore:
         self.all_valid = False
         self._slots_changed()
 
+    def drop_padding(self) -> None:
+        """Free the slots `mark_padding` emptied, into exactly sized tensors (a prompt forward's padding
+        never occupies memory or budget). Rows padded alike (left padding) lose the same leading
+        columns: the suffix is copied as is."""
+        if self.uniform:  # the host counts already exclude the padding (mark_padding)
+            self._take_ends(0, self.slot_counts[0])
+            self.all_valid = True
+            self._capacity.clear()
+            self._slots_changed()
+        else:
+            self.compact(self.valid(), list(self.slot_counts))
+
     def remember_queries(self, queries: torch.Tensor, limit: int) -> None:
         """Keep the last `limit` queries [B, H_c, G, Q, D] (and their positions) across steps."""
         q_len = queries.shape[3]
@@ -302,15 +318,24 @@ class CompressedStore:
         kept: how many slots each row keeps per head, as Python ints (the policy's `kept_counts`):
         the gather then never reads `keep` on the host. None: count `keep` (one host read, for
         policies that declare no counts). by_position: `keep` depends only on the slots' positions
-        (and row-wide quantities), so a store whose (row, head)s all hold the same positions keeps
-        them alike.
+        (and per-row values) and keeps the row's early region (sink, protected prompt) plus its most
+        recent slots (streaming, sink + recent): when every (row, head) holds the same positions,
+        those two ranges of columns are copied, with no index at all.
 
-        Kept slots stay in position order. Fast paths: when every (row, head) holds the same slots
-        and keeps the same ones (streaming evicts the first slot after the sink), whole columns are
-        copied with one `index_select` per tensor; when every (row, head) keeps the same count, the
-        kept slots are copied as rows with `index_select`, several times faster on CPU than the
-        padded path's gather.
+        Kept slots stay in position order. Fast paths besides that one: when the keep mask is read
+        (`kept` None) and every (row, head) keeps the same slots, whole columns are copied with one
+        `index_select` per tensor; when every (row, head) keeps the same count, the kept slots are
+        copied as rows with `index_select`, several times faster on CPU than the padded path's gather.
         """
+        if kept is not None and by_position and self.uniform and keep.numel():
+            # every (row, head) alike, no empty slot: the early region and the most recent slots
+            early = self._early_ends()[0] - self.row_starts()[0]
+            self.evicted += keep.shape[1] * (keep.shape[2] - kept[0])
+            self._recount(keep, kept, by_position)
+            self._take_ends(early, kept[0])
+            self._capacity.clear()
+            self._slots_changed()
+            return
         valid = self.valid()
         keep = keep & valid
         self.evicted += (valid > keep).sum(dim=(1, 2))  # valid and not kept: on the device, no read
@@ -319,7 +344,7 @@ class CompressedStore:
         size = max(kept, default=0)
         equal_counts = self.head_counts is None and min(kept, default=0) == size
         if same_columns and keep.numel():
-            self._take_columns(torch.nonzero_static(keep[0, 0], size=size).view(-1))
+            self._take_columns(keep[0, 0].nonzero().view(-1))  # `keep` was read anyway
         elif equal_counts:
             self._take_slots(keep, size)
             self.uniform = False
@@ -343,12 +368,25 @@ class CompressedStore:
         else:
             per_head = [[n] * heads for n in kept]
             self.head_counts = None
-            same_columns = self.uniform and by_position
+            same_columns = False  # by_position on a uniform store took the two-range path
         self.evicted_host = [
             e + sum(old) - sum(new) for e, old, new in zip(self.evicted_host, before, per_head, strict=True)
         ]
         self.slot_counts = list(kept)
         return same_columns
+
+    def _take_ends(self, early: int, size: int) -> None:
+        """Compact every (row, head) to its first `early` and last `size - early` slots (none empty):
+        one `torch.cat` of two column ranges per tensor, into exactly sized new tensors."""
+        slots = self.positions.shape[2]
+        recent = size - early
+
+        def ends(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t[:, :, :early], t[:, :, slots - recent :]], dim=2)
+
+        self.keys, self.values, self.positions = ends(self.keys), ends(self.values), ends(self.positions)
+        for name, (buf, fill) in self._slot_buffers.items():
+            self._slot_buffers[name] = (ends(buf), fill)
 
     def _take_columns(self, columns: torch.Tensor) -> None:
         """Compact when every (row, head) keeps the slots `columns` (LongTensor[N], in order), none empty."""
