@@ -13,15 +13,11 @@ import pytest
 import torch
 from policy_matrix import POLICY_MATRIX
 
+from rlkv.compat import cache_kwargs
 from rlkv.head_mask import HeadMask
 from rlkv.inference import CompressionConfig, generate, make_cache
 from rlkv.policies import available
 from rlkv.testing import HostSyncCounter
-
-try:  # the name of rlkv's helper since the transformers 5.24 rename
-    from rlkv.compat import cache_kwargs
-except ImportError:
-    from rlkv.compat import cache_kwargs
 
 PROMPTS = [
     "let x be 3 then x + 4 = 7",
