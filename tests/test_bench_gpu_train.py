@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_gpu_train  # noqa: E402
+import bench_gpu_train_report  # noqa: E402
 from bench_gpu_train_parts import PartTimer, count_host_syncs  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def test_quick_run_counts_decode_host_syncs_and_prints_every_target(quick_run):
         assert probe["seconds_per_step"] > 0 and probe["host_syncs_per_step"] >= 0
         assert probe["kernel_launches_per_step"] is None  # CUDA only
     assert r["targets"]["memory"] is None and r["gated"]["step_peak_bytes"] is None  # no allocator on CPU
-    for target in bench_gpu_train.TARGETS.values():
+    for target in bench_gpu_train_report.TARGETS.values():
         assert target in text
     assert r["passed"] == all(v for v in r["targets"].values() if v is not None)
 

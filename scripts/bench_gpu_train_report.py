@@ -1,0 +1,88 @@
+"""The markdown section of the gpu-train suite (scripts/bench_gpu_train.py) and its targets."""
+
+from __future__ import annotations
+
+TARGETS = {
+    "rollout": "gated rollout tokens/s >= 0.8x plain rollout tokens/s (same batch)",
+    "step": "GRPO step <= 1.5x (plain rollout + log-prob pass + loss forward/backward)",
+    "syncs": "host syncs per gated rollout decode step == 0",
+    "memory": "step peak allocated <= --train-memory-gb with activation checkpointing",
+}
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def _count(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def report_gpu_train(r: dict) -> list[str]:
+    """Markdown lines for the gpu-train suite."""
+    g, p, c = r["gated"], r["plain"], r["compressed"]
+    geo = r["geometry"]
+    lines = [
+        f"## GRPO gate-training step on one device ({r['device_name']}, {r['dtype']}, torch {r['torch']})",
+        "",
+        f"Random weights, {geo['num_hidden_layers']} layers, {geo['num_attention_heads']} q / "
+        f"{geo['num_key_value_heads']} kv heads, hidden {geo['hidden_size']}, vocab {geo['vocab_size']}; "
+        f"{r['prompts']} prompts x {r['generations']} completions x {r['tokens']} tokens"
+        + (
+            f" (requested {r['tokens_requested']}, lowered to fit --train-budget-s)"
+            if r["tokens"] < r["tokens_requested"]
+            else ""
+        )
+        + f"; activation checkpointing; suite {r['wall_seconds']:.0f}s.",
+        "",
+        f"| part | gated step | compressed-rollout step (s={r['sparsity']:.2g}) |",
+        "| --- | ---: | ---: |",
+        f"| GRPO step s | {g['step_seconds']:.2f} | {c['step_seconds']:.2f} |",
+        f"| rollout s (tok/s) | {g['rollout']['seconds']:.2f} ({g['rollout']['tokens_per_second']:.0f}) "
+        f"| {c['rollout']['seconds']:.2f} ({c['rollout']['tokens_per_second']:.0f}) |",
+        f"| no-grad log-prob passes in the step (s) | {g['logps_passes']} ({g['logps_seconds']:.2f}) "
+        f"| {c['logps_passes']} ({c['logps_seconds']:.2f}) |",
+        f"| loss forward s | {g['loss_forward_seconds']:.2f} | {c['loss_forward_seconds']:.2f} |",
+        f"| backward s | {g['backward_seconds']:.2f} | {c['backward_seconds']:.2f} |",
+        f"| step peak allocated GiB | {_gib(g['step_peak_bytes'])} | {_gib(c['step_peak_bytes'])} |",
+        f"| rollout peak allocated GiB | {_gib(g['rollout']['peak_bytes'])} | {_gib(c['rollout']['peak_bytes'])} |",
+        "",
+        f"Side by side: plain rollout {p['rollout']['seconds']:.2f}s ({p['rollout']['tokens_per_second']:.0f} tok/s); "
+        f"one no-grad log-prob pass {g['logps_pass_seconds']:.2f}s; step baseline (plain rollout + log-prob pass "
+        f"+ loss forward + backward) {r['step_baseline_seconds']:.2f}s. Compressed rollouts: resident KV "
+        f"{c['resident_kv_bytes'] / 2**20:.2f} MiB of {c['full_kv_bytes'] / 2**20:.2f} MiB full (peak "
+        f"{c['peak_kv_bytes'] / 2**20:.2f}), importance-sampling ratio "
+        + "/".join(_ratio(c["importance_sampling_ratio"][s]) for s in ("min", "mean", "max"))
+        + " (min/mean/max).",
+        "",
+        f"| decode step (batch {r['prompts'] * r['generations']}) | ms | host syncs | kernel launches |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, probe in (
+        ("gated (DynamicCache)", g["probe"]),
+        ("plain", p["probe"]),
+        ("compressed", c["probe"]),
+    ):
+        lines.append(
+            f"| {name} | {probe['seconds_per_step'] * 1e3:.1f} | {_count(probe['host_syncs_per_step'])} "
+            f"| {_count(probe['kernel_launches_per_step'])} |"
+        )
+    estimate = r["max_tokens_per_completion_estimate"]
+    verdict = {True: "PASS", False: "FAIL", None: "n/a"}
+    lines += [
+        "",
+        f"[{verdict[r['targets']['rollout']]}: {TARGETS['rollout']}: {r['rollout_ratio']:.2f}]",
+        f"[{verdict[r['targets']['step']]}: {TARGETS['step']}: {r['step_ratio']:.2f}]",
+        f"[{verdict[r['targets']['syncs']]}: {TARGETS['syncs']}: {g['probe']['host_syncs_per_step']:.1f}]",
+        f"[{verdict[r['targets']['memory']]}: {TARGETS['memory']}: {_gib(g['step_peak_bytes'])} GiB]",
+    ]
+    if estimate is not None:
+        lines.append(
+            f"Largest completion length at {r['prompts'] * r['generations']} completions under the cap "
+            f"(linear estimate from this step's peak): ~{estimate} tokens."
+        )
+    return lines + [""]
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
