@@ -148,13 +148,9 @@ class GateGRPOConfig(GRPOConfig):
         _check_range("l1_beta", self.l1_beta, 0.0, math.inf, "a non-negative penalty weight such as 1e-3")
         _check_range("reward_threshold", self.reward_threshold, -math.inf, math.inf, "a finite reward level")
         _check_range("gate_init", self.gate_init, 0.0, 1.0, "a value in [0, 1]")
-        _check_range(
-            "gate_init_low",
-            self.gate_init_low,
-            0.0,
-            self.gate_init,
-            f"a value in [0, gate_init={self.gate_init}]",
-        )
+        # the low end of a ranked start only has to sit below gate_init when there is a ranking to spread
+        low_end = self.gate_init if self.gate_init_from else 1.0
+        _check_range("gate_init_low", self.gate_init_low, 0.0, low_end, f"a value in [0, {low_end}]")
         if self.penalty_scope not in PENALTY_SCOPES:
             raise ValueError(
                 f"penalty_scope={self.penalty_scope!r} is invalid: use one of {', '.join(map(repr, PENALTY_SCOPES))}"
