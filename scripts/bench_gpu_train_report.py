@@ -18,51 +18,68 @@ def _count(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
+STEP_ROWS = ["GRPO step s", "rollout s (tok/s)", "no-grad log-prob passes in the step (s)", "loss forward s",
+             "backward s", "step peak allocated GiB", "rollout peak allocated GiB"]  # fmt: skip
+
+
+def _step_cells(step: dict) -> list[str]:
+    """The STEP_ROWS cells of one step's parts ("skipped" throughout for a skipped step)."""
+    if "skipped" in step:
+        return ["skipped"] * len(STEP_ROWS)
+    rollout = step["rollout"]
+    return [
+        f"{step['step_seconds']:.2f}",
+        f"{rollout['seconds']:.2f} ({rollout['tokens_per_second']:.0f})",
+        f"{step['logps_passes']} ({step['logps_seconds']:.2f})",
+        f"{step['loss_forward_seconds']:.2f}",
+        f"{step['backward_seconds']:.2f}",
+        _gib(step["step_peak_bytes"]),
+        _gib(rollout["peak_bytes"]),
+    ]
+
+
+def _compressed_sentence(c: dict) -> str:
+    if "skipped" in c:
+        return f"Compressed-rollout step {c['skipped']}."
+    ratio = "/".join(_ratio(c["importance_sampling_ratio"][s]) for s in ("min", "mean", "max"))
+    return (
+        f"Compressed rollouts: resident KV {c['resident_kv_bytes'] / 2**20:.2f} MiB of "
+        f"{c['full_kv_bytes'] / 2**20:.2f} MiB full (peak {c['peak_kv_bytes'] / 2**20:.2f}), "
+        f"importance-sampling ratio {ratio} (min/mean/max)."
+    )
+
+
 def report_gpu_train(r: dict) -> list[str]:
     """Markdown lines for the gpu-train suite."""
     g, p, c = r["gated"], r["plain"], r["compressed"]
     geo = r["geometry"]
+    lowered = r["tokens"] < r["tokens_requested"]
     lines = [
         f"## GRPO gate-training step on one device ({r['device_name']}, {r['dtype']}, torch {r['torch']})",
         "",
         f"Random weights, {geo['num_hidden_layers']} layers, {geo['num_attention_heads']} q / "
         f"{geo['num_key_value_heads']} kv heads, hidden {geo['hidden_size']}, vocab {geo['vocab_size']}; "
         f"{r['prompts']} prompts x {r['generations']} completions x {r['tokens']} tokens"
-        + (
-            f" (requested {r['tokens_requested']}, lowered to fit --train-budget-s)"
-            if r["tokens"] < r["tokens_requested"]
-            else ""
-        )
+        + (f" (requested {r['tokens_requested']}, lowered to fit --train-budget-s)" if lowered else "")
         + f"; activation checkpointing; suite {r['wall_seconds']:.0f}s.",
         "",
         f"| part | gated step | compressed-rollout step (s={r['sparsity']:.2g}) |",
         "| --- | ---: | ---: |",
-        f"| GRPO step s | {g['step_seconds']:.2f} | {c['step_seconds']:.2f} |",
-        f"| rollout s (tok/s) | {g['rollout']['seconds']:.2f} ({g['rollout']['tokens_per_second']:.0f}) "
-        f"| {c['rollout']['seconds']:.2f} ({c['rollout']['tokens_per_second']:.0f}) |",
-        f"| no-grad log-prob passes in the step (s) | {g['logps_passes']} ({g['logps_seconds']:.2f}) "
-        f"| {c['logps_passes']} ({c['logps_seconds']:.2f}) |",
-        f"| loss forward s | {g['loss_forward_seconds']:.2f} | {c['loss_forward_seconds']:.2f} |",
-        f"| backward s | {g['backward_seconds']:.2f} | {c['backward_seconds']:.2f} |",
-        f"| step peak allocated GiB | {_gib(g['step_peak_bytes'])} | {_gib(c['step_peak_bytes'])} |",
-        f"| rollout peak allocated GiB | {_gib(g['rollout']['peak_bytes'])} | {_gib(c['rollout']['peak_bytes'])} |",
+    ]
+    for row, gated, compressed in zip(STEP_ROWS, _step_cells(g), _step_cells(c), strict=True):
+        lines.append(f"| {row} | {gated} | {compressed} |")
+    lines += [
         "",
-        f"Side by side: plain rollout {p['rollout']['seconds']:.2f}s ({p['rollout']['tokens_per_second']:.0f} tok/s); "
-        f"one no-grad log-prob pass {g['logps_pass_seconds']:.2f}s; step baseline (plain rollout + log-prob pass "
-        f"+ loss forward + backward) {r['step_baseline_seconds']:.2f}s. Compressed rollouts: resident KV "
-        f"{c['resident_kv_bytes'] / 2**20:.2f} MiB of {c['full_kv_bytes'] / 2**20:.2f} MiB full (peak "
-        f"{c['peak_kv_bytes'] / 2**20:.2f}), importance-sampling ratio "
-        + "/".join(_ratio(c["importance_sampling_ratio"][s]) for s in ("min", "mean", "max"))
-        + " (min/mean/max).",
+        f"Side by side: plain rollout {p['rollout']['seconds']:.2f}s ({p['rollout']['tokens_per_second']:.0f} "
+        f"tok/s); one no-grad log-prob pass {g['logps_pass_seconds']:.2f}s; step baseline (plain rollout + "
+        f"log-prob pass + loss forward + backward) {r['step_baseline_seconds']:.2f}s. {_compressed_sentence(c)}",
         "",
         f"| decode step (batch {r['prompts'] * r['generations']}) | ms | host syncs | kernel launches |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for name, probe in (
-        ("gated (DynamicCache)", g["probe"]),
-        ("plain", p["probe"]),
-        ("compressed", c["probe"]),
-    ):
+    probes = [("gated (DynamicCache)", g["probe"]), ("plain", p["probe"])]
+    probes += [] if "skipped" in c else [("compressed", c["probe"])]
+    for name, probe in probes:
         lines.append(
             f"| {name} | {probe['seconds_per_step'] * 1e3:.1f} | {_count(probe['host_syncs_per_step'])} "
             f"| {_count(probe['kernel_launches_per_step'])} |"

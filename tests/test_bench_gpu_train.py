@@ -19,11 +19,9 @@ import bench_gpu_train_report  # noqa: E402
 from bench_gpu_train_parts import PartTimer, count_host_syncs  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu-train")
+def _quick(out: Path, *flags: str) -> tuple[dict, str]:
     proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", "--suite", "gpu-train", "--quick", "--out", str(out)],
+        [sys.executable, "scripts/bench.py", "--suite", "gpu-train", "--quick", "--out", str(out), *flags],
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
         capture_output=True,
@@ -32,6 +30,11 @@ def quick_run(tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "bench.json").read_text())["gpu-train"], (out / "bench.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    return _quick(tmp_path_factory.mktemp("gpu-train"))
 
 
 def test_quick_run_times_every_part_of_one_real_grpo_step(quick_run):
@@ -119,3 +122,11 @@ def test_micro_batches_split_the_loss_not_the_rollout():
         bench_gpu_train.grpo_settings(
             parser.parse_args(["--train-micro-batch", "24"]), torch.device("cpu"), 8, "o"
         )
+
+
+def test_a_spent_budget_shortens_the_rollouts_and_skips_the_compressed_step(tmp_path):
+    r, text = _quick(tmp_path, "--train-budget-s", "1")
+    assert r["tokens"] == 1 < r["tokens_requested"]  # lowered by the budget, and said so
+    assert "lowered to fit --train-budget-s" in text
+    assert r["compressed"]["skipped"].startswith("skipped:") and "| GRPO step s |" in text
+    assert r["gated"]["rollout"]["tokens"] == r["prompts"] * r["generations"]  # the gated step still ran
