@@ -80,6 +80,27 @@ def test_same_tokens_logits_and_kept_positions_as_the_dynamic_cache(left_padded_
     ]
 
 
+@pytest.mark.parametrize("case", ["streaming", "streaming-unprotected", "rkv", "snapkv"])
+def test_a_shorter_request_reuses_the_tensors_and_still_matches(left_padded_batch, case):
+    """A second request with a shorter prompt keeps the first one's tensors (same addresses, so a
+    captured graph replays), its early region then starts later, and results still equal the dynamic cache's."""
+    model = tiny_model("llama")
+    config = _config(model, case)
+    input_ids, attention_mask = left_padded_batch
+    static = make_cache(model, config, static=True, max_cache_len=input_ids.shape[1] + STEPS)
+    _run(model, left_padded_batch, static)
+    addresses = [[t.data_ptr() for t in layer.buffers.values()] for layer in static.layers]
+    shorter = (input_ids[:, 5:], attention_mask[:, 5:])
+    got = _run(model, shorter, static)
+    assert [[t.data_ptr() for t in layer.buffers.values()] for layer in static.layers] == addresses
+    dynamic = make_cache(model, config)
+    expected = _run(model, shorter, dynamic)
+    assert torch.equal(got.sequences, expected.sequences)
+    for dyn_layer, static_layer in zip(dynamic.layers, static.layers, strict=True):
+        if dyn_layer.store is not None:
+            assert _position_sets(static_layer.kept_positions()) == _position_sets(dyn_layer.store.positions)
+
+
 def test_streaming_keeps_sink_and_window_at_logical_positions(left_padded_batch):
     """Unprotected streaming: each row keeps its first SINK real columns and the last WINDOW columns."""
     model = tiny_model("qwen2")
