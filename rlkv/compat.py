@@ -22,6 +22,9 @@ transformers' `generate` asks after every decode step whether all rows finished,
 device value; `host_stop_check` subclasses its private `StopCheck` so that rlkv's `generate` decides
 from what it reads every few steps (installed once, checked by signature, inactive outside it).
 
+The static cache (`rlkv.cache.static`) marks its tensors with `mark_static_address` (torch's
+private `torch._dynamo.mark_static_address`) so CUDA graphs replay on them in place.
+
 transformers' `generate` resetting a user cache through `cache._is_user_defined` is not fenced
 here: `HeadMixedCache.update` refuses a new prefill on a non-empty cache (`StaleCacheError`) and
 rlkv's own call sites reset their caches explicitly.
@@ -301,6 +304,15 @@ def tensor_version(tensor: Any) -> int:
     whenever the tensor is modified in place (an optimizer step, a `copy_`), so a host-side flag
     derived from the tensor can be recomputed only when it may have changed."""
     return tensor._version
+
+
+def mark_static_address(tensor: Any) -> None:
+    """Tell torch.compile that `tensor` keeps its address from call to call (torch's
+    `torch._dynamo.mark_static_address`, as transformers' `StaticCache` does): a captured CUDA graph
+    then reads and writes the cache's own tensors instead of copying them in as inputs."""
+    import torch._dynamo
+
+    torch._dynamo.mark_static_address(tensor)
 
 
 # (max_length, finished) of the `host_stop_check` context the current `generate` call runs in, or None

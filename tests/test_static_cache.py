@@ -249,7 +249,7 @@ def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, ca
         graphs.append(graph_module)
         return graph_module.forward
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
     compile_config._compile_all_devices = True  # transformers compiles on accelerators only by default
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -257,7 +257,7 @@ def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, ca
             compiled = _run(model, left_padded_batch, cache, steps=64, compile_config=compile_config)
             assert torch.equal(compiled.sequences, eager)
     assert len(graphs) == 1
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 def test_generate_static_cache_option(tokenizer):

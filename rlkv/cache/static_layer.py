@@ -25,6 +25,7 @@ from rlkv.cache.static_budget import (
 )
 from rlkv.cache.static_slots import write_budget, write_prompt, write_streaming
 from rlkv.cache.store import CompressionSettings
+from rlkv.compat import mark_static_address
 
 
 def _heads(mask: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
@@ -93,6 +94,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
 
     # allocation and host bookkeeping (eager) ---------------------------------------------------
     def early_needed(self, width: int) -> int:
+        """Early-region slots a prompt of `width` columns needs (its protected prompt or its sink)."""
         if self.form.kind == "budget":
             return width  # the protected prompt
         return max(self.settings.sink, width) if self.settings.protect_prompt else self.settings.sink
@@ -122,7 +124,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             if self.form.observe:
                 bufs["obs_q"] = new(batch, h_comp, self.num_groups, self.form.observe, dim, dtype=self.dtype)
         for t in bufs.values():
-            torch._dynamo.mark_static_address(t)  # fixed addresses: CUDA graphs replay on them
+            mark_static_address(t)  # fixed addresses: CUDA graphs replay on them
         self.buffers = bufs
         for i in ("full_idx", "comp_idx", "full_q", "comp_q"):
             setattr(self, i, getattr(self, i).to(self.device))
