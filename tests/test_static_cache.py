@@ -301,3 +301,16 @@ def test_cli_no_static_cache_flag(capsys):
         assert main(argv + extra) in (0, None)
         printed.append(capsys.readouterr().out)
     assert printed[0] == printed[1] and '"token_ids"' in printed[0]
+
+
+def test_one_cache_serves_requests_in_and_out_of_inference_mode(left_padded_batch):
+    """The static tensors are normal tensors even when the first request ran under inference mode (an
+    inference tensor could not be written in place by a later request outside it)."""
+    model = tiny_model("llama")
+    input_ids = left_padded_batch[0]
+    cache = make_cache(model, _config(model, "rkv"), static=True, max_cache_len=input_ids.shape[1] + 12)
+    with torch.inference_mode():
+        inside = _run(model, left_padded_batch, cache, steps=12).sequences
+    with torch.no_grad():
+        outside = _run(model, left_padded_batch, cache, steps=12).sequences
+    assert torch.equal(inside, outside)

@@ -107,6 +107,15 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         if same and self.dtype == key_states.dtype and self.device == key_states.device:
             return
         self.dtype, self.device, self.batch, self.early = key_states.dtype, key_states.device, batch, needed
+        with torch.inference_mode(False):  # normal tensors: a later request may run outside inference mode
+            self.buffers = self._new_buffers(batch, dim)
+        for t in self.buffers.values():
+            mark_static_address(t)  # fixed addresses: CUDA graphs replay on them
+        for i in ("full_idx", "comp_idx", "full_q", "comp_q"):
+            setattr(self, i, getattr(self, i).to(self.device))
+        self.is_initialized = True
+
+    def _new_buffers(self, batch: int, dim: int) -> dict[str, torch.Tensor]:
         new = functools.partial(torch.zeros, device=self.device)
         bufs = {"row_start": new(batch, dtype=torch.long)}
         for name in ("length", "prompt_len", "early_offset"):
@@ -123,12 +132,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             bufs["early_len"] = new(batch, dtype=torch.long)
             if self.form.observe:
                 bufs["obs_q"] = new(batch, h_comp, self.num_groups, self.form.observe, dim, dtype=self.dtype)
-        for t in bufs.values():
-            mark_static_address(t)  # fixed addresses: CUDA graphs replay on them
-        self.buffers = bufs
-        for i in ("full_idx", "comp_idx", "full_q", "comp_q"):
-            setattr(self, i, getattr(self, i).to(self.device))
-        self.is_initialized = True
+        return bufs
 
     def begin(self, q_len: int) -> None:
         """Host bookkeeping before a forward of `q_len` tokens: checks, a due compaction, the host length."""
