@@ -171,3 +171,35 @@ def test_generate_loop_reads_finished_rows_every_few_steps(policy, make_model, t
         assert max(o.num_generated_tokens for o in out) == tokens  # a row ran to the limit
         syncs[tokens] = counter.count
     assert syncs[32] - syncs[16] == 16 // ROW_END_READ_EVERY == 1
+
+
+def test_compressed_rollouts_read_finished_rows_every_few_steps(make_model, tokenizer):
+    """`rlkv.rollout.generate_rollouts` (the RL rollout memory saver) decodes as `generate` does:
+    16 more sampled tokens cost 1 more host read, not 16 or more."""
+    from transformers import GenerationConfig
+
+    from rlkv.inference.api import ROW_END_READ_EVERY
+    from rlkv.rollout.compressed import CompressedRolloutConfig, generate_rollouts
+
+    model = make_model("llama")
+    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    compression = CompressedRolloutConfig(head_mask=HeadMask.random(model), sparsity=0.5, sink=2, window=4)
+    syncs = {}
+    for tokens in (16, 32):
+        config = GenerationConfig(
+            max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, pad_token_id=tokenizer.pad_token_id
+        )
+        torch.manual_seed(0)
+        with HostSyncCounter() as counter:
+            batch = generate_rollouts(
+                model,
+                enc["input_ids"],
+                enc["attention_mask"],
+                config,
+                compression,
+                temperature=1.0,
+                eos_token_ids=[tokenizer.eos_token_id],
+            )
+        assert [len(ids) for ids in batch.completion_ids] == [tokens] * len(PROMPTS)
+        syncs[tokens] = counter.count
+    assert syncs[32] - syncs[16] == 16 // ROW_END_READ_EVERY == 1, syncs

@@ -210,28 +210,32 @@ def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:
 ROW_END_READ_EVERY = 16
 
 
-class _RowEnds(StoppingCriteria):
-    """Each row's end (EOS, or one of `criteria`) and its cache stats at that step: later steps of its
-    batch only feed it padding, which must not count. Stops the rows that `criteria` stop, and
-    records in `stopped` the sequence width at which `criteria` (not EOS) ended a row.
+class RowEnds(StoppingCriteria):
+    """A transformers `StoppingCriteria` that knows, on the host, which rows ended, reading the device
+    only every `every` calls: each row's end (EOS, or one of `criteria`), and its cache stats at that
+    step (later steps of its batch only feed it padding, which must not count). Stops the rows that
+    `criteria` stop, and records in `stopped` the sequence width at which `criteria` (not EOS) ended
+    a row. Pair it with `rlkv.compat.host_stop_check(max_length, row_ends.all_ended)`.
 
     The width at which each row ended stays on the device and is read every `every` calls (and by
     `read()` after generation); `snapshot()` (host values only) is taken at every call, and
-    `stats_at(snapshot)` turns the one of a row's end step into its `CacheStats` when it is read.
+    `stats_at(snapshot)` turns the one of a row's end step into its `CacheStats` when it is read
+    (both None: no stats).
     """
 
     def __init__(
         self,
-        snapshot: Callable[[], Any],
-        stats_at: Callable[[Any], list[CacheStats]],
         eos: set[int],
-        criteria: list[Any] | None,
+        criteria: list[Any] | None = None,
+        snapshot: Callable[[], Any] | None = None,
+        stats_at: Callable[[Any], list[CacheStats]] | None = None,
         every: int = ROW_END_READ_EVERY,
     ) -> None:
         self.snapshot, self.stats_at, self.every = snapshot, stats_at, every
         self.eos, self.criteria = sorted(eos), StoppingCriteriaList(criteria or [])
         self.stats: dict[int, CacheStats] = {}
         self.stopped: dict[int, int] = {}
+        self.ended: set[int] = set()  # rows seen ended by a read
         self._eos: torch.Tensor | None = None  # the EOS ids on the device, built once
         self._end: torch.Tensor | None = None  # LongTensor[B]: width at which each row ended, 0 = not yet
         self._by_criteria: torch.Tensor | None = None  # BoolTensor[B]: `criteria` (not EOS) ended it
@@ -250,14 +254,14 @@ class _RowEnds(StoppingCriteria):
         newly = done & (self._end == 0)
         self._end = torch.where(newly, width, self._end)
         self._by_criteria = self._by_criteria | (newly & ~eos)
-        self._snapshots[width] = self.snapshot()
+        self._snapshots[width] = self.snapshot() if self.snapshot is not None else None
         if len(self._snapshots) >= self.every:
             self.read()
         return done
 
     def all_ended(self) -> bool:
         """Whether the last read saw every row end (host only)."""
-        return self._end is not None and len(self.stats) == self._end.shape[0]
+        return self._end is not None and len(self.ended) == self._end.shape[0]
 
     def read(self) -> None:
         """Record the rows that ended since the last read: their stats and `stopped` widths (one host read)."""
@@ -266,10 +270,12 @@ class _RowEnds(StoppingCriteria):
         ends, by_criteria = torch.stack([self._end, self._by_criteria.long()]).tolist()
         at_width: dict[int, list[CacheStats]] = {}
         for row, (end, stopped) in enumerate(zip(ends, by_criteria, strict=True)):
-            if end and row not in self.stats:
-                if end not in at_width:
-                    at_width[end] = self.stats_at(self._snapshots[end])
-                self.stats[row] = at_width[end][row]
+            if end and row not in self.ended:
+                self.ended.add(row)
+                if self.stats_at is not None:
+                    if end not in at_width:
+                        at_width[end] = self.stats_at(self._snapshots[end])
+                    self.stats[row] = at_width[end][row]
                 if stopped:
                     self.stopped[row] = end
         self._snapshots.clear()
@@ -278,7 +284,7 @@ class _RowEnds(StoppingCriteria):
 def _stats_readers(
     cache: Any, attention_mask: torch.Tensor
 ) -> tuple[Callable[[], Any], Callable[[Any], list]]:
-    """(snapshot, stats_at) of `_RowEnds` for a batch's cache: what the stats of a moment need, read on
+    """(snapshot, stats_at) of `RowEnds` for a batch's cache: what the stats of a moment need, read on
     the host at every step, and the per-row `CacheStats` of such a moment."""
     if hasattr(cache, "stats_snapshot"):  # HeadMixedCache, StaticHeadMixedCache
         return cache.stats_snapshot, (lambda at: cache.stats(at))
@@ -388,7 +394,7 @@ def generate(
         batch_cache = cache if cache is not None else DynamicCache(config=model.config)
 
         snapshot, stats_at = _stats_readers(batch_cache, attention_mask)
-        row_end = _RowEnds(snapshot, stats_at, eos, stopping_criteria)
+        row_end = RowEnds(eos, stopping_criteria, snapshot, stats_at)
         # the decode loop stops when the last read saw every row end (or at the length limit)
         stop = host_stop_check(width + max_new_tokens, row_end.all_ended)
         with torch.inference_mode(), stop:
