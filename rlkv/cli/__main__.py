@@ -5,4 +5,5 @@ import sys
 
 from rlkv.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the module (tests/test_architecture.py does) runs nothing
+    sys.exit(main())
