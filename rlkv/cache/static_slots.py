@@ -10,12 +10,25 @@ host, how many tokens the dynamic cache keeps per compressed head at a given len
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from rlkv.cache.static_layer import StaticHeadMixedLayer
+from rlkv.cache.static_budget import StaticForm
+from rlkv.cache.store import CompressionSettings
+
+
+class StaticHeadMixedLayer(Protocol):
+    """What these functions read of a `rlkv.cache.static_layer.StaticHeadMixedLayer` (a protocol, so
+    the layer can import this module and not the other way round)."""
+
+    buffers: dict[str, torch.Tensor]
+    settings: CompressionSettings
+    form: StaticForm
+    early: int  # early-region slots
+    prompt_width: int
+
+    def early_needed(self, width: int) -> int: ...
 
 
 def write_prompt(layer: StaticHeadMixedLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
