@@ -102,6 +102,8 @@ def test_ordinary_programs_still_pass():
         "if __name__ == '__main__':\n    assert fib(10) == 55\n"
     )
     assert run_python_tests(program, HUMANEVAL_TESTS, timeout_s=10)
+    # program and tests compile apart: a future import is the program's first line again
+    assert run_python_tests("from __future__ import annotations\n" + RIGHT, MBPP_TESTS, timeout_s=5)
 
 
 @pytest.mark.parametrize("timeout", ["nan", 1e12, "abc", -1, 0, True, [5], "inf"])

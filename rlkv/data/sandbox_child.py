@@ -14,7 +14,8 @@ so none of these pass. The guard keeps the nonce out of reach: it refuses the wa
 suspended generator's frame (`gi_frame`, `gc`, tracing and profiling, `/proc/<pid>/mem`, ctypes).
 """
 
-from __future__ import annotations
+# No `from __future__` import: in a run without tests the program's text follows this file's, and
+# a future import here would change how the program compiles.
 
 
 def _rlkv_guard() -> None:
