@@ -185,3 +185,29 @@ def test_check_output_path_kinds(tmp_path):
         check_output_path(tmp_path, folder=False)
     with pytest.raises(ValueError, match="cannot be written"):
         check_output_path("/proc/rlkv-out")  # a file system that takes no new files, even from root
+
+
+def test_eval_and_curriculum_readers_refuse_special_and_non_utf8_files(tmp_path, fifo):
+    from rlkv.data.curriculum import CurriculumConfig, CurriculumError, _check_or_write_manifest
+    from rlkv.eval.config import EvalConfig
+    from rlkv.eval.results import KEYS_FILE, current_results, read_results
+
+    with pytest.raises(UserInputError, match="FIFO"):
+        read_results(fifo)
+    (tmp_path / KEYS_FILE).write_bytes(b'["\xff"]')
+    with pytest.raises(UserInputError, match="not UTF-8"):
+        current_results(tmp_path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(b"model: caf\xe9\n")
+    with pytest.raises(UserInputError, match="not UTF-8"):
+        EvalConfig.from_yaml(recipe)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").symlink_to("/dev/zero")
+    from datasets import Dataset
+
+    pool = Dataset.from_list(
+        [{"problem": "p", "answer": "a", "source": "math", "solution": "", "metadata": "{}"}]
+    )
+    with pytest.raises(CurriculumError, match="device"):
+        _check_or_write_manifest(run, pool, CurriculumConfig(), object())
