@@ -202,6 +202,7 @@ GUARD_BYPASSES = {
     "symlink dir_fd": "import os\nos.symlink('/', {name!r}, dir_fd=os.open({parent!r}, os.O_RDONLY))",
     "chdir then relative write": "import os\nos.chdir({parent!r})\nopen({name!r}, 'w').close()",
     "audit-off rmtree": _NO_AUDIT + "import shutil\nshutil.rmtree({victim!r})",
+    "chmod through an fd": "import os\nos.chmod(os.open({file!r}, os.O_RDONLY), 0o600)",
 }
 
 
@@ -211,11 +212,15 @@ def test_guard_holds_against_plain_python_bypasses(probe, tmp_path):
         parent = tmp_path / ("unguarded" if not guard else "guarded")
         victim = parent / "victim"
         victim.mkdir(parents=True)
+        file = parent / "file"
+        file.write_text("x")
+        file.chmod(0o644)
         source = probe.format(
-            target=str(parent / "made"), parent=str(parent), name="made", victim=str(victim)
+            target=str(parent / "made"), parent=str(parent), name="made", victim=str(victim), file=str(file)
         )
         sandbox.run_program(source, timeout_s=10, guard=guard, os_sandbox=False)
-        return (parent / "made").exists() or (parent / "made").is_symlink() or not victim.exists()
+        made = (parent / "made").exists() or (parent / "made").is_symlink()
+        return made or not victim.exists() or file.stat().st_mode & 0o777 != 0o644
 
     assert attempt(guard=False), "the probe must escape without the guard, or it shows nothing"
     assert not attempt(guard=True)

@@ -54,8 +54,12 @@ def _rlkv_guard() -> None:
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     root = os.path.realpath(os.getcwd())
 
-    def resolve(path, realpath=os.path.realpath, fsdecode=os.fsdecode):
+    def resolve(path, realpath=os.path.realpath, fsdecode=os.fsdecode, readlink=os.readlink):
         try:
+            if isinstance(
+                path, int
+            ):  # an fd: the file it is open on (fchmod on stdout would reach /dev/null)
+                path = readlink(f"/proc/self/fd/{path}")
             return realpath(fsdecode(path))
         except Exception:
             return None
@@ -92,7 +96,7 @@ def _rlkv_guard() -> None:
                 raise PermissionError(f"rlkv code verification: opening the directory {path!r} is disabled")
         elif event in path_events:
             for path in args[: path_events[event]]:
-                if not isinstance(path, int) and not inside(resolve(path)):
+                if not inside(resolve(path)):
                     raise PermissionError(f"rlkv code verification: {event} on {path!r} is disabled")
 
     sys.addaudithook(hook)
