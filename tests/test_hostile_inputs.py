@@ -211,3 +211,15 @@ def test_eval_and_curriculum_readers_refuse_special_and_non_utf8_files(tmp_path,
     )
     with pytest.raises(CurriculumError, match="device"):
         _check_or_write_manifest(run, pool, CurriculumConfig(), object())
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("sink", 10**30), ("window", -1), ("budget", 10**30), ("sink", 1e30), ("min_full_per_layer", True)],
+)
+def test_compression_sizes_beyond_any_context_are_refused(field, value):
+    from rlkv.inference import CompressionConfig
+    from rlkv.inference.config import CompressionConfigError
+
+    with pytest.raises(CompressionConfigError, match=field):
+        CompressionConfig(**{field: value})

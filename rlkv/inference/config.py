@@ -17,6 +17,9 @@ class CompressionConfigError(ValueError, UserError):
     """A `CompressionConfig` field with an invalid value (the message names the field and the fix)."""
 
 
+MAX_TOKENS = 1 << 30  # a token count beyond any context length: larger values are typos or overflows
+
+
 @dataclass
 class CompressionConfig:
     """How a `HeadMixedCache` is laid out and compressed.
@@ -60,8 +63,8 @@ class CompressionConfig:
             )
         for name in ("sink", "window", "min_full_per_layer"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise CompressionConfigError(f"{name}={value!r}: must be an integer >= 0")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
+                raise CompressionConfigError(f"{name}={value!r}: must be an integer from 0 to {MAX_TOKENS}")
         b = self.budget
         if isinstance(b, bool) or not (b is None or isinstance(b, (int, float))):
             raise CompressionConfigError(
@@ -70,6 +73,10 @@ class CompressionConfig:
         if isinstance(b, float) and not 0.0 < b <= 1.0:
             raise CompressionConfigError(
                 f"budget={b!r}: a float budget is a ratio of the current length, in (0, 1]"
+            )
+        if isinstance(b, int) and b > MAX_TOKENS:
+            raise CompressionConfigError(
+                f"budget={b}: more tokens than any context ({MAX_TOKENS}); use None for no limit"
             )
         if isinstance(b, int) and b < self.sink + self.window:
             raise CompressionConfigError(
