@@ -40,9 +40,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-try:  # run as the supervisor script (python -I -S), only the standard library is there
+try:  # imported alone (its folder on sys.path, no rlkv package): only the standard library is there
     from rlkv.errors import UserError
-except ImportError:  # pragma: no cover - exercised in the supervisor process
+except ImportError:  # pragma: no cover - exercised when imported alone
     UserError = Exception
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ MEMORY_BYTES = 2 << 30
 MAX_PROCESSES = 64
 FILE_BYTES = 64 << 20
 _SUPERVISOR_GRACE_S = 15.0
-_RESULT_PREFIX = "rlkv-sandbox-result:"
+_RESULT_PREFIX = "rlkv-sandbox-result:"  # = sandbox_supervisor.RESULT_PREFIX (this module imports no sibling)
 _SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_supervisor.py")
 
 
