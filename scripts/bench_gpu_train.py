@@ -36,6 +36,8 @@ import time
 import torch
 from bench_gpu_train_parts import (
     PartTimer,
+    count_host_syncs,
+    count_kernel_launches,
     decode_probe,
     logged,
     rollout_part,
@@ -125,11 +127,8 @@ def grpo_settings(args, device: torch.device, tokens: int, output_dir: str) -> d
     )
 
 
-def warm_up(trainer, tokenizer, dataset, generations: int, tokens: int = 4) -> None:
-    """A short untimed rollout through the trainer's own generation path, so the timed step does not
-    pay first-call costs (kernel selection, allocator growth, generate's setup) that the plain
-    rollout, run later, would not."""
-    prompt_ids = [ids for ids in tokenizer(list(dataset["prompt"]))["input_ids"] for _ in range(generations)]
+def short_rollout(trainer, prompt_ids: list[list[int]], generations: int, tokens: int) -> None:
+    """An untimed rollout of exactly `tokens` new tokens through the trainer's own generation path."""
     saved = trainer.generation_config
     trainer.generation_config = copy.deepcopy(saved)
     trainer.generation_config.max_new_tokens = trainer.generation_config.min_new_tokens = tokens
@@ -138,6 +137,25 @@ def warm_up(trainer, tokenizer, dataset, generations: int, tokens: int = 4) -> N
         type(trainer).__mro__[1]._generate_single_turn(trainer, prompt_ids, None, {}, generations)
     finally:
         trainer.generation_config = saved
+
+
+def warm_up_and_count(trainer, tokenizer, dataset, generations: int, device: torch.device) -> dict:
+    """Warm the trainer's rollout path up (so the timed step does not pay first-call costs the plain
+    rollout, run later, would not), then count host syncs and kernel launches per decode step of the
+    whole rollout loop (generate's own per-step work included): the difference between rollouts of
+    12 and 4 tokens, over 8 steps, so per-rollout setup and the final read-back cancel."""
+    prompt_ids = [ids for ids in tokenizer(list(dataset["prompt"]))["input_ids"] for _ in range(generations)]
+
+    def rollout(tokens: int):
+        return lambda: short_rollout(trainer, prompt_ids, generations, tokens)
+
+    rollout(4)()
+    syncs = count_host_syncs(rollout(12), device) - count_host_syncs(rollout(4), device)
+    launches = [count_kernel_launches(rollout(n), device) for n in (12, 4)]
+    return dict(
+        host_syncs_per_step=syncs / 8,
+        kernel_launches_per_step=None if launches[0] is None else (launches[0] - launches[1]) / 8,
+    )
 
 
 def plan_tokens(requested: int, budget_left_s: float, probe: dict, prompt_tokens: int) -> int:
@@ -215,7 +233,7 @@ def suite_gpu_train(args) -> dict:
         processing_class=tokenizer,
         callbacks=[step_callback(timer)],
     )
-    warm_up(trainer, tokenizer, dataset, generations)
+    gated_loop = warm_up_and_count(trainer, tokenizer, dataset, generations, device)
     trainer.train()
     gated = step_parts(timer)
     in_step = len(timer.records.get("logps_no_grad", []))
@@ -258,7 +276,13 @@ def suite_gpu_train(args) -> dict:
         requested=requested,
         build_seconds=build.seconds("build"),
         weights_bytes=weights_bytes,
-        gated=dict(**gated, rollout=gated_rollout, probe=gated_probe, logps_pass_seconds=logps_pass_seconds),
+        gated=dict(
+            **gated,
+            rollout=gated_rollout,
+            probe=gated_probe,
+            rollout_loop=gated_loop,
+            logps_pass_seconds=logps_pass_seconds,
+        ),
         plain=dict(rollout=plain_rollout, probe=plain_probe),
     )
     left = args.train_budget_s - (time.perf_counter() - started)
@@ -292,12 +316,13 @@ def suite_gpu_train(args) -> dict:
         callbacks=[step_callback(ctimer)],
         rollout_compression=compression,
     )
-    warm_up(ctrainer, tokenizer, dataset, generations)
+    compressed_loop = warm_up_and_count(ctrainer, tokenizer, dataset, generations, device)
     ctrainer.train()
     compressed = step_parts(ctimer)
     kv = ctrainer.last_rollout_kv
     compressed.update(
         rollout=rollout_part(ctimer, 0),
+        rollout_loop=compressed_loop,
         resident_kv_bytes=kv.resident_bytes,
         peak_kv_bytes=kv.peak_bytes,
         full_kv_bytes=kv.full_resident_bytes,

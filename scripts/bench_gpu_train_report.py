@@ -77,12 +77,18 @@ def report_gpu_train(r: dict) -> list[str]:
         f"| decode step (batch {r['prompts'] * r['generations']}) | ms | host syncs | kernel launches |",
         "| --- | ---: | ---: | ---: |",
     ]
-    probes = [("gated (DynamicCache)", g["probe"]), ("plain", p["probe"])]
-    probes += [] if "skipped" in c else [("compressed", c["probe"])]
+    probes = [("gated forward (DynamicCache)", g["probe"]), ("plain forward", p["probe"])]
+    probes += [] if "skipped" in c else [("compressed forward", c["probe"])]
+    loops = [("gated rollout loop (generate)", g["rollout_loop"])]
+    loops += [] if "skipped" in c else [("compressed rollout loop (generate)", c["rollout_loop"])]
     for name, probe in probes:
         lines.append(
             f"| {name} | {probe['seconds_per_step'] * 1e3:.1f} | {_count(probe['host_syncs_per_step'])} "
             f"| {_count(probe['kernel_launches_per_step'])} |"
+        )
+    for name, loop in loops:  # no ms: these short rollouts are for counting
+        lines.append(
+            f"| {name} | - | {_count(loop['host_syncs_per_step'])} | {_count(loop['kernel_launches_per_step'])} |"
         )
     estimate = r["max_tokens_per_completion_estimate"]
     verdict = {True: "PASS", False: "FAIL", None: "n/a"}
@@ -90,7 +96,9 @@ def report_gpu_train(r: dict) -> list[str]:
         "",
         f"[{verdict[r['targets']['rollout']]}: {TARGETS['rollout']}: {r['rollout_ratio']:.2f}]",
         f"[{verdict[r['targets']['step']]}: {TARGETS['step']}: {r['step_ratio']:.2f}]",
-        f"[{verdict[r['targets']['syncs']]}: {TARGETS['syncs']}: {g['probe']['host_syncs_per_step']:.1f}]",
+        f"[{verdict[r['targets']['syncs']]}: {TARGETS['syncs']}: {g['probe']['host_syncs_per_step']:.1f} in the "
+        f"forward; the whole rollout loop, generate's per-step checks included: "
+        f"{_count(g['rollout_loop']['host_syncs_per_step'])}]",
         f"[{verdict[r['targets']['memory']]}: {TARGETS['memory']}: {_gib(g['step_peak_bytes'])} GiB]",
     ]
     if estimate is not None:

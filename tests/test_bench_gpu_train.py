@@ -67,6 +67,9 @@ def test_quick_run_counts_decode_host_syncs_and_prints_every_target(quick_run):
     for probe in (r["gated"]["probe"], r["plain"]["probe"], r["compressed"]["probe"]):
         assert probe["seconds_per_step"] > 0 and probe["host_syncs_per_step"] >= 0
         assert probe["kernel_launches_per_step"] is None  # CUDA only
+    for loop in (r["gated"]["rollout_loop"], r["compressed"]["rollout_loop"]):  # generate's own work too
+        assert loop["host_syncs_per_step"] >= 0 and loop["kernel_launches_per_step"] is None
+    assert "| gated rollout loop (generate) |" in text
     assert r["targets"]["memory"] is None and r["gated"]["step_peak_bytes"] is None  # no allocator on CPU
     for target in bench_gpu_train_report.TARGETS.values():
         assert target in text
