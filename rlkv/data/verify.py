@@ -228,7 +228,12 @@ def check_verifiers(sources: Iterable[str], origin: str) -> None:
 
 
 def verify(completion: str, example: dict) -> bool:
-    """True when `completion` correctly answers `example` (a dataset row with `source`, `answer`, optional `metadata`)."""
+    """True when `completion` correctly answers `example` (a dataset row with `source`, `answer`, optional `metadata`).
+
+    Anything the completion does gives True or False. Bad problem data raises `ProblemDataError`
+    naming the field (e.g. metadata['timeout_s'] = "nan"), an unusable code sandbox setting
+    `SandboxError`, a missing `source` KeyError.
+    """
     if "source" not in example:
         raise KeyError("verify: example has no 'source' field; rlkv.data loaders always set it")
     return bool(get_verifier(example["source"])(completion, example))
