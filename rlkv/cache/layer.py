@@ -142,7 +142,43 @@ class HeadMixedLayer(CacheLayerMixin):
         return [self.keys, self.values, *extra, self.row_start, *indices]
 
 
-class HeadMixedCache(Cache):
+class PolicyCache(Cache):
+    """What the dynamic (`HeadMixedCache`) and static (`StaticHeadMixedCache`) head-mixed caches share:
+    one policy and budget (`settings`), a full-head layout `full_heads` BoolTensor[L, H_kv], the reset
+    at each new request, and resident bytes read from storage. Subclasses set `settings` and
+    `full_heads`, and their layers implement `reset()` and `tensors()`."""
+
+    settings: CompressionSettings
+    full_heads: torch.Tensor
+
+    @property
+    def policy(self) -> CompressionPolicy:
+        return self.settings.policy
+
+    # `generate` marks a cache passed by the user with this attribute at the start of every call:
+    # that is where a new request begins, before generate reads get_seq_length() to slice the prompt.
+    @property
+    def _is_user_defined(self) -> bool:
+        return True
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop all stored tokens and per-sequence state (the next forward is a new prefill)."""
+        for layer in self.layers:
+            layer.reset()
+        self.settings.policy.reset()
+
+    def resident_bytes(self) -> int:
+        """Bytes of every tensor the cache and its policy hold (KV, positions, bookkeeping), read from
+        storage: for the static cache, its allocated capacity."""
+        layers = (t for layer in self.layers for t in layer.tensors())
+        return storage_bytes([self.full_heads, *layers, *self.settings.policy.state_tensors()])
+
+
+class HeadMixedCache(PolicyCache):
     """A KV cache keeping full history for the heads marked full and a policy-bounded store for the rest.
 
     Build it with `rlkv.inference.make_cache(model, CompressionConfig(...))`, which also switches the
@@ -202,26 +238,6 @@ class HeadMixedCache(Cache):
             )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    @property
-    def policy(self) -> CompressionPolicy:
-        return self.settings.policy
-
-    # `generate` marks a cache passed by the user with this attribute at the start of every call:
-    # that is where a new request begins, before generate reads get_seq_length() to slice the prompt.
-    @property
-    def _is_user_defined(self) -> bool:
-        return True
-
-    @_is_user_defined.setter
-    def _is_user_defined(self, value: bool) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """Drop all stored tokens and per-sequence state (the next forward is a new prefill)."""
-        for layer in self.layers:
-            layer.reset()
-        self.settings.policy.reset()
-
     def logical_length(self) -> int:
         """Deprecated (removed in rlkv 0.3): `get_seq_length()`, the tokens seen so far (padding included)."""
         warnings.warn(
@@ -231,11 +247,6 @@ class HeadMixedCache(Cache):
             stacklevel=2,
         )
         return self.get_seq_length()
-
-    def resident_bytes(self) -> int:
-        """Bytes of every tensor the cache and its policy hold (KV, positions, bookkeeping), read from storage."""
-        layers = (t for layer in self.layers for t in layer.tensors())
-        return storage_bytes([self.full_heads, *layers, *self.settings.policy.state_tensors()])
 
     def full_resident_bytes(self) -> int:
         """Bytes a full (DynamicCache) KV cache would hold for the same batch and length."""

@@ -24,19 +24,19 @@ import functools
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
 
+from rlkv.cache.layer import PolicyCache
 from rlkv.cache.static_budget import StaticCacheError, static_form
 from rlkv.cache.static_layer import StaticHeadMixedLayer
 from rlkv.cache.static_slots import kept_per_head
 from rlkv.cache.stats import CacheStats
-from rlkv.cache.store import CompressionSettings, storage_bytes
+from rlkv.cache.store import CompressionSettings
 from rlkv.compat import forward_cache
 from rlkv.geometry import attention_geometry
 from rlkv.policies.base import CompressionPolicy
 
 
-class StaticHeadMixedCache(Cache):
+class StaticHeadMixedCache(PolicyCache):
     """A head-mixed KV cache with static shapes (see the module docstring), built by
     `rlkv.inference.make_cache(model, config, static=True, max_cache_len=...)`.
 
@@ -101,30 +101,6 @@ class StaticHeadMixedCache(Cache):
         """The last forward's tokens are written (a compiled forward never returns to `update` in Python)."""
         for layer in self.layers:
             layer.in_flight = 0
-
-    @property
-    def policy(self) -> CompressionPolicy:
-        return self.settings.policy
-
-    # `generate` sets this on a user cache at the start of every call: a new request begins
-    @property
-    def _is_user_defined(self) -> bool:
-        return True
-
-    @_is_user_defined.setter
-    def _is_user_defined(self, value: bool) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget the request (the next forward is a prefill); tensors keep their addresses."""
-        for layer in self.layers:
-            layer.reset()
-        self.settings.policy.reset()
-
-    def resident_bytes(self) -> int:
-        """Bytes of every tensor the cache and its policy hold, read from storage (the static capacity)."""
-        tensors = [t for layer in self.layers for t in layer.tensors()]
-        return storage_bytes([self.full_heads, *tensors, *self.settings.policy.state_tensors()])
 
     def stats_snapshot(self) -> int:
         """What `stats(at=...)` needs of this moment, read on the host only: the tokens seen."""
