@@ -10,38 +10,10 @@
 #
 # A step that fails is logged and the next one still runs; the exit status is the first failure's.
 set -u
+NAME=gpu_check
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
-PY=${PYTHON:-python3}
-: "${OUT:?set OUT to the folder for the results}"
-QUICK=""
-if [ "${1:-}" = "--quick" ]; then QUICK="--quick"; fi
 TOTAL=${GPU_CHECK_SECONDS:-510}
-START=$(date +%s)
-WORK=$(mktemp -d)
-LOG="$OUT/gpu_check.log"
-mkdir -p "$OUT"
-: > "$LOG"
-STATUS=0
-
-left() { echo $((TOTAL - ($(date +%s) - START))); }
-log() { echo "[gpu_check $(($(date +%s) - START))s] $*" | tee -a "$LOG"; }
-step() {  # step NAME SECONDS COMMAND...: run with a hard time limit, output into the log
-  local name=$1 limit=$2
-  shift 2
-  log "$name: up to ${limit}s: $*"
-  timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$LOG"
-  local rc=${PIPESTATUS[0]}
-  log "$name: exit $rc"
-  if [ "$rc" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi
-}
-
-if [ "$DEVICE" != "cpu" ]; then  # the GPU machine: newer transformers & co. from the carried wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit 3
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
-fi
-"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
-  2>&1 | tee -a "$LOG"
+source "$(dirname "$0")/gpu_common.sh"
 
 # 1. correctness on the demo model (~1 min on a GPU: two compiled static-cache runs)
 if [ "$(left)" -gt 200 ]; then

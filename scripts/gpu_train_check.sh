@@ -19,39 +19,14 @@
 # accelerate runs FSDP only on GPUs (train_gates.py refuses the FSDP config there).
 # A step that fails is logged and the next one still runs; the exit status is the first failure's.
 set -u
+NAME=gpu_train_check
 DEVICE=${GPU_TRAIN_CHECK_DEVICE:-cuda}
-PY=${PYTHON:-python3}
-: "${OUT:?set OUT to the folder for the results}"
-QUICK=""
-if [ "${1:-}" = "--quick" ]; then QUICK="--quick"; fi
 TOTAL=${GPU_TRAIN_CHECK_SECONDS:-270}
-START=$(date +%s)
-WORK=$(mktemp -d)
-LOG="$OUT/gpu_train_check.log"
-mkdir -p "$OUT"
-: > "$LOG"
-STATUS=0
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-
-left() { echo $((TOTAL - ($(date +%s) - START))); }
-log() { echo "[gpu_train_check $(($(date +%s) - START))s] $*" | tee -a "$LOG"; }
-step() {  # step NAME SECONDS COMMAND...: run with a hard time limit, output into the log
-  local name=$1 limit=$2
-  shift 2
-  log "$name: up to ${limit}s: $*"
-  timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$LOG" | tail -n 60
-  local rc=${PIPESTATUS[0]}
-  log "$name: exit $rc"
-  if [ "$rc" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi
-}
-
-if [ "$DEVICE" != "cpu" ]; then  # the GPU machine: newer transformers & co. from the carried wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit 3
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
+STEP_TAIL=60
+source "$(dirname "$0")/gpu_common.sh"
+if [ "$DEVICE" != "cpu" ]; then
   FSDP_CONFIG=recipes/accelerate/fsdp_one_gpu.yaml USE_CPU=false STEP_S=60
 else
-  export PYTHONPATH=$PWD
   FSDP_CONFIG=recipes/accelerate/single_process.yaml USE_CPU=true STEP_S=180
 fi
 # the smoke's sizes: seconds on a loaded 2-core CPU
@@ -61,8 +36,7 @@ if [ -n "$QUICK" ]; then
   MEMORY_SIZE=(--max-new-tokens 24 --batch-size 2 --kv-cap-mib 0.25)
   TRAIN_SIZE=(--dataset_num 4 --per_device_train_batch_size 4 --max_completion_length 8)
 fi
-"$PY" -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, \
-'trl', trl.__version__)" 2>&1 | tee -a "$LOG"
+"$PY" -c "import trl; print('trl', trl.__version__)" 2>&1 | tee -a "$LOG"
 
 # 1. the gpu-train suite, leaving ~100 s to steps 2-3 (step 4 runs only if the suite finished early)
 BENCH_S=$(($(left) - 100))
