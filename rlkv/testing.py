@@ -202,7 +202,8 @@ def _is_sync(name: str, args: tuple, kwargs: dict) -> bool:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         return any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices)
     if name == "aten::repeat_interleave":
-        return isinstance(args[0], torch.Tensor) and kwargs.get("output_size") is None and len(args) < 4
+        repeats = args[1] if len(args) > 1 else args[0]  # .Tensor(repeats) / .self_Tensor / .self_int
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
     if name in ("aten::_to_copy", "aten::copy_"):
         if name == "aten::copy_":
             dst, src = args[0], args[1]
