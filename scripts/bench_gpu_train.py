@@ -34,6 +34,7 @@ import tempfile
 import time
 
 import torch
+from bench_gpu_profile import GEOMETRIES
 from bench_gpu_train_parts import (
     PartTimer,
     count_host_syncs,
@@ -48,24 +49,14 @@ from bench_gpu_train_parts import (
 from bench_gpu_train_report import report_gpu_train  # noqa: F401 (bench.py: the section)
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
-QWEN25_7B = dict(
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    head_dim=128,
-    hidden_size=3584,
-    intermediate_size=18944,
-    vocab_size=152064,
-)
-TINY = dict(
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    hidden_size=64,
-    intermediate_size=128,
-    vocab_size=1024,
-)
+
+def _qwen2_geometry(name: str, **overrides: int) -> dict:
+    """A geometry of bench_gpu_profile.GEOMETRIES (all Qwen2) as Qwen2Config keyword arguments."""
+    return {**{k: v for k, v in GEOMETRIES[name].items() if k != "model_type"}, **overrides}
+
+
+QWEN25_7B = _qwen2_geometry("qwen2.5-7b")
+TINY = _qwen2_geometry("tiny", vocab_size=1024)
 WINDOW = (128, 256)  # sink, local: the paper's training window (gates and compressed heads)
 QUICK_WINDOW = (2, 4)  # the quick run's sequences are ~24 tokens: small enough to evict
 

@@ -128,7 +128,7 @@ def test_micro_batches_split_the_loss_not_the_rollout():
 
 
 def test_a_spent_budget_shortens_the_rollouts_and_skips_the_compressed_step(tmp_path):
-    r, text = _quick(tmp_path, "--train-budget-s", "1")
+    r, text = _quick(tmp_path, "--train-budget-s", "0.001")  # spent by the decode probe on any machine
     assert r["tokens"] == 1 < r["tokens_requested"]  # lowered by the budget, and said so
     assert "lowered to fit --train-budget-s" in text
     assert r["compressed"]["skipped"].startswith("skipped:") and "| GRPO step s |" in text
