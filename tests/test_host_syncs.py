@@ -203,3 +203,22 @@ def test_compressed_rollouts_read_finished_rows_every_few_steps(make_model, toke
         assert [len(ids) for ids in batch.completion_ids] == [tokens] * len(PROMPTS)
         syncs[tokens] = counter.count
     assert syncs[32] - syncs[16] == 16 // ROW_END_READ_EVERY == 1, syncs
+
+
+def test_host_stop_check_acts_only_inside_its_context(make_model, tokenizer):
+    """transformers' decode loop, patched once: inside `host_stop_check` it stops when the host says
+    so (or at the length limit), outside it stops at EOS as it always did."""
+    from rlkv.compat import host_stop_check
+
+    model = make_model("llama")
+    enc = tokenizer(PROMPTS[:1], return_tensors="pt")
+    width = enc["input_ids"].shape[1]
+    with torch.no_grad():
+        eos = int(model(**enc).logits[0, -1].argmax())  # the first greedy token ends the row
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    with host_stop_check(width + 8, lambda: False) as installed:  # the host never sees the row end
+        inside = model.generate(**enc, **kwargs)
+    outside = model.generate(**enc, **kwargs)
+    assert installed
+    assert inside.shape[1] == width + 8  # padding after the EOS, up to the limit
+    assert outside.shape[1] == width + 1
