@@ -409,7 +409,7 @@ def test_activation_checkpointing_gives_identical_gate_gradients(reentrant):
         ("target_sparsity", -0.1, "target_sparsity=-0.1"),
         ("gate_init", 1.5, "gate_init=1.5"),
         ("l1_beta", -1.0, "l1_beta=-1.0"),
-        ("gate_local", 0, "gate_local >= 1"),
+        ("gate_local", 0, "gate_local=0 is invalid: use an integer >= 1"),
     ],
 )
 def test_config_rejects_bad_rlkv_settings(tmp_path, field, value, message):

@@ -56,7 +56,8 @@ class HeadGates(nn.Module):
         self.sink = int(sink)
         self.local = int(local)
         self.alpha = nn.Parameter(torch.full((num_layers, num_kv_heads), float(init)))
-        self.register_buffer("below_zero", torch.zeros(num_layers, num_kv_heads))
+        # not in the model's state_dict: gate checkpoints save it themselves (gates.safetensors)
+        self.register_buffer("below_zero", torch.zeros(num_layers, num_kv_heads), persistent=False)
 
     @torch.no_grad()
     def clamp_(self) -> HeadGates:
