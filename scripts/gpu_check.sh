@@ -45,8 +45,4 @@ else
   log "serve: skipped, ${SERVE_S}s left for it"
 fi
 
-log "verdicts:"
-grep -h -E "^\[(PASS|FAIL|N/A)|\| (PASS|FAIL) \|" "$OUT"/*.md 2>/dev/null | tee -a "$LOG"
-log "done in $(($(date +%s) - START))s, exit $STATUS; files: $(ls "$OUT" | tr '\n' ' ')"
-rm -rf "$WORK"
-exit "$STATUS"
+finish "^\[(PASS|FAIL|N/A)|\| (PASS|FAIL) \|"

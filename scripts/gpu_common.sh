@@ -36,3 +36,11 @@ else
 fi
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   2>&1 | tee -a "$LOG"
+
+finish() {  # finish REGEX: log the report lines matching REGEX (the targets' verdicts), the files, and exit
+  log "verdicts:"
+  grep -h -E "$1" "$OUT"/*.md 2>/dev/null | tee -a "$LOG"
+  log "done in $(($(date +%s) - START))s, exit $STATUS; files: $(ls "$OUT" | tr '\n' ' ')"
+  rm -rf "$WORK"
+  exit "$STATUS"
+}

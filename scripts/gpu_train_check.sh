@@ -72,8 +72,4 @@ else
   log "demo: skipped, $(left)s left (run: python3 scripts/demo.py --smoke --device cuda)"
 fi
 
-log "verdicts:"
-grep -h -E "^\[(PASS|FAIL|n/a)" "$OUT"/*.md 2>/dev/null | tee -a "$LOG"
-log "done in $(($(date +%s) - START))s, exit $STATUS; files: $(ls "$OUT" | tr '\n' ' ')"
-rm -rf "$WORK"
-exit "$STATUS"
+finish "^\[(PASS|FAIL|n/a)"
