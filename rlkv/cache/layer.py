@@ -142,6 +142,22 @@ class HeadMixedLayer(CacheLayerMixin):
         return [self.keys, self.values, *extra, self.row_start, *indices]
 
 
+def full_head_layout(config: Any, full_heads: torch.Tensor | None) -> torch.Tensor:
+    """`full_heads` as a CPU BoolTensor[L, H_kv] checked against the model's geometry (None: every head
+    compressed); ValueError naming both shapes otherwise."""
+    geometry = attention_geometry(config)
+    shape = (geometry.num_hidden_layers, geometry.num_key_value_heads)
+    if full_heads is None:
+        return torch.zeros(shape, dtype=torch.bool)
+    full_heads = torch.as_tensor(full_heads, dtype=torch.bool).cpu()
+    if tuple(full_heads.shape) != shape:
+        raise ValueError(
+            f"full_heads has shape {tuple(full_heads.shape)}; the model needs (num_hidden_layers, "
+            f"num_key_value_heads) = {shape}"
+        )
+    return full_heads
+
+
 class PolicyCache(Cache):
     """What the dynamic (`HeadMixedCache`) and static (`StaticHeadMixedCache`) head-mixed caches share:
     one policy and budget (`settings`), a full-head layout `full_heads` BoolTensor[L, H_kv], the reset
@@ -203,15 +219,8 @@ class HeadMixedCache(PolicyCache):
         batch_size: int | None = None,
     ) -> None:
         geometry = attention_geometry(config)
-        num_layers, num_kv = geometry.num_hidden_layers, geometry.num_key_value_heads
-        if full_heads is None:
-            full_heads = torch.zeros(num_layers, num_kv, dtype=torch.bool)
-        full_heads = torch.as_tensor(full_heads, dtype=torch.bool).cpu()
-        if tuple(full_heads.shape) != (num_layers, num_kv):
-            raise ValueError(
-                f"full_heads has shape {tuple(full_heads.shape)}; the model needs (num_hidden_layers, "
-                f"num_key_value_heads) = {(num_layers, num_kv)}"
-            )
+        num_layers = geometry.num_hidden_layers
+        full_heads = full_head_layout(config, full_heads)
         self.settings = CompressionSettings(policy, sink, window, budget, protect_prompt)
         self.full_heads = full_heads
         layers = [

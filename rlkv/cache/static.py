@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rlkv.cache.layer import PolicyCache
+from rlkv.cache.layer import PolicyCache, full_head_layout
 from rlkv.cache.static_budget import StaticCacheError, static_form
 from rlkv.cache.static_layer import StaticHeadMixedLayer
 from rlkv.cache.static_slots import kept_per_head
@@ -59,11 +59,7 @@ class StaticHeadMixedCache(PolicyCache):
         batch_size: int | None = None,
     ) -> None:
         geometry = attention_geometry(config)
-        shape = (geometry.num_hidden_layers, geometry.num_key_value_heads)
-        full_heads = torch.zeros(shape, dtype=torch.bool) if full_heads is None else full_heads
-        full_heads = torch.as_tensor(full_heads, dtype=torch.bool).cpu()
-        if tuple(full_heads.shape) != shape:
-            raise ValueError(f"full_heads has shape {tuple(full_heads.shape)}; the model needs {shape}")
+        full_heads = full_head_layout(config, full_heads)
         if int(max_cache_len) < 1:
             raise StaticCacheError(f"max_cache_len={max_cache_len} must be >= 1 (prompt + max_new_tokens)")
         self.settings = CompressionSettings(policy, sink, window, budget, protect_prompt)
@@ -77,7 +73,7 @@ class StaticHeadMixedCache(PolicyCache):
             StaticHeadMixedLayer(
                 i, full_heads[i], geometry.num_groups, self.settings, self.form, max_cache_len
             )
-            for i in range(shape[0])
+            for i in range(geometry.num_hidden_layers)
         ]
         super().__init__(layers=layers)
         policy.reset()
