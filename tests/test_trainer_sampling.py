@@ -8,7 +8,7 @@ from transformers import GenerationConfig
 
 from rlkv.testing import tiny_model
 from rlkv.trainers import GateGRPOTrainer
-from rlkv.trainers.sampling import ExponentialRaceSampler, race_processors, race_sampling
+from rlkv.trainers.sampling import ExponentialRaceSampler, race_processors, rollout_generation
 from tests.test_trainer import config, prompts_dataset, token_reward
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -46,7 +46,7 @@ def test_generate_under_race_sampling_equals_hand_written_race_decoding():
         max_new_tokens=6, do_sample=True, temperature=0.8, top_k=0, top_p=1.0, pad_token_id=0
     )
     torch.manual_seed(0)
-    with race_sampling(model, cfg) as greedy:
+    with rollout_generation(model, cfg, eos_token_ids=[]) as greedy:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy)[:, 5:]
     assert "generate" not in vars(model)
 
@@ -66,8 +66,9 @@ def test_generate_under_race_sampling_equals_hand_written_race_decoding():
 )
 def test_race_sampling_leaves_what_it_does_not_rebuild_to_transformers(cfg):
     model = tiny_model("llama")
-    with race_sampling(model, cfg) as used:
-        assert used is cfg and "generate" not in vars(model)
+    with rollout_generation(model, cfg, eos_token_ids=[0]) as used:
+        assert used is cfg and vars(model)["generate"].args[2] is None  # no processors of ours
+    assert "generate" not in vars(model)
 
 
 def test_trainer_rollouts_use_the_race_and_restore_the_sampling_config(tmp_path, tokenizer):
@@ -79,10 +80,11 @@ def test_trainer_rollouts_use_the_race_and_restore_the_sampling_config(tmp_path,
         processing_class=tokenizer,
     )
     model = trainer.model
-    installed = []  # what model.generate was at each forward (a partial with our processors while sampling)
+    installed = []  # what model.generate was at each forward (our partial, with the race's processors)
     model.register_forward_pre_hook(lambda module, args: installed.append(vars(module).get("generate")))
     trainer.train()
     rollout = [g for g in installed if g is not None]
     assert rollout, "no forward ran under race sampling"
-    assert all(isinstance(g.keywords["logits_processor"][-1], ExponentialRaceSampler) for g in rollout)
+    assert all(isinstance(g.args[2][-1], ExponentialRaceSampler) for g in rollout)
+    assert all(g.args[1] == tuple(trainer.eos_token_ids) for g in rollout)  # row ends read on the host
     assert trainer.generation_config.do_sample and "generate" not in vars(model)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 
+from rlkv.attention_masks import decode_mask
 from rlkv.cache.decode import decode_splits, split_attention
 from rlkv.cache.layer import HeadMixedLayer
 from rlkv.policies.base import CompressionPolicy
@@ -254,19 +255,6 @@ def rlkv_cache_attention(
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
-
-
-def decode_mask(*args, **kwargs) -> torch.Tensor | None:
-    """transformers' SDPA mask, built without reading the attention mask back on a single-token step.
-
-    To skip a mask, `sdpa_mask` checks on the host whether the padding mask is all ones: a host
-    sync per forward. `attend` knows from the prompt forward whether the batch is padded (and drops
-    the mask of an unpadded decode step itself), so a one-token step always gets the mask instead.
-    """
-    q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
-    if q_length == 1:
-        kwargs["allow_is_causal_skip"] = False
-    return sdpa_mask(*args, **kwargs)
 
 
 def register_attention() -> str:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 
+from rlkv.attention_masks import decode_mask
 from rlkv.compat import tensor_version
 
 ATTENTION_NAME = "rlkv_mixed"
@@ -235,5 +236,5 @@ def stock_layers(gates: torch.nn.Module) -> list[bool]:
 def register() -> str:
     """Register the mixed attention and its mask function with transformers (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, mixed_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, decode_mask)
     return ATTENTION_NAME

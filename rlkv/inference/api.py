@@ -6,8 +6,9 @@ outputs = generate(model, tok, ["Solve ..."], max_new_tokens=8192)
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,6 +280,27 @@ class RowEnds(StoppingCriteria):
                 if stopped:
                     self.stopped[row] = end
         self._snapshots.clear()
+
+
+@contextlib.contextmanager
+def host_row_ends(
+    eos_token_ids: set[int] | list[int],
+    input_width: int,
+    generation_config: Any,
+    criteria: list[Any] | None = None,
+) -> Iterator[StoppingCriteriaList]:
+    """Within the block, transformers' `generate` over `input_width` prompt columns with
+    `generation_config` stops on what a `RowEnds` (EOS or `criteria`) has read on the host, every
+    ROW_END_READ_EVERY steps, instead of reading the device at every step. Yields the
+    `stopping_criteria` to pass to that `generate` call; rows that ended receive padding until the
+    next read (up to ROW_END_READ_EVERY - 1 extra columns), which the caller trims at the first EOS.
+    """
+    ends = RowEnds(set(eos_token_ids), criteria)
+    new = generation_config.max_new_tokens
+    # the limit transformers itself derives (GenerationMixin._prepare_generated_length)
+    limit = input_width + new if new is not None else generation_config.max_length
+    with host_stop_check(limit, ends.all_ended):
+        yield StoppingCriteriaList([ends])
 
 
 def _stats_readers(

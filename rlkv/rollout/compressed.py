@@ -48,7 +48,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig
 
 from rlkv.cache import CacheStats, HeadMixedCache, storage_bytes
 from rlkv.compat import (
@@ -56,10 +56,9 @@ from rlkv.compat import (
     cache_kwargs,
     check_attributes,
     check_private_api,
-    host_stop_check,
 )
 from rlkv.inference import CompressionConfig, CompressionConfigError, make_cache
-from rlkv.inference.api import RowEnds
+from rlkv.inference.api import host_row_ends
 
 
 @dataclasses.dataclass
@@ -208,15 +207,14 @@ def generate_rollouts(
             cache = make_cache(base, compression, batch_size=input_ids.shape[0])
         hook = base.register_forward_hook(recorder, with_kwargs=True)
         try:
-            ends = RowEnds(set(eos_token_ids))  # rows seen ended every few steps, not read every step
-            new = generation_config.max_new_tokens
-            limit = input_ids.shape[1] + new if new is not None else generation_config.max_length
-            with track_peak_kv_bytes(base, cache) as peak, host_stop_check(limit, ends.all_ended):
+            # rows seen ended every few steps, not read every step
+            stop = host_row_ends(eos_token_ids, input_ids.shape[1], generation_config)
+            with track_peak_kv_bytes(base, cache) as peak, stop as stopping:
                 sequences = model.generate(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     generation_config=generation_config,
-                    stopping_criteria=StoppingCriteriaList([ends]),
+                    stopping_criteria=stopping,
                     **cache_kwargs(cache),
                 )
         finally:

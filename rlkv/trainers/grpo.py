@@ -35,7 +35,7 @@ from rlkv.trainers.checkpoints import load_below_zero, load_gate_checkpoint, sav
 from rlkv.trainers.config import GateGRPOConfig
 from rlkv.trainers.data_order import EpochSeededSampler
 from rlkv.trainers.logprobs import completion_logps
-from rlkv.trainers.sampling import race_sampling
+from rlkv.trainers.sampling import rollout_generation
 
 logger = logging.getLogger(__name__)
 
@@ -189,10 +189,11 @@ class GateGRPOTrainer(GRPOTrainer):
 
     # rollouts -------------------------------------------------------------------------------
     def _generate_single_turn(self, *args, **kwargs):
-        if not self.args.race_sampling or self.use_vllm or self.use_transformers_continuous_batching:
+        if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(*args, **kwargs)
         sampling = self.generation_config
-        with race_sampling(self.accelerator.unwrap_model(self.model), sampling) as config:
+        model = self.accelerator.unwrap_model(self.model)
+        with rollout_generation(model, sampling, self.eos_token_ids, race=self.args.race_sampling) as config:
             self.generation_config = config
             try:
                 return super()._generate_single_turn(*args, **kwargs)

@@ -8,6 +8,9 @@ exponential race, i.e. Gumbel-max); E = -log U from `torch.rand` costs ~20 ms. S
 runs greedy over scores that carry that noise: the sampled distribution is the model's (after
 transformers' own temperature / top-k / top-p / min-p warpers), up to the float32 resolution of U
 (a token whose log-probability trails the best by more than ~16 nats is never drawn).
+
+`rollout_generation` also takes transformers' per-step "has every row ended?" device read out of
+the rollout's decode loop (issue 40): rows are read every ROW_END_READ_EVERY steps instead.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import copy
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
@@ -25,6 +29,8 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from rlkv.inference.api import host_row_ends
 
 
 class ExponentialRaceSampler(LogitsProcessor):
@@ -62,27 +68,52 @@ def race_processors(config: GenerationConfig) -> LogitsProcessorList | None:
 
 
 @contextlib.contextmanager
-def race_sampling(model: PreTrainedModel, config: GenerationConfig) -> Iterator[GenerationConfig]:
+def rollout_generation(
+    model: PreTrainedModel, config: GenerationConfig, eos_token_ids: list[int], *, race: bool = True
+) -> Iterator[GenerationConfig]:
     """Within the block, `model.generate(..., generation_config=<yielded>)` samples as `config` says
-    through the exponential race. Yields the greedy copy of `config` to pass, or `config` itself
-    (nothing changed) when `race_processors` declines it.
+    and learns which rows ended (an id of `eos_token_ids`) from the device only every
+    ROW_END_READ_EVERY decode steps (`rlkv.inference.api.host_row_ends`), not at every step; finished
+    rows get padding until then, which TRL masks after the first EOS as it always did.
 
-    The processors reach `generate` through an instance-level `functools.partial` of the class's
-    own `generate`, removed on exit: the pattern transformers itself uses to install a
+    With `race`, sampling is by the exponential race and the yielded config is a greedy copy of
+    `config`; otherwise (or when `race_processors` declines `config`) `config` itself is yielded.
+    Both reach `generate` through an instance-level `functools.partial` of the class's own
+    `generate`, removed on exit: the pattern transformers itself uses to install a
     `custom_generate` (GenerationMixin.from_pretrained); the model class is untouched.
     """
-    procs = race_processors(config)
-    if procs is None:
-        yield config
-        return
-    greedy = copy.deepcopy(config)
-    greedy.do_sample = False
-    # transformers validates that sampling-only fields are unset under greedy decoding
-    greedy.temperature = greedy.top_p = greedy.top_k = greedy.min_p = None
+    processors = race_processors(config) if race else None
+    used = config
+    if processors is not None:
+        used = copy.deepcopy(config)
+        used.do_sample = False
+        # transformers validates that sampling-only fields are unset under greedy decoding
+        used.temperature = used.top_p = used.top_k = used.min_p = None
     if "generate" in vars(model):
-        raise RuntimeError("model.generate is already overridden on this instance; nested race_sampling?")
-    model.generate = functools.partial(type(model).generate, model, logits_processor=procs)
+        raise RuntimeError(
+            "model.generate is already overridden on this instance; nested rollout_generation?"
+        )
+    model.generate = functools.partial(_rollout_generate, model, tuple(eos_token_ids), processors)
     try:
-        yield greedy
+        yield used
     finally:
         del model.generate
+
+
+def _rollout_generate(
+    model: PreTrainedModel,
+    eos_token_ids: tuple[int, ...],
+    processors: LogitsProcessorList | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """`type(model).generate` with the race's processors and row ends read on the host."""
+    input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+    config = kwargs.get("generation_config") or model.generation_config
+    if processors is not None:
+        kwargs["logits_processor"] = LogitsProcessorList(
+            [*(kwargs.get("logits_processor") or []), *processors]
+        )
+    criteria = kwargs.pop("stopping_criteria", None)
+    with host_row_ends(eos_token_ids, input_ids.shape[1], config, criteria) as stopping:
+        return type(model).generate(model, *args, stopping_criteria=stopping, **kwargs)
