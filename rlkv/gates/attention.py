@@ -134,7 +134,9 @@ def mixed_attention_shared_scores(
     query [B, H, Q, D] (the last Q of K positions), key/value [B, H_kv, K, D], alpha [H_kv],
     attention_mask a 4D boolean/additive mask [B, 1, Q, >=K] or None (causal, no padding).
     Full attention sees what the mask allows; sink+local attention additionally requires the key
-    to be among the first `sink` valid keys of its row or within `local` of the query.
+    to be among the first `sink` valid keys of its row or within `local` of the query. With a mask,
+    each query's own column is the last key it may see (keys may run past the queries: the empty
+    slots of a static cache); without one, the queries are the last Q columns.
     Softmax in float32. Queries of a GQA group share their KV head's keys without copies.
     Returns [B, Q, H, D].
     """
@@ -157,14 +159,16 @@ def mixed_attention_shared_scores(
     for start in range(0, q_len, step):
         stop = min(q_len, start + step)
         rows = stop - start
-        q_pos = kv_len - q_len + torch.arange(start, stop, device=device)  # [C]
         if attention_mask is None:
+            q_pos = kv_len - q_len + torch.arange(start, stop, device=device)  # [C]
             allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, C, K]
+            in_band = ((q_pos[:, None] - k_pos[None, :]) < local)[None]  # [1, C, K]
         else:
             m = attention_mask[:, 0, start:stop, :kv_len]
             allowed = m if m.dtype == torch.bool else m == 0  # [B, C, K]
-        in_band = (q_pos[:, None] - k_pos[None, :]) < local  # [C, K]
-        allowed_local = allowed & (in_band[None] | is_sink[:, None, :])  # [B, C, K]
+            q_col = torch.where(allowed, k_pos, -1).amax(-1, keepdim=True)  # [B, C, 1]: the query's own
+            in_band = (q_col - k_pos) < local  # [B, C, K]
+        allowed_local = allowed & (in_band | is_sink[:, None, :])  # [B, C, K]
         q_rows = q[:, :, :, start:stop].reshape(bsz, n_kv, groups * rows, dim)
         scores = ((q_rows @ k_t).float() * scaling).view(bsz, n_kv, groups, rows, kv_len)
         p_full = scores.masked_fill(~allowed[:, None, None], neg).softmax(-1)
@@ -199,11 +203,15 @@ def mixed_attention_forward(
     needs_grad = torch.is_grad_enabled() and (
         alpha.requires_grad or query.requires_grad or key.requires_grad or value.requires_grad
     )
-    # Only single-token decode steps take the shared-scores path: a forward over a whole sequence
-    # (training, activation-checkpoint recomputation, scoring without gradients) always runs the same
-    # two-branch kernels, so its numbers do not depend on whether gradients are on.
-    if query.shape[2] == 1 and not needs_grad and not (dropout > 0 and module.training):
-        if stock_layers(gates)[module.layer_idx]:  # exactly the stock attention, and as fast
+    # Only cached forwards take the shared-scores path: single-token decode steps, and forwards whose
+    # keys run past their queries (a static cache's prefill: `sink_local_attention` assumes the
+    # queries are the last columns). A forward over a whole sequence (training, activation-checkpoint
+    # recomputation, scoring without gradients) always runs the same two-branch kernels, so its
+    # numbers do not depend on whether gradients are on.
+    single = query.shape[2] == 1
+    cached = single or (attention_mask is not None and key.shape[2] > query.shape[2])
+    if cached and not needs_grad and not (dropout > 0 and module.training):
+        if single and stock_layers(gates)[module.layer_idx]:  # exactly the stock attention, and as fast
             return sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout, scaling, **kwargs
             )
@@ -223,10 +231,14 @@ def stock_layers(gates: torch.nn.Module) -> list[bool]:
     """Per layer, whether every gate is >= 1 (clamped: 1, the layer is exactly the stock attention),
     as Python bools. Read from the device only when `gates.alpha` changed (a new tensor, or its
     in-place version counter moved: an optimizer step, `clamp_`, a loaded state), so a decode
-    step makes no host sync for it."""
+    step makes no host sync for it. Inside `torch.compile` the last eager reading is used."""
+    cached = getattr(gates, "_rlkv_stock_layers", None)
+    if torch.compiler.is_compiling():
+        # traced: the flags of the last eager step become constants of the graph, guarded by value
+        # (gates that change make a recompile); before any eager step, every layer takes the mix
+        return cached[1] if cached is not None else [False] * gates.alpha.shape[0]
     alpha = gates.alpha
     key = (id(alpha), alpha.data_ptr(), tensor_version(alpha))
-    cached = getattr(gates, "_rlkv_stock_layers", None)
     if cached is None or cached[0] != key:
         cached = (key, (alpha.detach() >= 1).all(dim=1).tolist())
         gates._rlkv_stock_layers = cached
