@@ -100,22 +100,30 @@ def test_random_alpha_is_per_group_mix_of_references(q_len, grad):
     assert (out - expected)[real_rows].abs().max() <= 1e-5
 
 
-def test_shared_scores_path_without_mask_is_causal():
-    """No 4D mask (no padding): the no-grad path applies causality and the band itself."""
+def test_shared_scores_path_without_mask_reads_it_as_transformers_sdpa_does():
+    """No 4D mask (no padding): the no-grad path applies causality and the band itself, reading "no
+    mask" as transformers' SDPA call does: several queries are causal from the first column (SDPA's
+    `is_causal`, how a static cache is prefilled), a single query sees every key."""
     torch.manual_seed(0)
     model = tiny_model("llama")
     gates = rlkv.attach_gates(model, sink=SINK, local=LOCAL)
     gates.alpha.data = torch.rand_like(gates.alpha)
     attn = model.model.layers[0].self_attn
     q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 11, 16), torch.randn(1, 2, 11, 16)
-    full_mask = causal_mask(torch.ones(1, 11, dtype=torch.long))[:, :, -5:]
+    causal = causal_mask(torch.ones(1, 11, dtype=torch.long))  # [1, 1, 11, 11]
     alpha = gates.alpha[0].detach()
     implicit = mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, None)
-    explicit = mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, full_mask)
-    assert (implicit - explicit).abs().max() <= 1e-6
+    top_left = mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, causal[:, :, :5])
+    assert (implicit - top_left).abs().max() <= 1e-6
+    stock = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=0.25, enable_gqa=True
+    )
+    full = mixed_attention_shared_scores(q, k, v, torch.ones(2), SINK, LOCAL, 0.25, None)
+    assert (full - stock.transpose(1, 2)).abs().max() <= 1e-5  # alpha = 1 is the stock reading
+    last = mixed_attention_shared_scores(q[:, :, -1:], k, v, alpha, SINK, LOCAL, 0.25, causal[:, :, -1:])
     with torch.no_grad():  # and a decode step through the attention function takes this path
         step, _ = mixed_attention_forward(attn, q[:, :, -1:], k, v, None, scaling=0.25)
-    assert (step[:, 0] - implicit[:, -1]).abs().max() <= 1e-6
+    assert (step - last).abs().max() <= 1e-6
 
 
 def test_cached_generation_equals_teacher_forcing(family, left_padded_batch):

@@ -109,3 +109,44 @@ def test_compiled_gated_decode_follows_gate_changes(left_padded_batch):
         assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])  # the gates matter
     finally:
         torch.compiler.reset()
+
+
+def test_gate_trainer_rollouts_decode_on_a_static_cache(tmp_path, tokenizer):
+    """`GateGRPOConfig(cache_implementation="static")` (TRL's own field) samples the gated rollouts on
+    transformers' StaticCache, the shape a CUDA graph holds, with the dynamic cache's completions."""
+    from rlkv.trainers import GateGRPOTrainer
+    from tests.test_trainer import config, prompts_dataset
+
+    sampled, caches = {}, {}
+    for implementation in ("dynamic", "static"):
+        rows = []
+
+        def reward(prompts, completions, completion_ids, rows=rows, **kwargs):
+            rows.extend(completion_ids)
+            return [0.5] * len(completion_ids)
+
+        model = tiny_model("llama")
+        trainer = GateGRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config(
+                tmp_path / implementation,
+                max_steps=1,
+                gate_init=0.5,
+                cache_implementation=None if implementation == "dynamic" else implementation,
+            ),
+            train_dataset=prompts_dataset(),
+            processing_class=tokenizer,
+        )
+        seen = set()
+
+        def hook(module, args, kwargs, seen=seen):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if cache is not None:
+                seen.add(type(cache).__name__)
+
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+        trainer.train()
+        sampled[implementation], caches[implementation] = rows, seen
+    assert caches == {"dynamic": {"DynamicCache"}, "static": {"StaticCache"}}
+    assert sampled["static"] == sampled["dynamic"] and len(sampled["static"]) == 4

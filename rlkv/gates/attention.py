@@ -136,7 +136,10 @@ def mixed_attention_shared_scores(
     Full attention sees what the mask allows; sink+local attention additionally requires the key
     to be among the first `sink` valid keys of its row or within `local` of the query. With a mask,
     each query's own column is the last key it may see (keys may run past the queries: the empty
-    slots of a static cache); without one, the queries are the last Q columns.
+    slots of a static cache). Without one, the queries read "no mask" as transformers' SDPA call
+    does: a single query sees every key (it is the last column); several are causal from the
+    first column (SDPA's `is_causal`, how transformers prefills a static cache), which are the last
+    columns when there are as many keys as queries.
     Softmax in float32. Queries of a GQA group share their KV head's keys without copies.
     Returns [B, Q, H, D].
     """
@@ -160,7 +163,8 @@ def mixed_attention_shared_scores(
         stop = min(q_len, start + step)
         rows = stop - start
         if attention_mask is None:
-            q_pos = kv_len - q_len + torch.arange(start, stop, device=device)  # [C]
+            first = kv_len - 1 if q_len == 1 else 0  # the single query's column, or SDPA's top-left
+            q_pos = first + torch.arange(start, stop, device=device)  # [C]
             allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, C, K]
             in_band = ((q_pos[:, None] - k_pos[None, :]) < local)[None]  # [1, C, K]
         else:
@@ -209,7 +213,7 @@ def mixed_attention_forward(
     # recomputation, scoring without gradients) always runs the same two-branch kernels, so its
     # numbers do not depend on whether gradients are on.
     single = query.shape[2] == 1
-    cached = single or (attention_mask is not None and key.shape[2] > query.shape[2])
+    cached = single or key.shape[2] > query.shape[2]
     if cached and not needs_grad and not (dropout > 0 and module.training):
         if single and stock_layers(gates)[module.layer_idx]:  # exactly the stock attention, and as fast
             return sdpa_attention_forward(
