@@ -111,6 +111,8 @@ def grpo_settings(args, device: torch.device, tokens: int, output_dir: str) -> d
         gradient_accumulation_steps=rows // micro,
         max_completion_length=tokens,
         generation_kwargs={"min_new_tokens": tokens, "top_k": 0},
+        # TRL's field: "static" decodes on transformers' StaticCache (compiled with CUDA graphs on CUDA)
+        cache_implementation=None if args.train_rollout_cache == "dynamic" else args.train_rollout_cache,
         activation_checkpointing=True,
         max_steps=1,
         logging_steps=1,
@@ -301,7 +303,10 @@ def suite_gpu_train(args) -> dict:
     ctrainer = timed_trainer(with_compressed_rollouts(GRPOTrainer), ctimer)(
         model=peft_model,
         reward_funcs=random_reward,
-        args=GRPOConfig(**grpo_settings(args, device, tokens, f"{tmp.name}/compressed")),
+        # its rollouts bring their own cache (a HeadMixedCache), whatever --train-rollout-cache says
+        args=GRPOConfig(
+            **{**grpo_settings(args, device, tokens, f"{tmp.name}/compressed"), "cache_implementation": None}
+        ),
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[step_callback(ctimer)],
@@ -389,6 +394,13 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--train-tokens", type=int, default=1024, help="tokens per completion (a maximum)")
     group.add_argument("--train-prompt-tokens", type=int, default=256, help="tokens per prompt (about)")
     group.add_argument("--train-sparsity", type=float, default=0.5, help="compressed-rollout sparsity")
+    group.add_argument(
+        "--train-rollout-cache",
+        choices=["dynamic", "static"],
+        default="dynamic",
+        help="the gated and plain rollouts' cache (GRPOConfig.cache_implementation); static: transformers' "
+        "StaticCache, which transformers compiles (reduce-overhead, CUDA graphs) on CUDA",
+    )
     group.add_argument("--train-memory-gb", type=float, default=80, help="memory target, GB (1e9 bytes)")
     group.add_argument(
         "--train-micro-batch",
