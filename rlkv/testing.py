@@ -211,3 +211,21 @@ def _is_sync(name: str, args: tuple, kwargs: dict) -> bool:
         device = kwargs.get("device")
         return args[0].device.type != "cpu" and device is not None and torch.device(device).type == "cpu"
     return False
+
+
+def graph_counting_compile(backend: str | None = None) -> tuple[Any, list]:
+    """(CompileConfig, graphs) for a test of transformers' compiled decode on any device: fullgraph,
+    static shapes, and a backend that records each graph dynamo captures (run eagerly, so the
+    compiled tokens equal the eager ones exactly) in `graphs`; `backend` names a torch backend
+    instead (nothing recorded). Pair with `torch._dynamo.config.patch(error_on_recompile=True)`."""
+    from transformers import CompileConfig
+
+    graphs: list = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend or record, mode=None)
+    config._compile_all_devices = True  # transformers compiles on accelerators only by default
+    return config, graphs

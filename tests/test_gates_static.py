@@ -4,10 +4,10 @@ never recompiles."""
 
 import pytest
 import torch
-from transformers import CompileConfig, StaticCache
+from transformers import StaticCache
 
 from rlkv.gates import attach_gates
-from rlkv.testing import tiny_model
+from rlkv.testing import graph_counting_compile, tiny_model
 
 SINK, LOCAL = 2, 4
 STEPS = 24
@@ -64,15 +64,8 @@ def test_compiled_gated_decode_runs_64_steps_without_recompiling(left_padded_bat
     model = gated_model(GATES[gates])
     cache = _static_cache(model, left_padded_batch, 64)
     eager = _run(model, left_padded_batch, steps=64, cache=cache, disable_compile=True).sequences
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
+    compile_config, graphs = graph_counting_compile()
     torch.compiler.reset()
-    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
-    compile_config._compile_all_devices = True  # transformers compiles on accelerators only by default
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
             for _ in range(2):  # the second request replays the same graph
@@ -92,8 +85,7 @@ def test_compiled_gated_decode_follows_gate_changes(left_padded_batch):
     model = gated_model(GATES["all-mixed"])
     gates = model.rlkv_gates
     cache = _static_cache(model, left_padded_batch, 16)
-    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
-    compile_config._compile_all_devices = True
+    compile_config, _ = graph_counting_compile(backend="eager")
     torch.compiler.reset()
     seen = []
     try:

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-from transformers import CompileConfig
 
 from rlkv.cache.static import StaticHeadMixedCache
 from rlkv.cache.static_budget import StaticCacheError
 from rlkv.head_mask import HeadMask
 from rlkv.inference import CompressionConfig, generate, make_cache
-from rlkv.testing import HostSyncCounter, tiny_model
+from rlkv.testing import HostSyncCounter, graph_counting_compile, tiny_model
 
 SINK, WINDOW = 2, 4
 STEPS = 30
@@ -243,15 +242,8 @@ def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, ca
     input_ids = left_padded_batch[0]
     cache = make_cache(model, _config(model, case), static=True, max_cache_len=input_ids.shape[1] + 64)
     eager = _run(model, left_padded_batch, cache, steps=64, disable_compile=True).sequences
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
+    compile_config, graphs = graph_counting_compile()
     torch.compiler.reset()
-    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
-    compile_config._compile_all_devices = True  # transformers compiles on accelerators only by default
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(2):  # the second request replays the same graph (same addresses, same shapes)
             compiled = _run(model, left_padded_batch, cache, steps=64, compile_config=compile_config)
