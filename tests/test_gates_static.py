@@ -8,6 +8,7 @@ from transformers import StaticCache
 
 from rlkv.gates import attach_gates
 from rlkv.testing import graph_counting_compile, tiny_model
+from tests.test_static_cache import greedy_generate
 
 SINK, LOCAL = 2, 4
 STEPS = 24
@@ -26,17 +27,8 @@ def gated_model(gates: list[list[float]]):
     return model
 
 
-def _run(model, batch, steps=STEPS, **kwargs):
-    input_ids, attention_mask = batch
-    return model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        **kwargs,
-    )
+def _run(model, batch, steps=STEPS, cache=None, **kwargs):
+    return greedy_generate(model, batch, cache, steps=steps, **kwargs)
 
 
 def _static_cache(model, batch, steps):

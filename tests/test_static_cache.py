@@ -37,7 +37,8 @@ def _config(model, case: str) -> CompressionConfig:
     return CompressionConfig(head_mask=head_mask, sink=SINK, window=WINDOW, **kwargs)
 
 
-def _run(model, batch, cache, steps=STEPS, **kwargs):
+def greedy_generate(model, batch, cache, steps=STEPS, **kwargs):
+    """Greedy `generate` of `steps` tokens for a (input_ids, attention_mask) batch on `cache` (None: dynamic)."""
     input_ids, attention_mask = batch
     return model.generate(
         input_ids=input_ids,
@@ -60,9 +61,9 @@ def test_same_tokens_logits_and_kept_positions_as_the_dynamic_cache(left_padded_
     model = tiny_model("llama")
     config = _config(model, case)
     dynamic = make_cache(model, config)
-    expected = _run(model, left_padded_batch, dynamic)
+    expected = greedy_generate(model, left_padded_batch, dynamic)
     static = make_cache(model, config, static=True, max_cache_len=left_padded_batch[0].shape[1] + STEPS)
-    got = _run(model, left_padded_batch, static)
+    got = greedy_generate(model, left_padded_batch, static)
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
     evicted = 0
@@ -87,13 +88,13 @@ def test_a_shorter_request_reuses_the_tensors_and_still_matches(left_padded_batc
     config = _config(model, case)
     input_ids, attention_mask = left_padded_batch
     static = make_cache(model, config, static=True, max_cache_len=input_ids.shape[1] + STEPS)
-    _run(model, left_padded_batch, static)
+    greedy_generate(model, left_padded_batch, static)
     addresses = [[t.data_ptr() for t in layer.buffers.values()] for layer in static.layers]
     shorter = (input_ids[:, 5:], attention_mask[:, 5:])
-    got = _run(model, shorter, static)
+    got = greedy_generate(model, shorter, static)
     assert [[t.data_ptr() for t in layer.buffers.values()] for layer in static.layers] == addresses
     dynamic = make_cache(model, config)
-    expected = _run(model, shorter, dynamic)
+    expected = greedy_generate(model, shorter, dynamic)
     assert torch.equal(got.sequences, expected.sequences)
     for dyn_layer, static_layer in zip(dynamic.layers, static.layers, strict=True):
         if dyn_layer.store is not None:
@@ -107,7 +108,7 @@ def test_streaming_keeps_sink_and_window_at_logical_positions(left_padded_batch)
     cache = make_cache(
         model, _config(model, "streaming-all-heads"), static=True, max_cache_len=input_ids.shape[1] + STEPS
     )
-    _run(model, left_padded_batch, cache)
+    greedy_generate(model, left_padded_batch, cache)
     length = input_ids.shape[1] + STEPS - 1  # the last token is sampled, never fed
     for layer in cache.layers:
         for row, heads in enumerate(_position_sets(layer.kept_positions())):
@@ -123,7 +124,7 @@ def test_sparsity0_token_identical_to_plain_generate(model, left_padded_batch):
     )
     config = CompressionConfig(head_mask=_mixed_mask(model), sparsity=0.0)
     cache = make_cache(model, config, static=True, max_cache_len=input_ids.shape[1] + 24)
-    assert torch.equal(_run(model, left_padded_batch, cache, steps=24).sequences, plain)
+    assert torch.equal(greedy_generate(model, left_padded_batch, cache, steps=24).sequences, plain)
 
 
 def _capacity(model, cache: StaticHeadMixedCache, batch: int, width: int) -> int:
@@ -153,11 +154,11 @@ def test_resident_bytes_equal_the_analytic_capacity(left_padded_batch, case):
     model = tiny_model("llama")
     input_ids = left_padded_batch[0]
     cache = make_cache(model, _config(model, case), static=True, max_cache_len=input_ids.shape[1] + STEPS)
-    _run(model, left_padded_batch, cache)
+    greedy_generate(model, left_padded_batch, cache)
     expected = _capacity(model, cache, *input_ids.shape)
     assert cache.resident_bytes() == expected
     dynamic = make_cache(model, _config(model, case))
-    _run(model, left_padded_batch, dynamic)
+    greedy_generate(model, left_padded_batch, dynamic)
     assert cache.resident_bytes() < dynamic.full_resident_bytes()  # compression is real
 
 
@@ -166,10 +167,10 @@ def test_rows_are_independent(left_padded_batch):
     config = _config(model, "rkv")
     input_ids, attention_mask = left_padded_batch
     cache = make_cache(model, config, static=True, max_cache_len=input_ids.shape[1] + STEPS)
-    batched = _run(model, left_padded_batch, cache).sequences[:, input_ids.shape[1] :]
+    batched = greedy_generate(model, left_padded_batch, cache).sequences[:, input_ids.shape[1] :]
     for row in range(input_ids.shape[0]):
         real = input_ids[row, attention_mask[row].bool()][None]
-        alone = _run(model, (real, torch.ones_like(real)), cache).sequences[0, real.shape[1] :]
+        alone = greedy_generate(model, (real, torch.ones_like(real)), cache).sequences[0, real.shape[1] :]
         assert torch.equal(alone, batched[row])
 
 
@@ -198,10 +199,10 @@ def test_lengths_beyond_max_cache_len_are_refused(left_padded_batch):
         make_cache(model, config, static=True)
     short = make_cache(model, config, static=True, max_cache_len=input_ids.shape[1] - 1)
     with pytest.raises(StaticCacheError, match="max_cache_len="):
-        _run(model, left_padded_batch, short)
+        greedy_generate(model, left_padded_batch, short)
     tight = make_cache(model, config, static=True, max_cache_len=input_ids.shape[1] + 2)
     with pytest.raises(StaticCacheError, match="max_cache_len="):
-        _run(model, left_padded_batch, tight, steps=4)
+        greedy_generate(model, left_padded_batch, tight, steps=4)
 
 
 @pytest.mark.parametrize("case", ["streaming", "rkv", "snapkv", "knorm", "sink-recent"])
@@ -241,12 +242,14 @@ def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, ca
     model = tiny_model("llama")
     input_ids = left_padded_batch[0]
     cache = make_cache(model, _config(model, case), static=True, max_cache_len=input_ids.shape[1] + 64)
-    eager = _run(model, left_padded_batch, cache, steps=64, disable_compile=True).sequences
+    eager = greedy_generate(model, left_padded_batch, cache, steps=64, disable_compile=True).sequences
     compile_config, graphs = graph_counting_compile()
     torch.compiler.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(2):  # the second request replays the same graph (same addresses, same shapes)
-            compiled = _run(model, left_padded_batch, cache, steps=64, compile_config=compile_config)
+            compiled = greedy_generate(
+                model, left_padded_batch, cache, steps=64, compile_config=compile_config
+            )
             assert torch.equal(compiled.sequences, eager)
     assert len(graphs) == 1
     torch.compiler.reset()
@@ -302,7 +305,7 @@ def test_one_cache_serves_requests_in_and_out_of_inference_mode(left_padded_batc
     input_ids = left_padded_batch[0]
     cache = make_cache(model, _config(model, "rkv"), static=True, max_cache_len=input_ids.shape[1] + 12)
     with torch.inference_mode():
-        inside = _run(model, left_padded_batch, cache, steps=12).sequences
+        inside = greedy_generate(model, left_padded_batch, cache, steps=12).sequences
     with torch.no_grad():
-        outside = _run(model, left_padded_batch, cache, steps=12).sequences
+        outside = greedy_generate(model, left_padded_batch, cache, steps=12).sequences
     assert torch.equal(inside, outside)
