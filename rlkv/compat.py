@@ -105,6 +105,7 @@ GATE_TRAINER_API = PrivateAPI(
         "generation_config",
         "use_vllm",
         "use_transformers_continuous_batching",
+        "eos_token_ids",
     ),
 )
 
