@@ -217,6 +217,12 @@ def test_mask_nll_solutions_from_an_eval_folder_scores_its_rows_below_the_cap(tm
     assert doc["increase"]["random-mask@0"]["0.0"] == 0.0 and doc["increase"]["random-mask@0"]["1.0"] > 0
     assert cli_main([*argv, "--sparsities", "1", "--sink", "1", "--out", str(out), "--no-progress"]) == 0
     assert (json.loads(out.read_text())["sink"], json.loads(out.read_text())["local"]) == (1, 4)
+    # --dtype overrides the recipe's (a CPU without bf16 screens in float32), and the table says which
+    for dtype in ("bfloat16", "float32"):
+        assert (
+            cli_main([*argv, "--sparsities", "1", "--dtype", dtype, "--out", str(out), "--no-progress"]) == 0
+        )
+        assert json.loads(out.read_text())["dtype"] == dtype
 
 
 @pytest.mark.parametrize(

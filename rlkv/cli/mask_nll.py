@@ -34,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "1) and print the teacher-forced NLL increase (nats/token) over full KV: the smaller, the more of the "
         "solutions the mask keeps. A cheap screen of masks (learned checkpoints, ablation, random) before "
         "an `rlkv eval` run. With --solutions-from, the solutions are an eval folder's own full-KV rows (no "
-        "generation; model, prompts, sink and window from the eval recipe).",
+        "generation; model, prompts, dtype, sink and window from the eval recipe; --dtype, --sink and --local "
+        "override the last three).",
     )
     add_solution_args(parser, required=False)
     parser.add_argument(
@@ -124,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             "num_tokens": tokens,
             "sink": sink,
             "local": local,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "problems": source,
             "num_problems": num_problems,
             "increase": {name: {str(s): v for s, v in row.items()} for name, row in increases.items()},
@@ -141,7 +143,10 @@ def _eval_solutions(
     from rlkv.eval.solutions import full_kv_solutions
     from rlkv.inference import load
 
-    given = [k for k, default in args.generation_defaults.items() if getattr(args, k) != default]
+    # --dtype may override the recipe's: a screen on a CPU without bf16 runs every mask in float32
+    given = [
+        k for k, default in args.generation_defaults.items() if k != "dtype" and getattr(args, k) != default
+    ]
     if given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
         raise UserInputError(
@@ -149,7 +154,8 @@ def _eval_solutions(
         )
     cfg = EvalConfig.from_yaml(args.solutions_from)
     args.benchmark = args.benchmark or cfg.benchmarks[0]
-    model, tokenizer = load(cfg.model, dtype=cfg.dtype, device=args.device)
+    dtype = cfg.dtype if args.dtype == args.generation_defaults["dtype"] else args.dtype
+    model, tokenizer = load(cfg.model, dtype=dtype, device=args.device)
     return (
         model,
         full_kv_solutions(cfg, tokenizer, args.benchmark, args.num),
