@@ -131,7 +131,7 @@ def mixed_attention_shared_scores(
 ) -> torch.Tensor:
     """The gated mix from one set of scores per query chunk (no autograd graph kept).
 
-    query [B, H, Q, D] (the last Q of K positions), key/value [B, H_kv, K, D], alpha [H_kv],
+    query [B, H, Q, D] (Q query positions among K key columns), key/value [B, H_kv, K, D], alpha [H_kv],
     attention_mask a 4D boolean/additive mask [B, 1, Q, >=K] or None (causal, no padding).
     Full attention sees what the mask allows; sink+local attention additionally requires the key
     to be among the first `sink` valid keys of its row or within `local` of the query. With a mask,
