@@ -138,7 +138,8 @@ def test_temp_dir_is_removed_even_when_the_caller_is_killed(tmp_path):
     caller = subprocess.Popen([sys.executable, "-c", code], env=env)
     try:
         deadline = time.monotonic() + 30
-        while not (_alive_with_marker("324.5") and list(tmp_path.iterdir())):
+        # tempfile probes TMPDIR with a short-lived file before the supervisor makes its dir: wait for the dir
+        while not (_alive_with_marker("324.5") and any(p.is_dir() for p in tmp_path.iterdir())):
             assert time.monotonic() < deadline, "the program never started"
             time.sleep(0.05)
         assert [p.name[: len("rlkv-code-")] for p in tmp_path.iterdir()] == ["rlkv-code-"]
