@@ -297,13 +297,15 @@ def suite_gpu_train(args) -> dict:
         policy="streaming",
         sink=sink,
         window=local,
+        # --train-rollout-cache static: rlkv's static-shape cache, compiled with CUDA graphs on CUDA
+        static_cache=args.train_rollout_cache == "static",
     )
     peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     ctimer = PartTimer(device)
     ctrainer = timed_trainer(with_compressed_rollouts(GRPOTrainer), ctimer)(
         model=peft_model,
         reward_funcs=random_reward,
-        # its rollouts bring their own cache (a HeadMixedCache), whatever --train-rollout-cache says
+        # its rollouts bring their own cache (rlkv's, dynamic or static as --train-rollout-cache says)
         args=GRPOConfig(
             **{**grpo_settings(args, device, tokens, f"{tmp.name}/compressed"), "cache_implementation": None}
         ),
@@ -319,6 +321,7 @@ def suite_gpu_train(args) -> dict:
     compressed.update(
         rollout=rollout_part(ctimer, 0),
         rollout_loop=compressed_loop,
+        rollout_cache="static" if ctrainer.rollout_generator.kept_static_cache is not None else "dynamic",
         resident_kv_bytes=kv.resident_bytes,
         peak_kv_bytes=kv.peak_bytes,
         full_kv_bytes=kv.full_resident_bytes,
@@ -398,8 +401,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "--train-rollout-cache",
         choices=["dynamic", "static"],
         default="dynamic",
-        help="the gated and plain rollouts' cache (GRPOConfig.cache_implementation); static: transformers' "
-        "StaticCache, which transformers compiles (reduce-overhead, CUDA graphs) on CUDA",
+        help="the rollouts' cache: gated and plain through GRPOConfig.cache_implementation (static: "
+        "transformers' StaticCache), compressed through CompressedRolloutConfig.static_cache (static: rlkv's "
+        "StaticHeadMixedCache); transformers compiles static decode steps (reduce-overhead, CUDA graphs) on CUDA",
     )
     group.add_argument("--train-memory-gb", type=float, default=80, help="memory target, GB (1e9 bytes)")
     group.add_argument(

@@ -79,6 +79,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--rollout-cache",
+        choices=["auto", "static", "dynamic"],
+        default="auto",
+        help="the compressed rollouts' cache: auto = static-shape (compiled, CUDA graphs) on CUDA, else dynamic",
+    )
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     args = parser.parse_args()
 
@@ -110,6 +116,7 @@ def main() -> None:
         kv_cap_bytes=int(args.kv_cap_mib * 2**20),
         batch_size=args.batch_size,
         seed=args.seed,
+        static_cache={"auto": None, "static": True, "dynamic": False}[args.rollout_cache],
     )
     print(report.to_markdown())
     if args.out:

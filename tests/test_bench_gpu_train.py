@@ -137,7 +137,10 @@ def test_a_spent_budget_shortens_the_rollouts_and_skips_the_compressed_step(tmp_
 
 def test_quick_run_on_a_static_rollout_cache(tmp_path):
     """`--train-rollout-cache static`: the gated and plain rollouts decode on transformers' StaticCache
-    (TRL's `cache_implementation`), with no host sync per step of the gated rollout loop."""
+    (TRL's `cache_implementation`), the compressed ones on rlkv's static cache, with no host sync per
+    step of the gated and compressed rollout loops."""
     r, _ = _quick(tmp_path, "--train-rollout-cache", "static")
     assert r["gated"]["rollout_loop"]["host_syncs_per_step"] == 0
+    assert r["compressed"]["rollout_loop"]["host_syncs_per_step"] == 0
+    assert r["compressed"]["rollout_cache"] == "static"
     assert r["gated"]["rollout"]["tokens_per_second"] > 0 and r["plain"]["rollout"]["tokens_per_second"] > 0

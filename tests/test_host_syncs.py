@@ -181,7 +181,8 @@ def test_compressed_rollouts_read_finished_rows_every_few_steps(make_model, toke
     from transformers import GenerationConfig
 
     from rlkv.inference.api import ROW_END_READ_EVERY
-    from rlkv.rollout.compressed import CompressedRolloutConfig, generate_rollouts
+    from rlkv.rollout.compressed import CompressedRolloutConfig
+    from rlkv.rollout.generation import generate_rollouts
 
     model = make_model("llama")
     enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)

@@ -12,7 +12,7 @@ from rlkv.gates import attach_gates
 from rlkv.head_mask import HeadMask, HeadMaskError
 from rlkv.inference import CompressionConfigError
 from rlkv.rollout import CompressedRolloutConfig, with_compressed_rollouts
-from rlkv.rollout.compressed import generate_rollouts
+from rlkv.rollout.generation import generate_rollouts
 
 PROMPTS = ["let x be 3 then x + 4", "solve the following math problem", "1 + 2 = 3. 2 * 3 = 6", "wait"]
 ELEM = 4  # fp32 bytes

@@ -1,6 +1,7 @@
 """Rollout KV memory report (rlkv.rollout.memory): compressed vs full, every number from real runs."""
 
 import json
+from dataclasses import astuple
 
 import pytest
 
@@ -81,3 +82,30 @@ def test_importance_ratio_measures_the_compressed_vs_full_attention_mismatch(mak
     # streaming heads that dropped tokens: rollout and loss see different distributions
     assert evicting.mean_abs_logp_diff > 100 * max(exact.mean_abs_logp_diff, 1e-6)
     assert evicting.min < 1 < evicting.max
+
+
+def test_report_on_the_static_cache_counts_its_capacity(make_model, tokenizer):
+    """With the static-shape cache the compressed rollouts' resident and peak bytes are the tensors it
+    allocated (capacity: full heads hold every column it can take), and the report names the cache;
+    the sampled tokens' importance ratios are the dynamic cache's."""
+    model = make_model("llama")
+    compression = CompressedRolloutConfig(head_mask=HeadMask.random(model), sparsity=0.5, sink=2, window=8)
+    reports = {
+        static: measure_rollout_memory(
+            model,
+            tokenizer,
+            PROMPTS,
+            compression,
+            max_new_tokens=40,
+            kv_cap_bytes=2**30,
+            batch_size=3,
+            max_batch_limit=3,
+            static_cache=static,
+        )
+        for static in (False, True)
+    }
+    static, dynamic = reports[True], reports[False]
+    assert (static.compression["cache"], dynamic.compression["cache"]) == ("static", "dynamic")
+    assert static.compressed.peak_bytes == static.compressed.resident_bytes > dynamic.compressed.resident_bytes
+    assert static.full == dynamic.full  # the full reference is a stock DynamicCache either way
+    assert astuple(static.importance_ratio) == pytest.approx(astuple(dynamic.importance_ratio), abs=1e-5)

@@ -313,14 +313,19 @@ def _stats_readers(
     return cache.get_seq_length, (lambda length: full_cache_stats(cache, attention_mask, length))
 
 
-def _make_generate_cache(
+def make_decode_cache(
     model: PreTrainedModel,
     compression: CompressionConfig | None,
     static_cache: bool | None,
     device: torch.device,
     max_cache_len: int,
 ) -> HeadMixedCache | StaticHeadMixedCache | None:
-    """The cache `generate` reuses for every batch (None: plain full cache); see its `static_cache`."""
+    """The compressed cache to decode with (None: no compression, the caller's plain full cache).
+
+    static_cache None: a `StaticHeadMixedCache` of `max_cache_len` columns on CUDA when the layout has
+    a static form, else the dynamic `HeadMixedCache`; True: the static cache on any device
+    (`StaticCacheError` for a layout without a static form); False: the dynamic cache.
+    """
     if compression is None:
         if static_cache:
             raise StaticCacheError(
@@ -334,6 +339,15 @@ def _make_generate_cache(
             if static_cache:
                 raise
     return make_cache(model, compression)
+
+
+def decode_compile_config(cache: Any, device: torch.device) -> CompileConfig | None:
+    """transformers' compile settings for decoding with `cache`: a static cache on CUDA is compiled
+    whole (`fullgraph=True, dynamic=False`, CUDA graphs through mode="reduce-overhead"; the prefill
+    stays eager); None (eager) otherwise."""
+    if isinstance(cache, StaticHeadMixedCache) and device.type == "cuda":
+        return CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
+    return None
 
 
 def generate(
@@ -385,14 +399,11 @@ def generate(
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
     device = next(model.parameters()).device
-    cache = _make_generate_cache(
+    cache = make_decode_cache(
         model, compression, static_cache, device, max(map(len, encoded), default=0) + max_new_tokens
     )
-    compile_kwargs = {}
-    if isinstance(cache, StaticHeadMixedCache) and device.type == "cuda":
-        compile_kwargs["compile_config"] = CompileConfig(
-            fullgraph=True, dynamic=False, mode="reduce-overhead"
-        )
+    compile_config = decode_compile_config(cache, device)
+    compile_kwargs = {} if compile_config is None else {"compile_config": compile_config}
     if seed is not None:
         torch.manual_seed(seed)
     sampling = (

@@ -19,10 +19,11 @@ subclass for any `GRPOTrainer` subclass, so it composes with other customised tr
 
 What changes, per rollout (TRL's transformers path, `use_vllm=False`)
 ---------------------------------------------------------------------
-- `generate` runs with a fresh `HeadMixedCache` from `rlkv.inference.make_cache` passed as
-  `past_key_values`, the model in eval mode and the "rlkv_cache" attention; the previous
-  attention implementation and train/eval mode are restored right after, so the loss forward
-  is the stock full-attention forward on the generated tokens.
+- `generate` runs with a compressed cache passed as its cache (`rlkv.rollout.generation.RolloutGenerator`:
+  a fresh `HeadMixedCache` per rollout, or on CUDA a `StaticHeadMixedCache` the trainer keeps
+  between rollouts and a compiled, CUDA-graphed decode step), the model in eval mode and the
+  "rlkv_cache" attention; the previous attention implementation and train/eval mode are restored
+  right after, so the loss forward is the stock full-attention forward on the generated tokens.
 - Per rollout the cache's resident bytes (read from tensor storage), the peak between decode
   steps, the full-cache equivalent, kept tokens and evictions go to TRL's metrics as
   `rollout_kv/*`.
@@ -48,17 +49,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig
 
-from rlkv.cache import CacheStats, HeadMixedCache, storage_bytes
-from rlkv.compat import (
-    COMPRESSED_ROLLOUT_API,
-    cache_kwargs,
-    check_attributes,
-    check_private_api,
-)
-from rlkv.inference import CompressionConfig, CompressionConfigError, make_cache
-from rlkv.inference.api import host_row_ends
+from rlkv.cache import CacheStats
+from rlkv.compat import COMPRESSED_ROLLOUT_API, check_attributes, check_private_api
+from rlkv.inference import CompressionConfig, CompressionConfigError
+from rlkv.rollout.generation import RolloutGenerator
 
 
 @dataclasses.dataclass
@@ -69,9 +64,13 @@ class CompressedRolloutConfig(CompressionConfig):
         importance-sampling code (truncated or masked, per token or sequence: GRPOConfig's
         `vllm_importance_sampling_mode`, bounds `vllm_importance_sampling_clip_min/_clip_max`).
         Costs one extra no-grad forward per generation batch, as with vLLM.
+    static_cache: None (default) decodes rollouts with the static-shape cache, compiled with CUDA
+        graphs, on CUDA when the layout has a static form (the dynamic cache otherwise); True uses
+        it on any device, False never (`rlkv.rollout.generation.RolloutGenerator`).
     """
 
     importance_sampling_correction: bool = True
+    static_cache: bool | None = None
 
     def validate(self) -> None:
         """`CompressionConfig.validate` plus the rollout fields."""
@@ -79,6 +78,10 @@ class CompressedRolloutConfig(CompressionConfig):
         if not isinstance(self.importance_sampling_correction, bool):
             raise CompressionConfigError(
                 f"importance_sampling_correction={self.importance_sampling_correction!r}: must be True or False"
+            )
+        if self.static_cache not in (None, True, False):
+            raise CompressionConfigError(
+                f"static_cache={self.static_cache!r}: must be None (static on CUDA), True or False"
             )
 
 
@@ -88,173 +91,13 @@ class CompressedRolloutConfig(CompressionConfig):
 RolloutKVStats = CacheStats
 
 
-@dataclasses.dataclass
-class RolloutBatch:
-    """Completions of one `generate_rollouts` call.
-
-    completion_ids[i]: generated tokens of row i up to and including its first EOS (TRL's rule);
-    logprobs[i]: log-softmax(raw logits / temperature) of those tokens; kv: memory stats.
-    """
-
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]
-    kv: CacheStats
-
-
-class SampledLogprobRecorder:
-    """Forward hook recording log p(sampled token) under `logits / temperature`, one [B] column per step.
-
-    It reads the model's raw last-position logits (before generate's logits processors and
-    warpers: what TRL's loss evaluates); the token sampled after forward t arrives as the
-    `input_ids` of forward t + 1 (the last one in `finish`), so only one [B, vocab] row is kept.
-    """
-
-    def __init__(self, temperature: float) -> None:
-        self.temperature = float(temperature)
-        self.columns: list[torch.Tensor] = []
-        self.pending: torch.Tensor | None = None
-
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        if self.pending is not None:
-            self.columns.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.pending = torch.log_softmax(output.logits[:, -1].float() / self.temperature, dim=-1)
-
-    def finish(self, completion_ids: torch.Tensor) -> torch.Tensor:
-        """FloatTensor [B, N] for the N generated tokens `completion_ids` [B, N]."""
-        num = completion_ids.shape[1]
-        if len(self.columns) < num and self.pending is not None:
-            self.columns.append(self.pending.gather(1, completion_ids[:, num - 1 : num]).squeeze(1))
-        self.pending = None
-        if num == 0:
-            return torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
-        return torch.stack(self.columns[:num], dim=1)
-
-
-def kv_storage_bytes(cache: Any) -> int:
-    """Bytes held by a KV cache's tensors, read from their storage (HeadMixedCache or a stock Cache)."""
-    if isinstance(cache, HeadMixedCache):
-        return cache.resident_bytes()
-    return storage_bytes([t for layer in cache.layers for t in (layer.keys, layer.values)])
-
-
-@contextlib.contextmanager
-def track_peak_kv_bytes(model: torch.nn.Module, cache: Any) -> Iterator[list[int]]:
-    """Context: yields a one-element list holding the largest `kv_storage_bytes(cache)` after any forward."""
-    peak = [0]
-
-    def after_forward(module, args, output):
-        peak[0] = max(peak[0], kv_storage_bytes(cache))
-
-    handle = model.register_forward_hook(after_forward)
-    try:
-        yield peak
-    finally:
-        handle.remove()
-
-
-def transformers_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers `PreTrainedModel` inside a PEFT wrapper (or `model` itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-@contextlib.contextmanager
-def rollout_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Eval mode during generation; restores train mode and the attention implementation afterwards."""
-    base = transformers_model(model)
-    attention = base.config._attn_implementation
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        if base.config._attn_implementation != attention:
-            base.set_attn_implementation(attention)
-        model.train(was_training)
-
-
-def first_eos_lengths(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
-    """LongTensor [B]: tokens kept per row = up to and including the first EOS (all if none)."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
-    lengths = torch.full((completion_ids.shape[0],), completion_ids.shape[1], device=completion_ids.device)
-    has_eos = is_eos.any(dim=1)
-    lengths[has_eos] = is_eos.int().argmax(dim=1)[has_eos] + 1
-    return lengths
-
-
-def generate_rollouts(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    generation_config: GenerationConfig,
-    compression: CompressionConfig | None,
-    *,
-    temperature: float,
-    eos_token_ids: list[int],
-) -> RolloutBatch:
-    """Sample completions for left-padded `input_ids` [B, P] with a compressed (or, None, a stock) KV cache.
-
-    `model` may be PEFT-wrapped. With `compression` a fresh `HeadMixedCache` serves this call;
-    without, a stock `DynamicCache` under the model's own attention (the full-cache reference).
-    Runs under no_grad in eval mode; attention implementation and mode are restored afterwards.
-    """
-    base = transformers_model(model)
-    recorder = SampledLogprobRecorder(temperature)
-    with torch.no_grad(), rollout_mode(model):
-        if compression is None:
-            cache = DynamicCache(config=base.config)
-        else:
-            cache = make_cache(base, compression, batch_size=input_ids.shape[0])
-        hook = base.register_forward_hook(recorder, with_kwargs=True)
-        try:
-            # rows seen ended every few steps, not read every step
-            stop = host_row_ends(eos_token_ids, input_ids.shape[1], generation_config)
-            with track_peak_kv_bytes(base, cache) as peak, stop as stopping:
-                sequences = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    generation_config=generation_config,
-                    stopping_criteria=stopping,
-                    **cache_kwargs(cache),
-                )
-        finally:
-            hook.remove()
-        stats = _kv_stats(cache, peak[0], input_ids.shape[0])
-        del cache
-    completion = sequences[:, input_ids.shape[1] :]
-    logprobs = recorder.finish(completion)
-    lengths = first_eos_lengths(completion, eos_token_ids).tolist()
-    completion_ids = [row[:n] for row, n in zip(completion.tolist(), lengths, strict=True)]
-    row_logprobs = [row[:n] for row, n in zip(logprobs.tolist(), lengths, strict=True)]
-    return RolloutBatch(completion_ids=completion_ids, logprobs=row_logprobs, kv=stats)
-
-
-def _kv_stats(cache: Any, peak: int, batch_size: int) -> CacheStats:
-    resident = kv_storage_bytes(cache)
-    if isinstance(cache, HeadMixedCache):
-        rows = cache.stats()
-        full = cache.full_resident_bytes()
-        kept, evictions = sum(r.kept_tokens for r in rows), sum(r.evictions for r in rows)
-    else:
-        full, evictions = resident, 0
-        kept = sum(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in cache.layers)
-    return CacheStats(
-        resident_bytes=resident,
-        full_resident_bytes=full,
-        logical_length=cache.get_seq_length(),
-        kept_tokens=kept,
-        evictions=evictions,
-        peak_bytes=max(peak, resident),
-        batch_size=batch_size,
-    )
-
-
 class CompressedRolloutTrainerMixin:
     """GRPOTrainer mixin: rollouts with a head-mixed compressed KV cache (see the module docstring).
 
     Extra constructor argument `rollout_compression: CompressedRolloutConfig | None`; None keeps
     the stock trainer's behaviour. The head mask is loaded and checked against the model (the
-    PEFT base model's config) at construction.
+    PEFT base model's config) at construction. `rollout_generator` (a `RolloutGenerator`) samples
+    every rollout and keeps a static cache between them.
     """
 
     def __init__(self, *args: Any, rollout_compression: CompressedRolloutConfig | None = None, **kwargs: Any):
@@ -279,6 +122,9 @@ class CompressedRolloutTrainerMixin:
             rollout_compression, head_mask=rollout_compression.resolve_head_mask(base)
         )
         self._rollout_cache_config.full_heads(base)
+        self.rollout_generator = RolloutGenerator(
+            self._rollout_cache_config, rollout_compression.static_cache
+        )
         self.vllm_importance_sampling_correction = rollout_compression.importance_sampling_correction
 
     def _refuse_unsupported_setup(self) -> None:
@@ -332,12 +178,11 @@ class CompressedRolloutTrainerMixin:
             ) as unwrapped_model,
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
         ):
-            batch = generate_rollouts(
+            batch = self.rollout_generator(
                 unwrapped_model,
                 input_ids,
                 attention_mask,
                 self.generation_config,
-                self._rollout_cache_config,
                 temperature=self.temperature,
                 eos_token_ids=self.eos_token_ids,
             )

@@ -31,7 +31,7 @@ from transformers import GenerationConfig
 
 from rlkv._io import atomic_write_text
 from rlkv.inference import CompressionConfig
-from rlkv.rollout.compressed import generate_rollouts
+from rlkv.rollout.generation import RolloutGenerator
 
 
 @dataclass
@@ -134,9 +134,12 @@ class RolloutMemoryReport:
 class _RolloutProbe:
     """Runs rollout batches of a given size with one cache kind and remembers their peaks."""
 
-    def __init__(self, model, prompt_ids, generation_config, compression, temperature, eos, seed):
+    def __init__(
+        self, model, prompt_ids, generation_config, compression, temperature, eos, seed, static_cache
+    ):
         self.model, self.prompt_ids, self.generation_config = model, prompt_ids, generation_config
-        self.compression, self.temperature, self.eos, self.seed = compression, temperature, eos, seed
+        self.temperature, self.eos, self.seed = temperature, eos, seed
+        self.generator = RolloutGenerator(compression, static_cache)  # a static cache is kept between runs
         self.peaks: dict[int, int] = {}
 
     def run(self, batch_size: int):
@@ -158,12 +161,11 @@ class _RolloutProbe:
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
         torch.manual_seed(self.seed)
-        batch = generate_rollouts(
+        batch = self.generator(
             self.model,
             input_ids,
             attention_mask,
             self.generation_config,
-            self.compression,
             temperature=self.temperature,
             eos_token_ids=self.eos,
         )
@@ -205,12 +207,15 @@ def measure_rollout_memory(
     temperature: float = 1.0,
     seed: int = 0,
     max_batch_limit: int = 4096,
+    static_cache: bool | None = None,
 ) -> RolloutMemoryReport:
     """Measure rollout KV memory with a full and a compressed cache (see the module docstring).
 
     prompts: user messages, rendered with the tokenizer's chat template and cycled to fill a
     batch. batch_size: rollouts in the reference run. kv_cap_bytes: the KV memory cap.
-    max_batch_limit: stop probing above this batch size.
+    max_batch_limit: stop probing above this batch size. static_cache: the compressed rollouts' cache,
+    as `RolloutGenerator` takes it (None: the static-shape cache on CUDA, whose resident bytes are its
+    allocated capacity); the report's `compression["cache"]` says which one ran.
     """
     if kv_cap_bytes <= 0 or batch_size < 1 or max_new_tokens < 1 or not prompts:
         raise ValueError(
@@ -236,11 +241,21 @@ def measure_rollout_memory(
     )
     results, ratio = {}, None
     for name, cache_config in (("full", None), ("compressed", compression)):
-        probe = _RolloutProbe(model, prompt_ids, generation_config, cache_config, temperature, [eos], seed)
+        probe = _RolloutProbe(
+            model,
+            prompt_ids,
+            generation_config,
+            cache_config,
+            temperature,
+            [eos],
+            seed,
+            None if cache_config is None else static_cache,
+        )
         batch, device_peak, peak_allocated = probe.run(batch_size)
         kv = batch.kv
         if cache_config is not None:
             ratio = importance_ratio(model, *probe.last_inputs, batch, temperature)
+            kind = "static" if probe.generator.kept_static_cache is not None else "dynamic"
         per_sequence = kv.peak_bytes / batch_size
         max_batch = probe.max_batch(kv_cap_bytes, per_sequence, max_batch_limit)
         results[name] = CacheMemory(
@@ -270,6 +285,7 @@ def measure_rollout_memory(
             "sink": compression.sink,
             "window": compression.window,
             "protect_prompt": compression.protect_prompt,
+            "cache": kind,
         },
         full=results["full"],
         compressed=results["compressed"],
