@@ -106,6 +106,8 @@ def test_report_on_the_static_cache_counts_its_capacity(make_model, tokenizer):
     }
     static, dynamic = reports[True], reports[False]
     assert (static.compression["cache"], dynamic.compression["cache"]) == ("static", "dynamic")
-    assert static.compressed.peak_bytes == static.compressed.resident_bytes > dynamic.compressed.resident_bytes
+    assert (
+        static.compressed.peak_bytes == static.compressed.resident_bytes > dynamic.compressed.resident_bytes
+    )
     assert static.full == dynamic.full  # the full reference is a stock DynamicCache either way
     assert astuple(static.importance_ratio) == pytest.approx(astuple(dynamic.importance_ratio), abs=1e-5)
