@@ -49,6 +49,21 @@ def dataset(prompts=PROMPTS):
     return Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in prompts])
 
 
+def compressed_trainer(tmp_path, model, tokenizer, compression, prompts=PROMPTS, **kwargs):
+    """`with_compressed_rollouts(GRPOTrainer)` on `dataset(prompts)` with `reward_len`; `grpo_args`
+    overrides go in `args`, any other keyword to the trainer."""
+    args = kwargs.pop("args", None) or grpo_args(tmp_path)
+    return with_compressed_rollouts(GRPOTrainer)(
+        model=model,
+        args=args,
+        reward_funcs=reward_len,
+        train_dataset=dataset(prompts),
+        processing_class=tokenizer,
+        rollout_compression=compression,
+        **kwargs,
+    )
+
+
 def logged(trainer, key):
     return [rec[key] for rec in trainer.state.log_history if key in rec]
 
@@ -84,15 +99,11 @@ def test_sparsity_zero_trains_exactly_like_stock_grpo(tmp_path, make_model, toke
 
     model = make_model(family)
     mask = HeadMask.random(model, seed=1)
-    trainer = with_compressed_rollouts(GRPOTrainer)(
-        model=model,
-        args=grpo_args(tmp_path),
-        reward_funcs=reward_len,
-        train_dataset=dataset(),
-        processing_class=tokenizer,
-        rollout_compression=CompressedRolloutConfig(
-            head_mask=mask, sparsity=0.0, importance_sampling_correction=False
-        ),
+    trainer = compressed_trainer(
+        tmp_path,
+        model,
+        tokenizer,
+        CompressedRolloutConfig(head_mask=mask, sparsity=0.0, importance_sampling_correction=False),
     )
     trainer.train()
 
@@ -276,28 +287,24 @@ def test_lora_compressed_rollouts_train_with_importance_sampling(tmp_path, make_
 def test_head_mask_of_another_model_is_refused_at_construction(tmp_path, make_model, tokenizer):
     other = HeadMask.random(make_model("llama", num_hidden_layers=3))
     with pytest.raises(HeadMaskError, match="num_hidden_layers: mask has 3, model has 2"):
-        with_compressed_rollouts(GRPOTrainer)(
-            model=make_model("llama"),
-            args=grpo_args(tmp_path),
-            reward_funcs=reward_len,
-            train_dataset=dataset(),
-            processing_class=tokenizer,
+        compressed_trainer(
+            tmp_path,
+            make_model("llama"),
+            tokenizer,
+            CompressedRolloutConfig(head_mask=other, sparsity=0.5),
             peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
-            rollout_compression=CompressedRolloutConfig(head_mask=other, sparsity=0.5),
         )
 
 
 def test_rlkv_authors_tsv_folder_is_read_against_the_peft_base_model(tmp_path, make_model, tokenizer):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "adapter_weights.tsv").write_text("0.9\t-0.002\n0.1\t0.7\n")
-    trainer = with_compressed_rollouts(GRPOTrainer)(
-        model=make_model("llama"),
-        args=grpo_args(tmp_path),
-        reward_funcs=reward_len,
-        train_dataset=dataset(),
-        processing_class=tokenizer,
+    trainer = compressed_trainer(
+        tmp_path,
+        make_model("llama"),
+        tokenizer,
+        CompressedRolloutConfig(head_mask=str(tmp_path / "run"), sparsity=0.5),
         peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
-        rollout_compression=CompressedRolloutConfig(head_mask=str(tmp_path / "run"), sparsity=0.5),
     )
     mask = trainer._rollout_cache_config.head_mask
     assert mask.metadata["format"] == "rlkv-authors"
@@ -309,26 +316,17 @@ def test_unsupported_setups_are_refused(tmp_path, make_model, tokenizer):
         raise AssertionError("never called")
 
     with pytest.raises(ValueError, match="rollout_func"):
-        with_compressed_rollouts(GRPOTrainer)(
-            model=make_model("llama"),
-            args=grpo_args(tmp_path),
-            reward_funcs=reward_len,
-            train_dataset=dataset(),
-            processing_class=tokenizer,
+        compressed_trainer(
+            tmp_path,
+            make_model("llama"),
+            tokenizer,
+            CompressedRolloutConfig(sparsity=0.5),
             rollout_func=rollout_func,
-            rollout_compression=CompressedRolloutConfig(sparsity=0.5),
         )
     gated = make_model("llama")
     attach_gates(gated)
     with pytest.raises(ValueError, match="rlkv gates"):
-        with_compressed_rollouts(GRPOTrainer)(
-            model=gated,
-            args=grpo_args(tmp_path),
-            reward_funcs=reward_len,
-            train_dataset=dataset(),
-            processing_class=tokenizer,
-            rollout_compression=CompressedRolloutConfig(sparsity=0.5),
-        )
+        compressed_trainer(tmp_path, gated, tokenizer, CompressedRolloutConfig(sparsity=0.5))
     with pytest.raises(CompressionConfigError, match="importance_sampling_correction"):
         CompressedRolloutConfig(sparsity=0.5, importance_sampling_correction="yes")
     with pytest.raises(TypeError, match="GRPOTrainer subclass"):

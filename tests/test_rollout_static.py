@@ -4,14 +4,13 @@ compiled decode graph over successive rollouts, and a trainer option that select
 
 import pytest
 import torch
-from test_rollout_compressed import dataset, grpo_args, logged, reward_len
+from test_rollout_compressed import compressed_trainer, logged
 from transformers import GenerationConfig
-from trl import GRPOTrainer
 
 from rlkv import HeadMask
 from rlkv.cache import StaticHeadMixedCache
 from rlkv.inference.api import ROW_END_READ_EVERY
-from rlkv.rollout import CompressedRolloutConfig, with_compressed_rollouts
+from rlkv.rollout import CompressedRolloutConfig
 from rlkv.rollout.generation import RolloutGenerator
 from rlkv.testing import HostSyncCounter, graph_counting_compile, tiny_model
 
@@ -117,16 +116,10 @@ def test_trainer_with_static_rollouts_trains_like_the_dynamic_cache(tmp_path, ma
     runs = {}
     for static in (False, True):
         model = make_model("llama")
-        trainer = with_compressed_rollouts(GRPOTrainer)(
-            model=model,
-            args=grpo_args(tmp_path),
-            reward_funcs=reward_len,
-            train_dataset=dataset(),
-            processing_class=tokenizer,
-            rollout_compression=CompressedRolloutConfig(
-                head_mask=HeadMask.random(model, seed=1), sparsity=0.5, sink=2, window=4, static_cache=static
-            ),
+        compression = CompressedRolloutConfig(
+            head_mask=HeadMask.random(model, seed=1), sparsity=0.5, sink=2, window=4, static_cache=static
         )
+        trainer = compressed_trainer(tmp_path, model, tokenizer, compression)
         trainer.train()
         runs[static] = trainer
         assert isinstance(trainer.rollout_generator.kept_static_cache, StaticHeadMixedCache) == static

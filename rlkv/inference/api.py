@@ -18,6 +18,7 @@ from transformers import (
     AutoTokenizer,
     CompileConfig,
     DynamicCache,
+    GenerationConfig,
     PreTrainedModel,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -216,7 +217,7 @@ class RowEnds(StoppingCriteria):
     only every `every` calls: each row's end (EOS, or one of `criteria`), and its cache stats at that
     step (later steps of its batch only feed it padding, which must not count). Stops the rows that
     `criteria` stop, and records in `stopped` the sequence width at which `criteria` (not EOS) ended
-    a row. Pair it with `rlkv.compat.host_stop_check(max_length, row_ends.all_ended)`.
+    a row. `host_row_ends` pairs it with transformers' decode loop.
 
     The width at which each row ended stays on the device and is read every `every` calls (and by
     `read()` after generation); `snapshot()` (host values only) is taken at every call, and
@@ -288,19 +289,22 @@ def host_row_ends(
     input_width: int,
     generation_config: Any,
     criteria: list[Any] | None = None,
-) -> Iterator[StoppingCriteriaList]:
+    snapshot: Callable[[], Any] | None = None,
+    stats_at: Callable[[Any], list[CacheStats]] | None = None,
+) -> Iterator[RowEnds]:
     """Within the block, transformers' `generate` over `input_width` prompt columns with
-    `generation_config` stops on what a `RowEnds` (EOS or `criteria`) has read on the host, every
-    ROW_END_READ_EVERY steps, instead of reading the device at every step. Yields the
-    `stopping_criteria` to pass to that `generate` call; rows that ended receive padding until the
-    next read (up to ROW_END_READ_EVERY - 1 extra columns), which the caller trims at the first EOS.
+    `generation_config` stops on what a `RowEnds` (EOS or `criteria`; `snapshot` / `stats_at` as it
+    takes them) has read on the host, every ROW_END_READ_EVERY steps, instead of reading the device at
+    every step. Yields that `RowEnds`: pass `StoppingCriteriaList([ends])` as the `generate` call's
+    `stopping_criteria`. Rows that ended receive padding until the next read (up to
+    ROW_END_READ_EVERY - 1 extra columns), which the caller trims at the first EOS (or `stopped`).
     """
-    ends = RowEnds(set(eos_token_ids), criteria)
+    ends = RowEnds(set(eos_token_ids), criteria, snapshot, stats_at)
     new = generation_config.max_new_tokens
     # the limit transformers itself derives (GenerationMixin._prepare_generated_length)
     limit = input_width + new if new is not None else generation_config.max_length
     with host_stop_check(limit, ends.all_ended):
-        yield StoppingCriteriaList([ends])
+        yield ends
 
 
 def _stats_readers(
@@ -427,10 +431,10 @@ def generate(
         batch_cache = cache if cache is not None else DynamicCache(config=model.config)
 
         snapshot, stats_at = _stats_readers(batch_cache, attention_mask)
-        row_end = RowEnds(eos, stopping_criteria, snapshot, stats_at)
+        limit = GenerationConfig(max_new_tokens=max_new_tokens)
         # the decode loop stops when the last read saw every row end (or at the length limit)
-        stop = host_stop_check(width + max_new_tokens, row_end.all_ended)
-        with torch.inference_mode(), stop:
+        stop = host_row_ends(eos, width, limit, stopping_criteria, snapshot, stats_at)
+        with torch.inference_mode(), stop as row_end:
             sequences = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,

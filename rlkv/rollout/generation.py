@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, StoppingCriteriaList
 
 from rlkv.cache import CacheStats, HeadMixedCache, StaticHeadMixedCache, register_attention, storage_bytes
 from rlkv.compat import cache_kwargs, mark_static_address
@@ -230,12 +230,12 @@ class RolloutGenerator:
             try:
                 # rows seen ended every few steps, not read every step
                 stop = host_row_ends(eos_token_ids, input_ids.shape[1], generation_config)
-                with track_peak_kv_bytes(base, cache) as peak, stop as stopping:
+                with track_peak_kv_bytes(base, cache) as peak, stop as ends:
                     sequences = model.generate(
                         input_ids=input_ids,
                         attention_mask=attention_mask,
                         generation_config=generation_config,
-                        stopping_criteria=stopping,
+                        stopping_criteria=StoppingCriteriaList([ends]),
                         **cache_kwargs(cache),
                     )
             finally:

@@ -22,7 +22,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    StoppingCriteriaList,
+)
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -115,5 +121,5 @@ def _rollout_generate(
             [*(kwargs.get("logits_processor") or []), *processors]
         )
     criteria = kwargs.pop("stopping_criteria", None)
-    with host_row_ends(eos_token_ids, input_ids.shape[1], config, criteria) as stopping:
-        return type(model).generate(model, *args, stopping_criteria=stopping, **kwargs)
+    with host_row_ends(eos_token_ids, input_ids.shape[1], config, criteria) as ends:
+        return type(model).generate(model, *args, stopping_criteria=StoppingCriteriaList([ends]), **kwargs)
