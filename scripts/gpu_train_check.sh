@@ -4,12 +4,13 @@
 #   1. `scripts/bench.py --suite gpu-train`: one GRPO gate-training step on random weights of Qwen2.5-7B's
 #      geometry, its parts, plain and compressed-rollout steps side by side (gets all the time the
 #      other steps do not need; the suite lowers the completion length to fit and says so);
-#   2. the rollout memory report on the demo model (resident KV, peak allocated, importance-sampling ratio);
+#   2. the rollout memory report on the demo model (resident KV, peak allocated, importance-sampling ratio), on
+#      the dynamic cache; the same on the static-shape cache (compiled, CUDA graphs) after step 3 if time is left;
 #   3. one-process FSDP2 (recipes/accelerate/fsdp_one_gpu.yaml): one GRPO step with a checkpoint, then a
 #      resume from it to step 2;
 #   4. `scripts/demo.py --smoke --device cuda` (curriculum, training, evaluation on the GPU), if time is left.
-# Results under $OUT (at most 6 files: gpu_train_check.log, bench_gpu_train.json/.md, rollout_memory.json,
-# fsdp_one_gpu.log, demo_cuda_report.md).
+# Results under $OUT (at most 7 files: gpu_train_check.log, bench_gpu_train.json/.md, rollout_memory.json,
+# rollout_memory_static.json, fsdp_one_gpu.log, demo_cuda_report.md).
 #
 #   ../shared/gpu/wheels.sh      # once per machine: the carried wheels in .whl/
 #   run(command="bash scripts/gpu_train_check.sh", carry=[".whl"], timeout_s=330)
@@ -50,8 +51,9 @@ else
 fi
 
 # 2. compressed rollouts on the demo model: resident KV, peak allocated, importance-sampling ratio
-step rollout-memory "$STEP_S" "$PY" scripts/rollout_memory_report.py --model data/demo-model --device "$DEVICE" \
-  --sparsity 0.5 --sink 16 --window 64 "${MEMORY_SIZE[@]}" --out "$OUT/rollout_memory.json"
+MEMORY=("$PY" scripts/rollout_memory_report.py --model data/demo-model --device "$DEVICE" --sparsity 0.5 --sink 16
+  --window 64 "${MEMORY_SIZE[@]}")
+step rollout-memory "$STEP_S" "${MEMORY[@]}" --rollout-cache dynamic --out "$OUT/rollout_memory.json"
 
 # 3. one GRPO step under the one-process FSDP2 config with a checkpoint, then a resume to step 2
 TRAIN=("$PY" -m accelerate.commands.launch --config_file "$FSDP_CONFIG" train_gates.py --config recipes/demo.yaml
@@ -63,6 +65,13 @@ TRAIN=("$PY" -m accelerate.commands.launch --config_file "$FSDP_CONFIG" train_ga
   grep -h '"global_step"' "$WORK/fsdp"/checkpoint-*/trainer_state.json 2>&1
 } > "$OUT/fsdp_one_gpu.log" 2>&1
 tail -n 8 "$OUT/fsdp_one_gpu.log" | tee -a "$LOG"
+
+# 2b. the same report on the static-shape cache (compiled per batch size: slower to start), if time is left
+if [ "$(left)" -gt 150 ]; then
+  step rollout-memory-static "$STEP_S" "${MEMORY[@]}" --rollout-cache static --out "$OUT/rollout_memory_static.json"
+else
+  log "rollout-memory-static: skipped, $(left)s left"
+fi
 
 # 4. the embedded pipeline on the device (smoke setting), if time is left
 if [ "$(left)" -gt 90 ]; then

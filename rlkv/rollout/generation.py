@@ -26,7 +26,7 @@ from rlkv.inference.api import decode_compile_config, host_row_ends, make_decode
 
 # A static rollout cache holds its prompt width + max_new_tokens rounded up to this many columns, so
 # prompts of nearby widths reuse one cache (one compiled graph) instead of each making a new one.
-STATIC_CACHE_COLUMNS = 256
+STATIC_CACHE_COLUMNS = 64
 
 
 @dataclasses.dataclass
