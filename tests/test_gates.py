@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import rlkv
+from rlkv.compat import cache_kwargs
 from rlkv.gates import UnsupportedModelError
 from rlkv.gates.attention import mixed_attention_forward, mixed_attention_shared_scores
 from rlkv.testing import tiny_model
@@ -209,3 +210,45 @@ def test_frozen_head_never_copies_its_weight_per_row(left_padded_batch):
     torch.testing.assert_close(out, ref)
     rlkv.detach_gates(model)
     assert not model.get_output_embeddings()._forward_pre_hooks
+
+
+def test_decode_band_masks_are_built_once_per_forward_and_never_reused_stale(monkeypatch, left_padded_batch):
+    """A decode step builds the sink+local band from the mask once, for all layers (transformers passes
+    each layer the same mask tensor); a new mask of the same shape, or the same one changed in place,
+    is read again, never served from the last step."""
+    from rlkv.gates import attention
+
+    ids, mask = left_padded_batch
+    model = tiny_model("llama")
+    gates = rlkv.attach_gates(model, sink=SINK, local=LOCAL)
+    gates.alpha.data = torch.rand_like(gates.alpha) * 0.9  # every layer mixed
+    builds = []
+    real = attention.key_validity
+    monkeypatch.setattr(attention, "key_validity", lambda *a: builds.append(1) or real(*a))
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        builds.clear()
+        step_mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], 1)
+        model(input_ids=ids[:, -1:], attention_mask=step_mask, **cache_kwargs(out.past_key_values))
+    assert len(builds) == 1 < model.config.num_hidden_layers
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    alpha = torch.tensor([0.3, 0.6])
+    padded = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    padded[0, ..., :3] = False
+
+    def fresh(m):
+        attention._last_band[0] = None
+        return mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, m)
+
+    first = mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, padded)
+    assert torch.equal(first, fresh(padded))
+    other = torch.ones_like(padded)  # same shape, another tensor
+    assert torch.equal(mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, other), fresh(other))
+    assert not torch.equal(fresh(other), first)
+    mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, padded)
+    padded[1, ..., :5] = False  # changed in place
+    assert torch.equal(
+        mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, padded), fresh(padded)
+    )

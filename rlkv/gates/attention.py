@@ -14,6 +14,8 @@ head's gate. Two paths give the same result:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -146,22 +148,63 @@ def mixed_attention_shared_scores(
     bsz, n_heads, q_len, dim = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
     groups = n_heads // n_kv
-    device = query.device
-    valid = key_validity(attention_mask, bsz, kv_len, device)  # [B, K]
-    lead_pad = (~valid).long().cumprod(dim=1).sum(dim=1)  # [B]
-    k_pos = torch.arange(kv_len, device=device)
-    is_sink = (k_pos[None, :] >= lead_pad[:, None]) & (k_pos[None, :] < lead_pad[:, None] + sink)  # [B, K]
     a = alpha.float()[None, :, None, None, None]  # [1, H_kv, 1, 1, 1]
     q = query.view(bsz, n_kv, groups, q_len, dim)
     # Keys and values stay [B, H_kv, K, D]: the G query heads of a group are stacked as rows of one
     # matmul, so the cache is read in place (a broadcast over G would copy it G times per layer).
     k_t = key.transpose(-1, -2)  # [B, H_kv, D, K]
     step = max(1, SCORE_CHUNK_ELEMENTS // max(1, bsz * n_heads * kv_len))
+    bands = _band_masks(attention_mask, bsz, q_len, kv_len, step, sink, local, query.device)
     neg = torch.finfo(torch.float32).min
     outs = []
-    for start in range(0, q_len, step):
+    for start, (allowed, allowed_local) in zip(range(0, q_len, step), bands, strict=True):
         stop = min(q_len, start + step)
         rows = stop - start
+        q_rows = q[:, :, :, start:stop].reshape(bsz, n_kv, groups * rows, dim)
+        scores = ((q_rows @ k_t).float() * scaling).view(bsz, n_kv, groups, rows, kv_len)
+        p_full = scores.masked_fill(~allowed[:, None, None], neg).softmax(-1)
+        p_local = scores.masked_fill_(~allowed_local[:, None, None], neg).softmax(-1)
+        probs = p_local.mul_(1 - a).add_(p_full.mul_(a))
+        mixed = probs.to(value.dtype).view(bsz, n_kv, groups * rows, kv_len) @ value
+        outs.append(mixed.view(bsz, n_kv, groups, rows, dim))  # [B, H_kv, G, C, D]
+    out = torch.cat(outs, dim=3).view(bsz, n_heads, q_len, dim)
+    return out.transpose(1, 2)
+
+
+# The band masks of the last single-chunk call (a decode step): transformers hands every layer of a
+# forward the same mask tensor, so the layers after the first reuse them instead of recomputing about
+# fifteen small ops each (fifteen kernel launches per layer on a GPU). Keyed by a weak reference to the
+# mask (a freed mask never matches a new one at the same address) and its in-place version.
+_last_band: list = [None]
+
+
+def _band_masks(
+    attention_mask: torch.Tensor | None,
+    bsz: int,
+    q_len: int,
+    kv_len: int,
+    step: int,
+    sink: int,
+    local: int,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(allowed, allowed_local) per chunk of `step` queries: bool [B or 1, C, K] masks of full and of
+    sink+local attention (see `mixed_attention_shared_scores`), from the last call when it had the
+    same mask and sizes."""
+    memo = q_len <= step and not torch.compiler.is_compiling()
+    if memo:
+        version = None if attention_mask is None else tensor_version(attention_mask)
+        key = (bsz, q_len, kv_len, sink, local, device, version)
+        last = _last_band[0]
+        if last is not None and last[1] == key and (last[0]() if last[0] else None) is attention_mask:
+            return last[2]
+    valid = key_validity(attention_mask, bsz, kv_len, device)  # [B, K]
+    lead_pad = (~valid).long().cumprod(dim=1).sum(dim=1)  # [B]
+    k_pos = torch.arange(kv_len, device=device)
+    is_sink = (k_pos[None, :] >= lead_pad[:, None]) & (k_pos[None, :] < lead_pad[:, None] + sink)  # [B, K]
+    bands = []
+    for start in range(0, q_len, step):
+        stop = min(q_len, start + step)
         if attention_mask is None:
             first = kv_len - 1 if q_len == 1 else 0  # the single query's column, or SDPA's top-left
             q_pos = first + torch.arange(start, stop, device=device)  # [C]
@@ -172,16 +215,11 @@ def mixed_attention_shared_scores(
             allowed = m if m.dtype == torch.bool else m == 0  # [B, C, K]
             q_col = torch.where(allowed, k_pos, -1).amax(-1, keepdim=True)  # [B, C, 1]: the query's own
             in_band = (q_col - k_pos) < local  # [B, C, K]
-        allowed_local = allowed & (in_band | is_sink[:, None, :])  # [B, C, K]
-        q_rows = q[:, :, :, start:stop].reshape(bsz, n_kv, groups * rows, dim)
-        scores = ((q_rows @ k_t).float() * scaling).view(bsz, n_kv, groups, rows, kv_len)
-        p_full = scores.masked_fill(~allowed[:, None, None], neg).softmax(-1)
-        p_local = scores.masked_fill_(~allowed_local[:, None, None], neg).softmax(-1)
-        probs = p_local.mul_(1 - a).add_(p_full.mul_(a))
-        mixed = probs.to(value.dtype).view(bsz, n_kv, groups * rows, kv_len) @ value
-        outs.append(mixed.view(bsz, n_kv, groups, rows, dim))  # [B, H_kv, G, C, D]
-    out = torch.cat(outs, dim=3).view(bsz, n_heads, q_len, dim)
-    return out.transpose(1, 2)
+        bands.append((allowed, allowed & (in_band | is_sink[:, None, :])))  # [B, C, K]
+    if memo:
+        ref = None if attention_mask is None else weakref.ref(attention_mask)
+        _last_band[0] = (ref, key, bands)
+    return bands
 
 
 def mixed_attention_forward(
