@@ -252,3 +252,9 @@ def test_decode_band_masks_are_built_once_per_forward_and_never_reused_stale(mon
     assert torch.equal(
         mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, padded), fresh(padded)
     )
+    with torch.inference_mode():  # an inference tensor keeps no version counter: never reused
+        inference = padded.clone()
+        mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, inference)
+        inference[0] = True
+        got = mixed_attention_shared_scores(q, k, v, alpha, SINK, LOCAL, 0.25, inference)
+        assert torch.equal(got, fresh(inference))

@@ -191,7 +191,9 @@ def _band_masks(
     """(allowed, allowed_local) per chunk of `step` queries: bool [B or 1, C, K] masks of full and of
     sink+local attention (see `mixed_attention_shared_scores`), from the last call when it had the
     same mask and sizes."""
+    # an inference-mode mask keeps no version counter: a change in place could not be seen
     memo = q_len <= step and not torch.compiler.is_compiling()
+    memo = memo and (attention_mask is None or not attention_mask.is_inference())
     if memo:
         version = None if attention_mask is None else tensor_version(attention_mask)
         key = (bsz, q_len, kv_len, sink, local, device, version)
