@@ -8,15 +8,19 @@ from rlkv.rollout.engines import (
     VLLMEngine,
     make_engine,
 )
+from rlkv.rollout.generation import RolloutBatch, RolloutGenerator, generate_rollouts
 from rlkv.rollout.memory import RolloutMemoryReport, measure_rollout_memory
 
 __all__ = [
     "CompressedRolloutConfig",
     "GenerationEngine",
+    "RolloutBatch",
+    "RolloutGenerator",
     "RolloutKVStats",
     "RolloutMemoryReport",
     "TransformersEngine",
     "VLLMEngine",
+    "generate_rollouts",
     "make_engine",
     "measure_rollout_memory",
     "with_compressed_rollouts",
