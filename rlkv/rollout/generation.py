@@ -187,7 +187,7 @@ class RolloutGenerator:
     def _cache(self, base: torch.nn.Module, columns: int) -> Any:
         cache = self._static
         if cache is not None and cache.max_cache_len >= columns:
-            cache.reset()  # same tensors (reallocated only for a larger batch or a wider protected prompt)
+            cache.reset()  # same tensors (reallocated for another batch size or a wider protected prompt)
             name = register_attention()
             if base.config._attn_implementation != name:  # rollout_mode restored the model's own
                 base.set_attn_implementation(name)
