@@ -68,9 +68,9 @@ class SampledLogprobRecorder:
     def _allocate(self, logits: torch.Tensor) -> None:
         batch, vocab = logits.shape[0], logits.shape[-1]
         shape = (batch, self.num_columns)
-        if self.columns is not None and self.columns.shape == shape and self.pending.shape == (batch, vocab):
-            if self.columns.device == logits.device:
-                return
+        kept = self.columns is not None and self.columns.device == logits.device
+        if kept and self.columns.shape == shape and self.pending.shape == (batch, vocab):
+            return
         with torch.inference_mode(False):  # normal tensors: later requests may run outside inference mode
             self.pending = logits.new_zeros((batch, vocab), dtype=torch.float32)
             self.columns = logits.new_zeros(shape, dtype=torch.float32)
@@ -278,17 +278,13 @@ def generate_rollouts(
 
 def _kv_stats(cache: Any, peak: int, batch_size: int) -> CacheStats:
     resident = kv_storage_bytes(cache)
-    if isinstance(cache, HeadMixedCache):
-        rows = cache.stats()
-        full = cache.full_resident_bytes()
-    elif isinstance(cache, StaticHeadMixedCache):
+    if isinstance(cache, (HeadMixedCache, StaticHeadMixedCache)):
         rows = cache.stats()
         full = sum(r.full_resident_bytes for r in rows)
+        kept, evictions = sum(r.kept_tokens for r in rows), sum(r.evictions for r in rows)
     else:
         full, evictions = resident, 0
         kept = sum(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in cache.layers)
-    if isinstance(cache, (HeadMixedCache, StaticHeadMixedCache)):
-        kept, evictions = sum(r.kept_tokens for r in rows), sum(r.evictions for r in rows)
     return CacheStats(
         resident_bytes=resident,
         full_resident_bytes=full,
