@@ -244,8 +244,7 @@ class HeadMask:
         counts = ", ".join(f"s={s}: {self.num_full_heads(s)} full" for s in (0.25, 0.5, 0.75, 0.875))
         body = f"""# rlkv head mask for {fp.name_or_path or fp.model_type}
 
-One score per (layer, KV head) in [0, 1]: how much that head needs a full KV cache, learned by
-RLKV gates (or imported).
+One score per (layer, KV head) in [0, 1]: how much that head needs a full KV cache, {self._provenance()}.
 
 - geometry: {fp.model_type}, {fp.num_hidden_layers} layers x {fp.num_key_value_heads} KV heads, head_dim {fp.head_dim}
 - trained with sink {self.train_sink} / local {self.train_local}; inference sink {self.inference_sink} / local {self.inference_local}
@@ -264,6 +263,15 @@ Files: `{MASK_JSON}` (scores, model fingerprint, sink/local, metadata), `{MASK_T
 L rows x H_kv columns, the RLKV / DuoAttention layout).
 """
         return "\n".join(header) + body
+
+    def _provenance(self) -> str:
+        """How the scores were made, for the card."""
+        if self.metadata.get("method") == "ablation":
+            return (
+                "scored by `rlkv ablation-mask` (the teacher-forced NLL increase when that head alone "
+                "runs sink + local attention, min-max scaled; raw increases in the metadata's `delta_nll`)"
+            )
+        return "learned by RLKV gates (or imported)"
 
     def _ranking_line(self) -> str:
         """The card's line on how heads with equal scores are ranked."""

@@ -106,13 +106,16 @@ def test_cli_writes_a_loadable_mask(tmp_path, capsys):
     out = tmp_path / "mask"
     argv = ["ablation-mask", "--model", "tiny:llama", "--problems", "chain", "--num", "2"]
     argv += ["--max-new-tokens", "6", "--sink", "2", "--local", "4", "--out", str(out), "--no-progress"]
-    assert cli_main(argv) == 0
+    assert cli_main([*argv, "--base-model", "org/base-model"]) == 0
     assert "top heads L" in capsys.readouterr().out
     mask = HeadMask.from_pretrained(out, tiny_model("llama"))
     assert mask.metadata["method"] == "ablation" and mask.metadata["problem_set"] == "chain"
     assert mask.metadata["num_problems"] == 2 and len(mask.metadata["delta_nll"]) == 2
     assert float(mask.scores.min()) == 0.0 and float(mask.scores.max()) == pytest.approx(1.0)
     assert json.loads((out / "head_mask.json").read_text())["train_local"] == 4
+    assert mask.metadata["base_model"] == "org/base-model"
+    card = (out / "README.md").read_text()
+    assert "\nbase_model: org/base-model\n" in card and "scored by `rlkv ablation-mask`" in card
 
 
 def test_mask_nll_is_zero_uncompressed_mask_free_when_all_compressed_and_the_ablation_score_for_one_head():

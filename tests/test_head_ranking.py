@@ -20,6 +20,7 @@ from rlkv.trainers.checkpoints import (
 )
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "masks" / "qwen2.5-coder-0.5b-instruct"
+ABLATION = SHIPPED.with_name("qwen2.5-coder-0.5b-instruct-ablation")
 
 
 def test_clamp_sums_what_it_cuts_below_zero():
@@ -82,6 +83,7 @@ def test_shipped_mask_decides_no_cut_by_index_and_keeps_its_evaluated_layouts(sp
     assert torch.equal(mask.full_heads(sparsity), scores_only.full_heads(sparsity))
 
 
-def test_shipped_card_names_the_hub_base_model():
-    card = (SHIPPED / "README.md").read_text()
+@pytest.mark.parametrize("folder", [SHIPPED, ABLATION])
+def test_shipped_cards_name_the_hub_base_model(folder):
+    card = (folder / "README.md").read_text()
     assert "\nbase_model: Qwen/Qwen2.5-Coder-0.5B-Instruct\n" in card.split("---")[1] + "\n"

@@ -20,6 +20,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_solution_args(parser)
     parser.add_argument("--out", required=True, help="mask folder to write")
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="the base model's Hub id (e.g. Qwen/Qwen2.5-Coder-0.5B-Instruct) when --model is a local copy: "
+        "recorded in the mask's metadata and named as the card's base_model",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run)
 
@@ -109,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
     )
     mask.metadata["seconds"] = round(time.perf_counter() - began, 1)
+    if args.base_model:
+        mask.metadata["base_model"] = args.base_model
     mask.save_pretrained(args.out)
     delta = mask.metadata["delta_nll"]
     flat = sorted((v, layer, head) for layer, row in enumerate(delta) for head, v in enumerate(row))
