@@ -2,12 +2,14 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from rlkv.eval import EvalConfig, current_results, read_results, run_eval
 from rlkv.eval.methods import matched_tokens_per_head
-from rlkv.head_mask import HeadMask
+from rlkv.head_mask import HeadMask, rank_heads
 from rlkv.testing import tiny_model, tiny_tokenizer
 
 METHODS = ["full", "rlkv", "random-mask", "streaming", "h2o", "rkv", "skipkv", "rlkv+h2o", "rlkv+rkv"]
@@ -210,6 +212,46 @@ def test_a_retrained_mask_folder_reruns_only_the_rows_made_with_it(tmp_path):
             assert row == before[key]  # kept, not regenerated
 
 
+def test_a_mask_resaved_with_the_same_full_heads_at_its_rows_sparsities_keeps_its_rows(tmp_path):
+    """Rows depend on a mask only through its full heads at their sparsity: new metadata, or scores
+    that reorder heads only below the cut, resume; a change at the cut is refused."""
+    model = tiny_model("qwen2")
+    folder = tmp_path / "mask"
+    mask = HeadMask.random(model, seed=1)
+    mask.save_pretrained(folder)
+    cfg, model = _config(
+        tmp_path, "l", head_mask=str(folder), methods=["rlkv"], sparsities=[0.5], num_problems=1
+    )
+    cfg = dataclasses.replace(cfg, max_new_tokens=4)
+    out = run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+    before = read_results(out / "results.jsonl")
+    saved = json.loads((out / "eval_config.json").read_text())["head_mask_layouts"]
+    assert saved == {
+        "0.5": " ".join(f"{layer}.{head}" for layer, head in mask.full_heads(0.5).nonzero().tolist())
+    }
+
+    ranked = rank_heads(mask.scores)  # flat indices, most important first
+    keep = mask.num_full_heads(0.5)
+    scores = mask.scores.clone().flatten()
+    low = ranked[keep:]  # the compressed heads: reverse their order
+    scores[low] = scores[low].flip(0)
+    resaved = HeadMask(
+        scores=scores.view_as(mask.scores), fingerprint=mask.fingerprint, metadata={"note": "x"}
+    )
+    assert not torch.equal(resaved.order(), mask.order())
+    assert torch.equal(resaved.full_heads(0.5), mask.full_heads(0.5))
+    resaved.save_pretrained(folder)
+    run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)  # resumes: nothing to redo
+    assert read_results(out / "results.jsonl") == before
+
+    swapped = scores.clone()
+    top, first_out = ranked[keep - 1], ranked[keep]
+    swapped[top], swapped[first_out] = scores[first_out], scores[top]
+    HeadMask(scores=swapped.view_as(mask.scores), fingerprint=mask.fingerprint).save_pretrained(folder)
+    with pytest.raises(ValueError, match="--redo rlkv"):
+        run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+
+
 def test_a_mask_no_row_was_made_with_may_change(tmp_path):
     cfg, model = _config(tmp_path, "n", methods=["full"], num_problems=1, max_new_tokens=4)
     run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
@@ -317,3 +359,19 @@ def test_a_benchmark_cap_replaces_max_new_tokens_for_that_benchmark(tmp_path):
     other = dataclasses.replace(cfg, max_new_tokens_by_benchmark={})
     with pytest.raises(ValueError, match=f"max_new_tokens of {bench}"):
         run_eval(other, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+
+
+def test_the_committed_grid_resumes_with_the_shipped_masks(tmp_path, monkeypatch):
+    """The shipped masks were re-saved (tie-break, card metadata) after the committed grid ran: their
+    full heads at the grid's sparsities are the ones its rows were made with, so it still resumes."""
+    from shutil import copyfile
+
+    from rlkv.eval.runner import _check_resume
+
+    root = Path(__file__).resolve().parents[1]
+    grid = root / "data" / "eval" / "qwen2.5-coder-0.5b-instruct"
+    monkeypatch.chdir(root)  # the recipe's mask paths are relative to the checkout
+    cfg = EvalConfig.from_yaml(root / "recipes/eval/qwen2.5-coder-0.5b-instruct.yaml")
+    for name in ("eval_config.json", "results.jsonl"):
+        copyfile(grid / name, tmp_path / name)
+    _check_resume(tmp_path, dataclasses.replace(cfg, out=str(tmp_path)))

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -98,11 +98,28 @@ def mask_digest(path: str | os.PathLike) -> str | None:
     return digest.hexdigest() if files else None
 
 
+def mask_layouts(path: str | os.PathLike, sparsities: Iterable[float]) -> dict[str, str]:
+    """The full heads of the mask at `path` at each sparsity, as `{"0.75": "9.1 10.1 11.0 ..."}`
+    ("layer.head", in order): all that a mask method's rows depend on (the eval sets sink and window)."""
+    from rlkv.head_mask import HeadMask
+
+    mask = HeadMask.from_pretrained(path)
+    layouts = {}
+    for s in sparsities:
+        full = mask.full_heads(float(s)).nonzero().tolist()
+        layouts[_sparsity_key(s)] = " ".join(f"{layer}.{head}" for layer, head in full)
+    return layouts
+
+
+def _sparsity_key(sparsity: float) -> str:
+    return f"{float(sparsity):g}"
+
+
 def _check_resume(out: Path, cfg: EvalConfig) -> None:
     """Refuse to add rows to `out` made with other settings than its saved ones; then save `cfg`'s."""
     path = out / CONFIG_FILE
-    current = _settings(cfg)
     rows = read_results(out / RESULTS_FILE) if path.exists() else []
+    current = _settings(cfg, {r["sparsity"] for r in rows})
     if rows:
         saved = _upgraded(read_json(path, what=CONFIG_FILE), cfg, current)
         diff = _differences(saved, current, cfg, rows)
@@ -114,14 +131,17 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
     atomic_write_text(path, json.dumps(current, indent=1, sort_keys=True) + "\n")
 
 
-def _settings(cfg: EvalConfig) -> dict[str, Any]:
+def _settings(cfg: EvalConfig, row_sparsities: set[float] = frozenset()) -> dict[str, Any]:
     """The fields of `cfg` that change results, plus each mask's digest (a retrained mask at the same
-    path changes results too)."""
+    path changes results too) and its full heads at the sparsities of `cfg` and of `row_sparsities`."""
     current = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE_FIELDS}
+    sparsities = sorted({*map(float, cfg.sparsities), *row_sparsities} - {0.0})
     for name in MASK_FIELDS.values():
-        digest = mask_digest(getattr(cfg, name)) if getattr(cfg, name) else None
+        source = getattr(cfg, name)
+        digest = mask_digest(source) if source else None
         if digest:
             current[f"{name}_sha1"] = digest
+            current[f"{name}_layouts"] = mask_layouts(source, sparsities)
     return current
 
 
@@ -135,6 +155,11 @@ def _upgraded(saved: dict[str, Any], cfg: EvalConfig, current: dict[str, Any]) -
     for name in MASK_FIELDS.values():
         if f"{name}_sha1" not in saved and saved.get(name) == current.get(name):
             saved[f"{name}_sha1"] = current.get(f"{name}_sha1")  # saved before folders were hashed
+        same_file = saved.get(name) == current.get(name) and saved.get(f"{name}_sha1") == current.get(
+            f"{name}_sha1"
+        )
+        if f"{name}_layouts" not in saved and same_file:
+            saved[f"{name}_layouts"] = current.get(f"{name}_layouts")  # saved before layouts were recorded
     return saved
 
 
@@ -145,7 +170,7 @@ def _differences(
     per method that has rows: a cap or a mask that no row was made with changes no row."""
     per_row = {"max_new_tokens", "max_new_tokens_by_benchmark"}
     for name in MASK_FIELDS.values():
-        per_row |= {name, f"{name}_sha1"}
+        per_row |= {name, f"{name}_sha1", f"{name}_layouts"}
     diff = sorted(k for k in set(saved) | set(current) if k not in per_row and saved.get(k) != current.get(k))
     diff += sorted(
         f"max_new_tokens of {bench}"
@@ -153,13 +178,27 @@ def _differences(
         if benchmark_cap(saved, bench) != cfg.new_tokens(bench)
     )
     for mask, name in MASK_FIELDS.items():
-        stale = sorted({r["method"] for r in rows if parse_method(r["method"]).mask == mask})
-        if stale and any(saved.get(k) != current.get(k) for k in (name, f"{name}_sha1")):
+        made_with = [r for r in rows if parse_method(r["method"]).mask == mask]
+        stale = sorted({r["method"] for r in made_with})
+        if stale and _mask_changed(saved, current, name, {r["sparsity"] for r in made_with}):
             diff.append(
                 f"{name} (the mask of the rows of {', '.join(stale)}: drop them with "
                 f"--redo {','.join(stale)} to rerun them with the new mask)"
             )
     return diff
+
+
+def _mask_changed(saved: dict[str, Any], current: dict[str, Any], name: str, sparsities: set[float]) -> bool:
+    """Whether the rows at `sparsities` were made with other full heads than the mask `name` has now.
+
+    Where both settings record the layouts at those sparsities, only they count: a mask re-saved with
+    new metadata, a card or a tie-break below the cut still matches its rows. Else the path and digest.
+    """
+    keys = {_sparsity_key(s) for s in sparsities}
+    old, new = saved.get(f"{name}_layouts") or {}, current.get(f"{name}_layouts") or {}
+    if keys <= old.keys() and keys <= new.keys():
+        return any(old[k] != new[k] for k in keys)
+    return any(saved.get(k) != current.get(k) for k in (name, f"{name}_sha1"))
 
 
 @dataclass
