@@ -10,6 +10,7 @@ import torch
 from rlkv.eval import EvalConfig, current_results, read_results, run_eval
 from rlkv.eval.methods import matched_tokens_per_head
 from rlkv.head_mask import HeadMask, rank_heads
+from rlkv.inference import CompressionConfig
 from rlkv.testing import tiny_model, tiny_tokenizer
 
 METHODS = ["full", "rlkv", "random-mask", "streaming", "h2o", "rkv", "skipkv", "rlkv+h2o", "rlkv+rkv"]
@@ -375,3 +376,29 @@ def test_the_committed_grid_resumes_with_the_shipped_masks(tmp_path, monkeypatch
     for name in ("eval_config.json", "results.jsonl"):
         copyfile(grid / name, tmp_path / name)
     _check_resume(tmp_path, dataclasses.replace(cfg, out=str(tmp_path)))
+
+
+def test_the_static_cache_gives_the_dynamic_caches_rows_with_one_cache_per_task(tmp_path):
+    """`static_cache: true` (the CUDA default): every batch of a method and sparsity decodes on one
+    static cache sized for the task's widest prompt, and the rows equal the dynamic cache's."""
+    from rlkv.eval.runner import _task_cache
+
+    common = dict(methods=["rlkv", "random-mask"], sparsities=[0.5], num_problems=5, max_new_tokens=24)
+    rows = {}
+    for static in (False, True):
+        cfg, model = _config(tmp_path, f"s{static}", static_cache=static, **common)
+        out = run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+        # resident bytes differ by design: the static cache's are its allocated capacity
+        rows[static] = {
+            key: {k: v for k, v in row.items() if k != "resident_bytes"}
+            for key, row in _strip_timing(read_results(out / "results.jsonl")).items()
+        }
+    assert rows[True] == rows[False] and len(rows[True]) == 10
+    assert any(r["evictions"] for r in rows[True].values())
+
+    chunks = [[("a", {}, None, 7), ("b", {}, None, 9)], [("c", {}, None, 12)]]
+    compression = CompressionConfig(policy="rkv", budget=8, sink=2, window=4)
+    cache = _task_cache(model, compression, cfg, chunks, 24)
+    assert cache.max_cache_len == 12 + 24
+    assert {layer.prompt_capacity for layer in cache.layers} == {12}
+    assert _task_cache(model, None, cfg, chunks, 24) is None

@@ -101,6 +101,53 @@ def test_a_shorter_request_reuses_the_tensors_and_still_matches(left_padded_batc
             assert _position_sets(static_layer.kept_positions()) == _position_sets(dyn_layer.store.positions)
 
 
+@pytest.mark.parametrize("case", ["streaming", "rkv", "snapkv"])
+def test_a_wider_request_up_to_max_prompt_len_keeps_the_tensors_and_still_matches(left_padded_batch, case):
+    """Sized for the widest prompt at the first (narrower) request: the wider one reuses the tensors
+    (where the prompt lives in the early region, it would otherwise reallocate) and equals the dynamic cache."""
+    model = tiny_model("llama")
+    config = _config(model, case)
+    input_ids, attention_mask = left_padded_batch
+    shorter = (input_ids[:, 5:], attention_mask[:, 5:])
+    width = input_ids.shape[1]
+    static = make_cache(model, config, static=True, max_cache_len=width + STEPS, max_prompt_len=width)
+    greedy_generate(model, shorter, static)
+    addresses = [[t.data_ptr() for t in layer.buffers.values()] for layer in static.layers]
+    got = greedy_generate(model, left_padded_batch, static)
+    assert [[t.data_ptr() for t in layer.buffers.values()] for layer in static.layers] == addresses
+    expected = greedy_generate(model, left_padded_batch, make_cache(model, config))
+    assert torch.equal(got.sequences, expected.sequences)
+    unsized = make_cache(model, config, static=True, max_cache_len=width + STEPS)
+    greedy_generate(model, shorter, unsized)
+    grew = [layer.early for layer in unsized.layers]
+    greedy_generate(model, left_padded_batch, unsized)
+    assert [layer.early for layer in unsized.layers] != grew  # without the size hint it reallocates
+
+
+@pytest.mark.parametrize("case", ["streaming", "rkv"])
+def test_compiled_decode_keeps_one_graph_for_prompts_of_different_widths(left_padded_batch, case):
+    """transformers' compiled decode (fullgraph, static shapes) over a narrower, then a wider request on
+    one cache sized by max_prompt_len: one graph, no recompile, the eager tokens."""
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded_batch
+    width = input_ids.shape[1]
+    requests = [(input_ids[:, 5:], attention_mask[:, 5:]), left_padded_batch]
+    config = _config(model, case)
+    eager = [
+        greedy_generate(model, r, make_cache(model, config), steps=24, disable_compile=True).sequences
+        for r in requests
+    ]
+    cache = make_cache(model, config, static=True, max_cache_len=width + 24, max_prompt_len=width)
+    compile_config, graphs = graph_counting_compile()
+    torch.compiler.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for request, expected in zip(requests, eager, strict=True):
+            got = greedy_generate(model, request, cache, steps=24, compile_config=compile_config)
+            assert torch.equal(got.sequences, expected)
+    assert len(graphs) == 1
+    torch.compiler.reset()
+
+
 def test_streaming_keeps_sink_and_window_at_logical_positions(left_padded_batch):
     """Unprotected streaming: each row keeps its first SINK real columns and the last WINDOW columns."""
     model = tiny_model("qwen2")

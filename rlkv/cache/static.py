@@ -41,6 +41,10 @@ class StaticHeadMixedCache(PolicyCache):
     `rlkv.inference.make_cache(model, config, static=True, max_cache_len=...)`.
 
     max_cache_len: prompt columns + tokens to generate; full heads hold that many columns.
+    max_prompt_len: the widest prompt expected (None: the first one). Where the compressed heads keep
+    the prompt (a protected prompt, the budget policies' early region), their tensors are sized for it
+    at the first request, so a later, wider prompt up to it keeps the shapes and addresses (a compiled
+    decode keeps its graph) instead of reallocating.
     Raises `StaticCacheError` for a layout without a static form (the message names
     `static_cache=False`), a prompt or a generation longer than max_cache_len, or chunked prefill.
     """
@@ -57,6 +61,7 @@ class StaticHeadMixedCache(PolicyCache):
         budget: int | float | None = None,
         protect_prompt: bool = True,
         batch_size: int | None = None,
+        max_prompt_len: int | None = None,
     ) -> None:
         geometry = attention_geometry(config)
         full_heads = full_head_layout(config, full_heads)
@@ -71,7 +76,13 @@ class StaticHeadMixedCache(PolicyCache):
         )
         layers = [
             StaticHeadMixedLayer(
-                i, full_heads[i], geometry.num_groups, self.settings, self.form, max_cache_len
+                i,
+                full_heads[i],
+                geometry.num_groups,
+                self.settings,
+                self.form,
+                max_cache_len,
+                max_prompt_len or 0,
             )
             for i in range(geometry.num_hidden_layers)
         ]

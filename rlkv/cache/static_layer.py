@@ -67,11 +67,13 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         settings: CompressionSettings,
         form: StaticForm,
         max_cache_len: int,
+        prompt_capacity: int = 0,
     ) -> None:
         super().__init__()
         self.layer_idx, self.num_groups, self.settings, self.form = layer_idx, int(num_groups), settings, form
         self.num_kv_heads = int(full_heads.numel())
         self.max_cache_len = int(max_cache_len)
+        self.prompt_capacity = int(prompt_capacity)  # prompt columns the early region is first sized for
         self.full_idx, self.full_slice = _heads(full_heads)
         self.comp_idx, self.comp_slice = _heads(~full_heads)
         groups = torch.arange(self.num_groups)
@@ -106,6 +108,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         same = self.is_initialized and self.batch == batch and self.early >= needed
         if same and self.dtype == key_states.dtype and self.device == key_states.device:
             return
+        if needed:  # sized for the widest prompt expected, so a wider later one keeps these tensors
+            needed = self.early_needed(max(width, self.prompt_capacity))
         self.dtype, self.device, self.batch, self.early = key_states.dtype, key_states.device, batch, needed
         with torch.inference_mode(False):  # normal tensors: a later request may run outside inference mode
             self.buffers = self._new_buffers(batch, dim)

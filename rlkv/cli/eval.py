@@ -92,6 +92,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", help="output folder (default eval-out)")
     parser.add_argument("--dtype", help="auto, bfloat16, float16 or float32")
     parser.add_argument("--device", help="e.g. cuda, cpu")
+    parser.add_argument(
+        "--no-static-cache",
+        action="store_true",
+        help="on CUDA, decode with the dynamic cache instead of the static, compiled one (same results)",
+    )
     parser.add_argument("--no-early-stop", action="store_true", help="do not stop generations that loop")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
@@ -156,6 +161,8 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             base[name] = value
+    if args.no_static_cache:
+        base["static_cache"] = False
     if args.no_early_stop:
         base["early_stop_repetition"] = False
     if args.no_progress:

@@ -14,7 +14,17 @@ from rlkv.eval.stopping import StopRule, stop_rule
 from rlkv.policies import available
 
 # Settings that may change between a run and its resumption (they do not change any row).
-RESUME_FREE_FIELDS = ("out", "benchmarks", "methods", "sparsities", "num_problems", "batch_size", "progress")
+# fields that change no row's result (the static and dynamic caches decode alike)
+RESUME_FREE_FIELDS = (
+    "out",
+    "benchmarks",
+    "methods",
+    "sparsities",
+    "num_problems",
+    "batch_size",
+    "progress",
+    "static_cache",
+)
 
 
 def benchmark_cap(config: dict[str, Any], benchmark: str) -> int:
@@ -47,6 +57,13 @@ class EvalConfig:
         name (e.g. {humaneval: 1024} where a model explains before its code block); others keep the default.
     repetition: `RepetitionRule` fields.
     model_kwargs: extra `from_pretrained` arguments (e.g. {"gguf_file": "model.gguf"}).
+    static_cache: the compressed methods' cache, as `rlkv.inference.generate`'s option: None (default) =
+        the static-shape cache on CUDA for the layouts that have one (decode compiled with CUDA graphs;
+        one cache per method and sparsity, sized for the benchmark's widest prompt, so its batches
+        share one graph), else the dynamic one; False = dynamic everywhere (`--no-static-cache`);
+        True = static on any device, an error for a layout without a static form (the matched
+        baselines' fractional budgets). The rows are the same either way, but for `resident_bytes`:
+        a static cache's is its allocated capacity.
     """
 
     model: str = ""
@@ -84,6 +101,7 @@ class EvalConfig:
     dtype: str = "auto"
     device: str | None = None
     model_kwargs: dict[str, Any] = field(default_factory=dict)
+    static_cache: bool | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:

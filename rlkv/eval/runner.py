@@ -201,6 +201,27 @@ def _mask_changed(saved: dict[str, Any], current: dict[str, Any], name: str, spa
     return any(saved.get(k) != current.get(k) for k in (name, f"{name}_sha1"))
 
 
+def _task_cache(
+    model: Any, compression: Any, cfg: EvalConfig, chunks: list[list[tuple]], new_tokens: int
+) -> Any:
+    """One compressed cache for all of a task's batches (None: full KV): a static one is sized for the
+    task's widest prompt, so its batches share one set of shapes and addresses, i.e. one compiled graph.
+    Each task's layout is a graph of its own, so on CUDA it starts from a fresh compile budget (a grid
+    has more tasks than dynamo's recompile limit)."""
+    import torch
+
+    from rlkv.inference.api import decode_compile_config, make_decode_cache
+
+    if compression is None:
+        return None
+    widest = max(entry[3] for chunk in chunks for entry in chunk)
+    device = next(model.parameters()).device
+    cache = make_decode_cache(model, compression, cfg.static_cache, device, widest + new_tokens, widest)
+    if decode_compile_config(cache, device) is not None:
+        torch.compiler.reset()
+    return cache
+
+
 @dataclass
 class _Task:
     benchmark: str
@@ -362,6 +383,7 @@ def run_eval(
                 continue
             compression = configs[(task.method, task.sparsity)]
             ending = cfg.stop_rule(task.benchmark)
+            cache = _task_cache(model, compression, cfg, todo, cfg.new_tokens(task.benchmark))
             for chunk in todo:
                 stop = RepetitionStop(repetition) if cfg.early_stop_repetition else None
                 criteria, stop_strings = stop_criteria(ending, tokenizer)  # one per generate call
@@ -380,6 +402,7 @@ def run_eval(
                     seed=_seed_for(cfg, task.benchmark, task.method, task.sparsity, task.sample, chunk[0][0]),
                     stopping_criteria=criteria + ([stop] if stop is not None else []),
                     stop_strings=stop_strings,
+                    cache=cache,
                 )
                 seconds = (time.perf_counter() - began) / len(chunk)
                 for row_idx, ((pid, example, _, _), output) in enumerate(zip(chunk, outputs)):

@@ -57,12 +57,14 @@ def make_cache(
     *,
     static: bool = False,
     max_cache_len: int | None = None,
+    max_prompt_len: int | None = None,
 ) -> HeadMixedCache | StaticHeadMixedCache:
     """A `HeadMixedCache` for `model` laid out by `compression`; switches the model to "rlkv_cache" attention.
 
     static: a `StaticHeadMixedCache` instead (static shapes, fixed addresses: torch.compile and CUDA
     graphs), holding at most `max_cache_len` (prompt + new tokens) columns; raises `StaticCacheError`
-    for a layout without a static form. Raises `CompressionConfigError` / `HeadMaskError` for an
+    for a layout without a static form. max_prompt_len: the widest prompt the static cache will see
+    (its tensors are sized for it at once, so every request up to it keeps one set of shapes). Raises `CompressionConfigError` / `HeadMaskError` for an
     invalid config or a mask of another model.
     """
     compression.validate()
@@ -98,6 +100,7 @@ def make_cache(
             budget=compression.budget,
             protect_prompt=compression.protect_prompt,
             batch_size=batch_size,
+            max_prompt_len=max_prompt_len,
         )
         install_step_hook(model)
         return cache
@@ -323,12 +326,14 @@ def make_decode_cache(
     static_cache: bool | None,
     device: torch.device,
     max_cache_len: int,
+    max_prompt_len: int | None = None,
 ) -> HeadMixedCache | StaticHeadMixedCache | None:
     """The compressed cache to decode with (None: no compression, the caller's plain full cache).
 
-    static_cache None: a `StaticHeadMixedCache` of `max_cache_len` columns on CUDA when the layout has
-    a static form, else the dynamic `HeadMixedCache`; True: the static cache on any device
-    (`StaticCacheError` for a layout without a static form); False: the dynamic cache.
+    static_cache None: a `StaticHeadMixedCache` of `max_cache_len` columns (sized for prompts up to
+    `max_prompt_len`) on CUDA when the layout has a static form, else the dynamic `HeadMixedCache`;
+    True: the static cache on any device (`StaticCacheError` for a layout without a static form);
+    False: the dynamic cache.
     """
     if compression is None:
         if static_cache:
@@ -338,7 +343,9 @@ def make_decode_cache(
         return None
     if static_cache or (static_cache is None and device.type == "cuda"):
         try:
-            return make_cache(model, compression, static=True, max_cache_len=max_cache_len)
+            return make_cache(
+                model, compression, static=True, max_cache_len=max_cache_len, max_prompt_len=max_prompt_len
+            )
         except StaticCacheError:
             if static_cache:
                 raise
@@ -372,6 +379,7 @@ def generate(
     stopping_criteria: list[Any] | None = None,
     stop_strings: list[str] | None = None,
     static_cache: bool | None = None,
+    cache: HeadMixedCache | StaticHeadMixedCache | None = None,
 ) -> list[GenerationOutput]:
     """Generate for a list of prompts (strings or chat message lists), in batches, left-padded.
 
@@ -386,6 +394,10 @@ def generate(
     eager) on CUDA when the layout has a static form, else with the dynamic `HeadMixedCache`; True
     uses the static cache on any device (eager on CPU) and raises `StaticCacheError` for a layout
     without a static form; False always uses the dynamic cache.
+    cache: decode with this compressed cache (`make_decode_cache` / `make_cache` for `compression`)
+    instead of making one, e.g. one static cache across calls: it keeps its addresses and shapes, so
+    the compiled decode keeps its graph. It is reset before each batch; a prompt + `max_new_tokens`
+    longer than a static cache holds raises `StaticCacheError`.
     """
     if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], dict)):
         raise TypeError(
@@ -403,9 +415,9 @@ def generate(
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
     device = next(model.parameters()).device
-    cache = make_decode_cache(
-        model, compression, static_cache, device, max(map(len, encoded), default=0) + max_new_tokens
-    )
+    if cache is None:
+        widest = max(map(len, encoded), default=0)
+        cache = make_decode_cache(model, compression, static_cache, device, widest + max_new_tokens, widest)
     compile_config = decode_compile_config(cache, device)
     compile_kwargs = {} if compile_config is None else {"compile_config": compile_config}
     if seed is not None:

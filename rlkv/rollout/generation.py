@@ -184,7 +184,7 @@ class RolloutGenerator:
         """The static cache the last rollout ran on, kept for the next (None: the dynamic cache ran)."""
         return self._static
 
-    def _cache(self, base: torch.nn.Module, columns: int) -> Any:
+    def _cache(self, base: torch.nn.Module, columns: int, new_tokens: int) -> Any:
         cache = self._static
         if cache is not None and cache.max_cache_len >= columns:
             cache.reset()  # same tensors (reallocated for another batch size or a wider protected prompt)
@@ -194,7 +194,8 @@ class RolloutGenerator:
             return cache
         device = next(base.parameters()).device
         size = -(-columns // STATIC_CACHE_COLUMNS) * STATIC_CACHE_COLUMNS
-        cache = make_decode_cache(base, self.compression, self.static_cache, device, size)
+        # every prompt this cache can hold fits its early region: no reallocation when prompts widen
+        cache = make_decode_cache(base, self.compression, self.static_cache, device, size, size - new_tokens)
         if cache is None:
             return DynamicCache(config=base.config)
         self._static = cache if isinstance(cache, StaticHeadMixedCache) else None
@@ -219,7 +220,7 @@ class RolloutGenerator:
         new_tokens = generation_config.max_new_tokens or generation_config.max_length - input_ids.shape[1]
         recorder.start(new_tokens, temperature)
         with torch.no_grad(), rollout_mode(model):
-            cache = self._cache(base, input_ids.shape[1] + new_tokens)
+            cache = self._cache(base, input_ids.shape[1] + new_tokens, new_tokens)
             compile_config = decode_compile_config(cache, input_ids.device)
             if isinstance(cache, StaticHeadMixedCache) and self.compile_config is not None:
                 compile_config = self.compile_config
