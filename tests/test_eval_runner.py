@@ -402,3 +402,20 @@ def test_the_static_cache_gives_the_dynamic_caches_rows_with_one_cache_per_task(
     assert cache.max_cache_len == 12 + 24
     assert {layer.prompt_capacity for layer in cache.layers} == {12}
     assert _task_cache(model, None, cfg, chunks, 24) is None
+
+
+def test_the_config_records_each_machine_the_rows_were_generated_on(tmp_path):
+    from rlkv.inference.dtypes import host_description
+
+    cfg, model = _config(tmp_path, "h", methods=["full"], num_problems=1, max_new_tokens=4)
+    out = run_eval(cfg, model=model, tokenizer=tiny_tokenizer(), write_report=False)
+    path = out / "eval_config.json"
+    here = host_description("cpu")
+    assert "cores" in here and "torch " in here
+    assert json.loads(path.read_text())["hosts"] == [here]
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(saved, hosts=["another machine"])))  # rows from elsewhere, resumed here
+    run_eval(
+        dataclasses.replace(cfg, num_problems=2), model=model, tokenizer=tiny_tokenizer(), write_report=False
+    )
+    assert json.loads(path.read_text())["hosts"] == ["another machine", here]

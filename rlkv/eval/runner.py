@@ -120,8 +120,10 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
     path = out / CONFIG_FILE
     rows = read_results(out / RESULTS_FILE) if path.exists() else []
     current = _settings(cfg, {r["sparsity"] for r in rows})
+    saved = read_json(path, what=CONFIG_FILE) if path.exists() else {}
+    current["hosts"] = saved.get("hosts", [])
     if rows:
-        saved = _upgraded(read_json(path, what=CONFIG_FILE), cfg, current)
+        saved = _upgraded(saved, cfg, current)
         diff = _differences(saved, current, cfg, rows)
         if diff:
             raise ValueError(
@@ -129,6 +131,20 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
                 "use another --out or the same settings to resume"
             )
     atomic_write_text(path, json.dumps(current, indent=1, sort_keys=True) + "\n")
+
+
+def _record_host(out: Path, device: Any) -> str:
+    """Add this machine (`host_description`) to `eval_config.json`'s `hosts`, the machines its rows were
+    generated on: greedy bf16 results differ across CPUs, so cells compare within one host only."""
+    from rlkv.inference.dtypes import host_description
+
+    host = host_description(device)
+    path = out / CONFIG_FILE
+    settings = read_json(path, what=CONFIG_FILE)
+    if host not in settings.setdefault("hosts", []):
+        settings["hosts"].append(host)
+        atomic_write_text(path, json.dumps(settings, indent=1, sort_keys=True) + "\n")
+    return host
 
 
 def _settings(cfg: EvalConfig, row_sparsities: set[float] = frozenset()) -> dict[str, Any]:
@@ -168,7 +184,7 @@ def _differences(
 ) -> list[str]:
     """The settings whose change would mix results. Caps compare per benchmark that has rows, masks
     per method that has rows: a cap or a mask that no row was made with changes no row."""
-    per_row = {"max_new_tokens", "max_new_tokens_by_benchmark"}
+    per_row = {"max_new_tokens", "max_new_tokens_by_benchmark", "hosts"}
     for name in MASK_FIELDS.values():
         per_row |= {name, f"{name}_sha1", f"{name}_layouts"}
     diff = sorted(k for k in set(saved) | set(current) if k not in per_row and saved.get(k) != current.get(k))
@@ -348,6 +364,7 @@ def run_eval(
     if model is None:
         model, tokenizer = load_model(cfg)
     masks = build_masks(cfg, model)
+    _record_host(out, next(model.parameters()).device)
     rule, repetition = cfg.budget(), cfg.repetition_rule()
     num_heads = num_kv_heads_total(model)
     # K and V of one token in one KV head (configs without head_dim derive it from hidden size / heads)

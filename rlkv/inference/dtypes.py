@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -26,15 +27,32 @@ NAMES = {
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+def _cpuinfo(field: str) -> str:
+    """The first `field` line's value in /proc/cpuinfo ("" where it cannot be read: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), "")
+    except OSError:
+        return ""
+
+
 @functools.cache
 def cpu_has_bf16() -> bool:
     """True when /proc/cpuinfo lists AVX512-BF16 or AMX-BF16 (Linux; False where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
+    flags = _cpuinfo("flags").split()
     return any(flag in flags for flag in CPU_BF16_FLAGS)
+
+
+def host_description(device: str | torch.device | None = None) -> str:
+    """The machine a generation ran on, for results that differ across machines (greedy bf16 on CPUs):
+    the CUDA device's name, or the CPU model, its core count and whether it has native bf16; torch version."""
+    if device is not None and torch.device(device).type == "cuda":
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        model = _cpuinfo("model name") or "unknown CPU"
+        bf16 = "with" if cpu_has_bf16() else "without"
+        name = f"{model}, {os.cpu_count()} cores, {bf16} AVX512-BF16/AMX-BF16"
+    return f"{name}; torch {torch.__version__}"
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
