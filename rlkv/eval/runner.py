@@ -171,9 +171,7 @@ def _upgraded(saved: dict[str, Any], cfg: EvalConfig, current: dict[str, Any]) -
     for name in MASK_FIELDS.values():
         if f"{name}_sha1" not in saved and saved.get(name) == current.get(name):
             saved[f"{name}_sha1"] = current.get(f"{name}_sha1")  # saved before folders were hashed
-        same_file = saved.get(name) == current.get(name) and saved.get(f"{name}_sha1") == current.get(
-            f"{name}_sha1"
-        )
+        same_file = all(saved.get(k) == current.get(k) for k in (name, f"{name}_sha1"))
         if f"{name}_layouts" not in saved and same_file:
             saved[f"{name}_layouts"] = current.get(f"{name}_layouts")  # saved before layouts were recorded
     return saved
