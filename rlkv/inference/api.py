@@ -64,8 +64,8 @@ def make_cache(
     static: a `StaticHeadMixedCache` instead (static shapes, fixed addresses: torch.compile and CUDA
     graphs), holding at most `max_cache_len` (prompt + new tokens) columns; raises `StaticCacheError`
     for a layout without a static form. max_prompt_len: the widest prompt the static cache will see
-    (its tensors are sized for it at once, so every request up to it keeps one set of shapes). Raises `CompressionConfigError` / `HeadMaskError` for an
-    invalid config or a mask of another model.
+    (its tensors are sized for it at once, so every request up to it keeps one set of shapes).
+    Raises `CompressionConfigError` / `HeadMaskError` for an invalid config or a mask of another model.
     """
     compression.validate()
     if hasattr(model, "rlkv_gates"):
