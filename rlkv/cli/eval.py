@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--head-mask",
         dest="head_mask",
-        help="trained head mask (HeadMask.from_pretrained: folder, JSON, TSV, hub id)",
+        help="trained head mask (HeadMask.from_pretrained: folder, JSON, L x H_kv TSV, hub id)",
     )
     parser.add_argument("--duo-mask", dest="duo_mask", help="DuoAttention folder or TSV for the `duo` method")
     parser.add_argument(

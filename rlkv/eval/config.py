@@ -38,7 +38,8 @@ class EvalConfig:
 
     model: a path / hub id for `rlkv.inference.load`, or "tiny:<family>" (random tiny model, smoke tests).
     head_mask: the trained head mask for `rlkv*`: anything `HeadMask.from_pretrained` reads (a mask
-        folder or Hub id, a head_mask.json, an RLKV-authors adapter_weights.tsv, a DuoAttention folder).
+        folder or Hub id, a head_mask.json, an RLKV-authors adapter_weights.tsv, a DuoAttention folder,
+        any L x H_kv TSV of scores: read against the model).
     ablation_mask: the `ablation-mask` method's mask (a folder written by `rlkv ablation-mask`; same forms).
     duo_mask: another head mask for the `duo` method (same forms; typically a DuoAttention folder).
     benchmarks: `rlkv.data.load_problems` names or files; `split` applies to each.

@@ -98,12 +98,15 @@ def mask_digest(path: str | os.PathLike) -> str | None:
     return digest.hexdigest() if files else None
 
 
-def mask_layouts(path: str | os.PathLike, sparsities: Iterable[float]) -> dict[str, str]:
+def mask_layouts(path: str | os.PathLike, sparsities: Iterable[float], model: Any = None) -> dict[str, str]:
     """The full heads of the mask at `path` at each sparsity, as `{"0.75": "9.1 10.1 11.0 ..."}`
-    ("layer.head", in order): all that a mask method's rows depend on (the eval sets sink and window)."""
+    ("layer.head", in order): all that a mask method's rows depend on (the eval sets sink and window).
+
+    model: the evaluated model (or its config); required when `path` is a scores-only TSV or TSV folder.
+    """
     from rlkv.head_mask import HeadMask
 
-    mask = HeadMask.from_pretrained(path)
+    mask = HeadMask.from_pretrained(path, model)
     layouts = {}
     for s in sparsities:
         full = mask.full_heads(float(s)).nonzero().tolist()
@@ -115,11 +118,11 @@ def _sparsity_key(sparsity: float) -> str:
     return f"{float(sparsity):g}"
 
 
-def _check_resume(out: Path, cfg: EvalConfig) -> None:
+def _check_resume(out: Path, cfg: EvalConfig, model: Any = None) -> None:
     """Refuse to add rows to `out` made with other settings than its saved ones; then save `cfg`'s."""
     path = out / CONFIG_FILE
     rows = read_results(out / RESULTS_FILE) if path.exists() else []
-    current = _settings(cfg, {r["sparsity"] for r in rows})
+    current = _settings(cfg, {r["sparsity"] for r in rows}, model)
     saved = read_json(path, what=CONFIG_FILE) if path.exists() else {}
     current["hosts"] = saved.get("hosts", [])
     if rows:
@@ -147,9 +150,10 @@ def _record_host(out: Path, device: Any) -> str:
     return host
 
 
-def _settings(cfg: EvalConfig, row_sparsities: set[float] = frozenset()) -> dict[str, Any]:
+def _settings(cfg: EvalConfig, row_sparsities: set[float] = frozenset(), model: Any = None) -> dict[str, Any]:
     """The fields of `cfg` that change results, plus each mask's digest (a retrained mask at the same
-    path changes results too) and its full heads at the sparsities of `cfg` and of `row_sparsities`."""
+    path changes results too) and its full heads at the sparsities of `cfg` and of `row_sparsities`
+    (`model` reads a scores-only TSV mask)."""
     current = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE_FIELDS}
     sparsities = sorted({*map(float, cfg.sparsities), *row_sparsities} - {0.0})
     for name in MASK_FIELDS.values():
@@ -157,7 +161,7 @@ def _settings(cfg: EvalConfig, row_sparsities: set[float] = frozenset()) -> dict
         digest = mask_digest(source) if source else None
         if digest:
             current[f"{name}_sha1"] = digest
-            current[f"{name}_layouts"] = mask_layouts(source, sparsities)
+            current[f"{name}_layouts"] = mask_layouts(source, sparsities, model)
     return current
 
 
@@ -355,12 +359,12 @@ def run_eval(
             f"out (--out) {str(out)!r} is not a folder: give a new or an existing output folder"
         )
     out.mkdir(parents=True, exist_ok=True)
-    _check_resume(out, cfg)
+    if model is None:  # before the resume check: a scores-only TSV mask is read against the model
+        model, tokenizer = load_model(cfg)
+    _check_resume(out, cfg, model)
     results_path = out / RESULTS_FILE
     done_rows = read_results(results_path, repair=True)
     done = {r["key"] for r in done_rows}
-    if model is None:
-        model, tokenizer = load_model(cfg)
     masks = build_masks(cfg, model)
     _record_host(out, next(model.parameters()).device)
     rule, repetition = cfg.budget(), cfg.repetition_rule()
