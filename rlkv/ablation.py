@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from rlkv.data.batches import Solution, teacher_forced_batch
 from rlkv.gates import attach_gates, detach_gates
 from rlkv.head_mask import HeadMask
 
-Solution = tuple[list[int], list[int]]  # (prompt token ids, completion token ids)
 LOGIT_CHUNK = 1024  # completion positions whose fp32 logits are held at once
 
 
@@ -53,32 +53,20 @@ def completion_nll(model: Any, sequences: list[Solution], batch_size: int = 4) -
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]) + len(sequences[i][1]))
     total, count = torch.zeros((), dtype=torch.float64), 0
     for start in range(0, len(order), batch_size):
-        batch = [sequences[i] for i in order[start : start + batch_size]]
-        width = max(len(p) + len(c) for p, c in batch)
-        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
-        attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
-        rows, cols = [], []
-        for row, (prompt, completion) in enumerate(batch):
-            ids = prompt + completion
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            attention_mask[row, width - len(ids) :] = 1
-            rows += [row] * len(completion)
-            cols += range(width - len(completion) - 1, width - 1)  # positions that predict the completion
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        batch = teacher_forced_batch([sequences[i] for i in order[start : start + batch_size]]).to(device)
         with torch.inference_mode():
             hidden = decoder(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                position_ids=position_ids.to(device),
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
                 use_cache=False,
             ).last_hidden_state
-            rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)
-            states, targets = hidden[rows_t, cols_t], input_ids[rows_t, cols_t + 1].to(device)
-            for i in range(0, len(rows), LOGIT_CHUNK):
+            states, targets = hidden[batch.rows, batch.cols], batch.targets
+            for i in range(0, len(targets), LOGIT_CHUNK):
                 logits = head(states[i : i + LOGIT_CHUNK]).float()
                 nll = torch.nn.functional.cross_entropy(logits, targets[i : i + LOGIT_CHUNK], reduction="sum")
                 total += nll.double().cpu()
-        count += len(rows)
+        count += len(batch.targets)
     return float(total) / count
 
 

@@ -9,7 +9,7 @@ import torch
 from rlkv.head_mask import HeadMask, HeadMaskError, ModelFingerprint
 from rlkv.testing import tiny_model
 from rlkv.trainers import GateGRPOTrainer, l1_penalty
-from rlkv.trainers.grpo import outside_target
+from rlkv.trainers.gate_trainer import outside_target
 from tests.test_trainer import config, constant_reward, prompts_dataset
 
 

@@ -237,11 +237,12 @@ def mixed_attention_forward(
     """AttentionInterface function: alpha-weighted mix of full SDPA and sink+local attention.
 
     Reads the layer's gates from `module._rlkv_gates` (set by `attach_gates`); a module without gates
-    (e.g. another model sharing the same config object) runs stock SDPA. Returns ([B, Q, H, D], None).
+    (e.g. another model sharing the same config object) or inside `full_attention` runs stock SDPA.
+    Returns ([B, Q, H, D], None).
     """
     gates = getattr(module, "_rlkv_gates", None)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if gates is None:
+    if gates is None or gates.bypassed:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     alpha = gates.alpha[module.layer_idx].clamp(0.0, 1.0)  # [H_kv]
     needs_grad = torch.is_grad_enabled() and (

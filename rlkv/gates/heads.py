@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -58,6 +61,7 @@ class HeadGates(nn.Module):
         self.alpha = nn.Parameter(torch.full((num_layers, num_kv_heads), float(init)))
         # not in the model's state_dict: gate checkpoints save it themselves (gates.safetensors)
         self.register_buffer("below_zero", torch.zeros(num_layers, num_kv_heads), persistent=False)
+        self.bypassed = False  # True inside `full_attention`: the model runs its stock attention
 
     @torch.no_grad()
     def clamp_(self) -> HeadGates:
@@ -130,6 +134,23 @@ def attach_gates(model: PreTrainedModel, sink: int = 128, local: int = 256, init
     model._rlkv_previous_attn = model.config._attn_implementation
     model.set_attn_implementation(mixed_attention.register())
     return gates
+
+
+@contextlib.contextmanager
+def full_attention(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
+    """Inside the block, the gated `model` runs its stock attention (every head full, gates ignored).
+
+    The full-attention reference of the distillation and KL terms: the same frozen weights, no second
+    copy of the model. Gradients still flow to anything else the forward uses; the gates get none.
+    """
+    gates = getattr(model, "rlkv_gates", None)
+    if gates is None:
+        raise ValueError("model has no rlkv gates: attach them with rlkv.attach_gates first")
+    previous, gates.bypassed = gates.bypassed, True
+    try:
+        yield model
+    finally:
+        gates.bypassed = previous
 
 
 def detach_gates(model: PreTrainedModel) -> HeadGates:

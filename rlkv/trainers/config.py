@@ -82,9 +82,34 @@ class GateGRPOConfig(GRPOConfig):
     penalty_scope: str = field(
         default="all",
         metadata={
-            "help": "Which gates the L1 term pushes down: 'all' (RLKV, DuoAttention) or 'outside_target': only the "
+            "help": "Which gates the L1 term pushes down: 'all' (RLKV, DuoAttention); 'outside_target': only the "
             "heads outside the current top round((1 - target_sparsity) * L * H) by gate value (ties by "
-            "HeadGates.below_zero), so the heads the deployed mask keeps full are ranked by reward alone."
+            "HeadGates.below_zero), so the heads the deployed mask keeps full are ranked by reward alone; "
+            "'budget': every gate, but only while mean(alpha) > 1 - target_sparsity (the deployed mask's share of "
+            "full heads), so at the budget the objective alone decides which heads rise and which fall."
+        },
+    )
+    objective: str = field(
+        default="grpo",
+        metadata={
+            "help": "What trains the gates: 'grpo' (RLKV: rewards on the gated model's own rollouts); 'distill' "
+            "(the dataset's `completion` column, e.g. a self-distilled curriculum, teacher-forced through the gated "
+            "model: KL(full attention || gated) per completion token, no generation in the step); 'distill+grpo' "
+            "(distill_steps of distillation into output_dir/distill, then GRPO from those gates)."
+        },
+    )
+    distill_steps: int = field(
+        default=60,
+        metadata={"help": "Optimizer steps of the distillation stage of objective 'distill+grpo'."},
+    )
+    distill_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Learning rate of distillation (default: learning_rate)."},
+    )
+    distill_max_length: int = field(
+        default=2048,
+        metadata={
+            "help": "Distillation: prompt + completion tokens kept per sequence (longer ones are cut)."
         },
     )
     target_sparsity: float = field(
@@ -106,7 +131,11 @@ class GateGRPOConfig(GRPOConfig):
         default=0.4, metadata={"help": "Clip range of the importance ratio (authors: 0.4)."}
     )
     beta: float = field(
-        default=0.0, metadata={"help": "KL coefficient; RLKV trains without KL or reference model."}
+        default=0.0,
+        metadata={
+            "help": "Weight of TRL's per-token KL(gated || full attention) on the rollouts; the reference is the "
+            "same model with its gates off (no second copy). 0 (RLKV's default): no KL term."
+        },
     )
     loss_type: str = field(
         default="grpo",
@@ -156,6 +185,19 @@ class GateGRPOConfig(GRPOConfig):
                 f"penalty_scope={self.penalty_scope!r} is invalid: use one of {', '.join(map(repr, PENALTY_SCOPES))}"
             )
         _check_range("target_sparsity", self.target_sparsity, 0.0, 1.0, "a fraction of heads in [0, 1]")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(
+                f"objective={self.objective!r} is invalid: use one of {', '.join(map(repr, OBJECTIVES))}"
+            )
+        if self.distill_learning_rate is not None:
+            _check_range(
+                "distill_learning_rate", self.distill_learning_rate, 0.0, math.inf, "a learning rate > 0"
+            )
+        if getattr(self, "sync_ref_model", False):
+            raise ValueError(
+                "sync_ref_model=true has nothing to sync: the KL reference is the gated model itself with its "
+                "gates off; set sync_ref_model to false"
+            )
         if self.use_vllm:
             raise ValueError(
                 "use_vllm=True samples rollouts from vLLM's copy of the model, which has no gates; RLKV's rollouts "
@@ -165,7 +207,8 @@ class GateGRPOConfig(GRPOConfig):
         super().__post_init__()
 
 
-PENALTY_SCOPES = ("all", "outside_target")
+PENALTY_SCOPES = ("all", "outside_target", "budget")
+OBJECTIVES = ("grpo", "distill", "distill+grpo")
 
 
 def _requested_sharding_engine() -> str | None:
@@ -203,6 +246,8 @@ _COUNT_FIELDS = (
     ("torch_threads", 0, False),
     ("gate_sink", 0, False),
     ("gate_local", 1, False),
+    ("distill_steps", 1, False),
+    ("distill_max_length", 2, False),
 )
 _NUMBER_FIELDS = (
     "learning_rate",

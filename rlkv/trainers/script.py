@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -91,6 +92,7 @@ def check_model_geometry(model_name_or_path: str, **load_kwargs) -> None:
 
 
 _RUN_FILES = ("head_mask.json", "head_mask.tsv", "gates.safetensors")
+DISTILL_STAGE_DIR = "distill"  # objective 'distill+grpo': the distillation stage's own run folder
 
 
 def _checkpoints(output_dir: Path) -> list[Path]:
@@ -138,6 +140,7 @@ def resolve_output_dir(
             shutil.rmtree(checkpoint)
         for name in _RUN_FILES:
             (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / DISTILL_STAGE_DIR, ignore_errors=True)
     return None
 
 
@@ -178,18 +181,29 @@ def build_train_dataset(
     return ds.map(add_prompt, desc="prompts")
 
 
-def build_trainer(argv: list[str] | None = None, prog: str | None = None):
-    """Parse and validate the recipe (exit status 2 with a `PROG: error:` line when it is bad); the ready
-    GateGRPOTrainer. `prog` names the command in messages (default: the script's file name)."""
+@dataclass
+class Recipe:
+    """A parsed, checked recipe and what it loads before the model: the parts every stage is built from."""
+
+    parser: Any
+    script_args: ScriptArguments
+    training_args: Any  # GateGRPOConfig
+    model_args: Any  # trl.ModelConfig
+    tokenizer: Any
+    train_dataset: Any
+
+
+def parse_recipe(argv: list[str] | None = None, prog: str | None = None) -> Recipe:
+    """Parse and validate the recipe, load the tokenizer and the prompts (exit status 2 with a
+    `PROG: error:` line when something is bad). `prog` names the command in messages."""
     import torch
     from transformers import AutoTokenizer
     from trl import ModelConfig, TrlParser
 
     from rlkv.data import ProblemDataError
     from rlkv.errors import OneLineErrors
-    from rlkv.gates import UnsupportedModelError
     from rlkv.inference import resolve_dtype
-    from rlkv.trainers import GateGRPOConfig, GateGRPOTrainer, get_reward
+    from rlkv.trainers import GateGRPOConfig, get_reward
 
     class RecipeParser(OneLineErrors, TrlParser):
         """TrlParser whose errors are one line, not buried under the usage text of every TRL field."""
@@ -213,7 +227,8 @@ def build_trainer(argv: list[str] | None = None, prog: str | None = None):
     }
     try:
         check_model_geometry(model_args.model_name_or_path, **load_kwargs)
-        reward_funcs = [get_reward(name) for name in script_args.rewards]
+        if training_args.objective != "distill":
+            [get_reward(name) for name in script_args.rewards]  # a bad reward name fails before any training
         tokenizer = AutoTokenizer.from_pretrained(
             model_args.model_name_or_path, padding_side="left", **load_kwargs
         )
@@ -228,27 +243,84 @@ def build_trainer(argv: list[str] | None = None, prog: str | None = None):
         "revision": model_args.model_revision,
         **({"dtype": resolve_dtype(model_args.dtype, device)} if model_args.dtype else {}),
     }
+    return Recipe(parser, script_args, training_args, model_args, tokenizer, train_dataset)
+
+
+def grpo_trainer(recipe: Recipe, model: Any = None):
+    """The `GateGRPOTrainer` of `recipe`, on `model` (a model carrying the gates of an earlier stage) or
+    on the recipe's model path."""
+    from rlkv.gates import UnsupportedModelError
+    from rlkv.trainers import GateGRPOTrainer, get_reward
+
     try:
-        trainer = GateGRPOTrainer(
-            model=model_args.model_name_or_path,
-            reward_funcs=reward_funcs,
-            args=training_args,
-            train_dataset=train_dataset,
-            processing_class=tokenizer,
+        return GateGRPOTrainer(
+            model=model if model is not None else recipe.model_args.model_name_or_path,
+            reward_funcs=[get_reward(name) for name in recipe.script_args.rewards],
+            args=recipe.training_args,
+            train_dataset=recipe.train_dataset,
+            processing_class=recipe.tokenizer,
         )
     except UnsupportedModelError as e:
-        parser.error(f"bad recipe: {e}")
-    return trainer
+        recipe.parser.error(f"bad recipe: {e}")
+
+
+def distill_trainer(recipe: Recipe):
+    """The `GateDistillTrainer` of `recipe`: objective 'distill' trains into output_dir for max_steps;
+    the first stage of 'distill+grpo' into output_dir/distill for distill_steps (started over each time)."""
+    import copy
+
+    from rlkv.gates import UnsupportedModelError
+    from rlkv.trainers.distill import GateDistillTrainer, distill_sequences
+
+    base = recipe.training_args
+    args = copy.copy(base)
+    if base.distill_learning_rate is not None:
+        args.learning_rate = base.distill_learning_rate
+    if base.objective == "distill+grpo":
+        args.output_dir = str(Path(base.output_dir) / DISTILL_STAGE_DIR)
+        args.max_steps = base.distill_steps
+        args.resume_from_checkpoint = None
+        shutil.rmtree(args.output_dir, ignore_errors=True)
+    try:
+        sequences = distill_sequences(recipe.train_dataset, recipe.tokenizer, base.distill_max_length)
+        return GateDistillTrainer(
+            model=recipe.model_args.model_name_or_path,
+            args=args,
+            train_dataset=sequences,
+            processing_class=recipe.tokenizer,
+        )
+    except (ValueError, UnsupportedModelError) as e:
+        recipe.parser.error(f"bad recipe: {e}")
+
+
+def build_trainer(argv: list[str] | None = None, prog: str | None = None):
+    """Parse and validate the recipe (exit status 2 with a `PROG: error:` line when it is bad); the ready
+    trainer of its first stage: GateGRPOTrainer (objective 'grpo'), GateDistillTrainer ('distill',
+    'distill+grpo'). `prog` names the command in messages (default: the script's file name)."""
+    recipe = parse_recipe(argv, prog)
+    return grpo_trainer(recipe) if recipe.training_args.objective == "grpo" else distill_trainer(recipe)
 
 
 def train(argv: list[str] | None = None, prog: str | None = None) -> None:
-    """Train the gates of the recipe's model, then save the final gates and head mask into output_dir."""
+    """Train the gates of the recipe's model by its objective, then save the final gates and head mask into
+    output_dir. 'distill+grpo' distils into output_dir/distill first, unless GRPO resumes a checkpoint."""
     import torch
 
-    trainer = build_trainer(argv, prog)
-    training_args = trainer.args
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
+    recipe = parse_recipe(argv, prog)
+    args = recipe.training_args
+    model = None
+    if args.objective == "distill" or (args.objective == "distill+grpo" and not args.resume_from_checkpoint):
+        stage = distill_trainer(recipe)
+        stage.train(
+            resume_from_checkpoint=args.resume_from_checkpoint if args.objective == "distill" else None
+        )
+        stage.save_model(stage.args.output_dir)
+        model = stage.accelerator.unwrap_model(stage.model)
+        args.gate_init_from = None  # GRPO continues from the distilled gates
+    if args.objective != "distill":
+        trainer = grpo_trainer(recipe, model)
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        trainer.save_model(args.output_dir)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
