@@ -69,28 +69,44 @@ def forward_kl(
     return _ForwardKL.apply(hidden, ref_hidden.detach(), weight, bias, chunk)
 
 
-def _final_hidden(model: torch.nn.Module, batch: TeacherForcedBatch) -> torch.Tensor:
+def final_hidden(model: torch.nn.Module, batch: TeacherForcedBatch) -> torch.Tensor:
+    """The final (normed) hidden states [N, H] at the positions that predict `batch`'s completion tokens.
+
+    `model` is called as is (a DDP wrapper keeps its gradient hooks), with `logits_to_keep=1` so the
+    vocabulary logits of every position are never formed.
+    """
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         output_hidden_states=True,
-        logits_to_keep=1,  # the vocabulary logits of every position are never formed
+        logits_to_keep=1,
         use_cache=False,
     )
     return out.hidden_states[-1][batch.rows, batch.cols]
 
 
-def distill_kl(
+def reference_hidden(
     model: torch.nn.Module, gated_model: torch.nn.Module, batch: TeacherForcedBatch
+) -> torch.Tensor:
+    """`final_hidden` of the full-attention model: `gated_model` (unwrapped, with `rlkv_gates`) with its gates off."""
+    with torch.no_grad(), full_attention(gated_model):
+        return final_hidden(model, batch)
+
+
+def distill_kl(
+    model: torch.nn.Module,
+    gated_model: torch.nn.Module,
+    batch: TeacherForcedBatch,
+    ref_hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per completion token, KL(full attention || gated model) in nats: FloatTensor[N], differentiable in the gates.
 
-    `model` is called as is (a DDP wrapper keeps its gradient hooks); `gated_model` is the unwrapped
-    model carrying `rlkv_gates`, whose stock attention gives the reference under `full_attention`.
+    `model` is called as is; `gated_model` is the unwrapped model carrying `rlkv_gates`. `ref_hidden`
+    ([N, H], `reference_hidden` of this batch) skips the reference forward when the caller kept it.
     """
-    with torch.no_grad(), full_attention(gated_model):
-        ref = _final_hidden(model, batch)
-    hidden = _final_hidden(model, batch)
+    if ref_hidden is None:
+        ref_hidden = reference_hidden(model, gated_model, batch)
+    hidden = final_hidden(model, batch)
     head = gated_model.get_output_embeddings()
-    return forward_kl(hidden, ref, head.weight, head.bias)
+    return forward_kl(hidden, ref_hidden, head.weight, head.bias)
