@@ -2,10 +2,12 @@
 
 1. self-distilled curriculum: the demo model solves training-split chain problems greedily; the
    solved ones are bucketed by solution length and ordered easy to hard (`rlkv data curriculum`);
-2. gate training: GRPO on the gates only, rollouts from the gated model
-   (`accelerate launch train_gates.py --config recipes/demo.yaml`) -> head_mask.json;
-3. evaluation on held-out problems: full, rlkv, rlkv+rkv, random-mask, rkv, streaming at
-   sparsities 0.25 / 0.5 / 0.75 with matched KV budgets (`rlkv eval`) -> report.md + plots.
+2. gate training: the gates only, by distillation from the full-attention model on the curriculum's
+   solutions (`accelerate launch train_gates.py --config recipes/demo.yaml`) -> head_mask.json;
+3. the baseline a learned mask must beat: the per-head ablation ranking (`rlkv ablation-mask`, one
+   teacher-forced pass per head on training-split solutions);
+4. evaluation on held-out problems: full, rlkv, rlkv+rkv, ablation-mask, random-mask, rkv, streaming
+   at sparsities 0.25 / 0.5 / 0.75 with matched KV budgets (`rlkv eval`) -> report.md + plots.
 
 Every step is a command a user can run by hand; each is resumable, so a rerun skips finished work.
 `--smoke` runs the same pipeline on a few problems and steps (what the test suite runs).
@@ -29,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "data" / "demo-model"
-BASE_METHODS = ["full", "rlkv", "rlkv+rkv", "rkv", "streaming"]
+BASE_METHODS = ["full", "rlkv", "rlkv+rkv", "ablation-mask", "rkv", "streaming"]
 DEVICES = ("cpu", "cuda")
 RLKV_CLI = [sys.executable, "-m", "rlkv.cli"]
 ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -37,7 +39,7 @@ ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 
 def methods(random_draws: int) -> str:
     """The demo's methods: the issue's list, with the random mask as `random_draws` seeded draws (averaged in the report)."""
-    return ",".join(BASE_METHODS[:3] + [f"random-mask@{k}" for k in range(random_draws)] + BASE_METHODS[3:])
+    return ",".join(BASE_METHODS[:4] + [f"random-mask@{k}" for k in range(random_draws)] + BASE_METHODS[4:])
 
 
 def run(step: str, cmd: list[str], env: dict[str, str]) -> float:
@@ -125,8 +127,33 @@ def train_command(model: Path, out: Path, device: str, smoke: bool) -> list[str]
     ]
 
 
+def ablation_command(model: Path, out: Path, device: str, smoke: bool) -> list[str]:
+    """Step 3, `rlkv ablation-mask` on training-split problems (the eval's test split stays held out)."""
+    return [
+        *RLKV_CLI,
+        "ablation-mask",
+        "--model",
+        str(model),
+        "--problems",
+        "chain",
+        "--split",
+        "train",
+        "--num",
+        "8" if smoke else "32",
+        "--max-new-tokens",
+        "48",
+        "--batch-size",
+        "16",
+        "--device",
+        device,
+        "--no-progress",
+        "--out",
+        str(out / "ablation-mask"),
+    ]
+
+
 def eval_command(model: Path, out: Path, device: str, smoke: bool) -> list[str]:
-    """Step 3, `rlkv eval` of the trained mask on `device`."""
+    """Step 4, `rlkv eval` of the trained mask beside the ablation mask on `device`."""
     cfg = settings(smoke)
     return [
         *RLKV_CLI,
@@ -137,6 +164,8 @@ def eval_command(model: Path, out: Path, device: str, smoke: bool) -> list[str]:
         str(model),
         "--head-mask",
         str(out / "head_mask.json"),
+        "--ablation-mask",
+        str(out / "ablation-mask"),
         "--methods",
         methods(cfg["random_draws"]),
         "--device",
@@ -193,12 +222,17 @@ def main(argv: list[str] | None = None) -> int:
 
     times = {}
     times["curriculum"] = run(
-        "1/3 self-distilled curriculum", curriculum_command(model, out, args.device, args.smoke), env
+        "1/4 self-distilled curriculum", curriculum_command(model, out, args.device, args.smoke), env
     )
-    times["train"] = run("2/3 gate training (GRPO)", train_command(model, out, args.device, args.smoke), env)
+    times["train"] = run(
+        "2/4 gate training (distillation)", train_command(model, out, args.device, args.smoke), env
+    )
     shutil.copyfile(out / "gates" / "head_mask.json", out / "head_mask.json")
+    times["ablation"] = run(
+        "3/4 ablation mask (baseline)", ablation_command(model, out, args.device, args.smoke), env
+    )
     times["eval"] = run(
-        "3/3 evaluation on held-out problems", eval_command(model, out, args.device, args.smoke), env
+        "4/4 evaluation on held-out problems", eval_command(model, out, args.device, args.smoke), env
     )
     print(f"\n=== report ({out / 'eval' / 'report.md'})\n")
     print((out / "eval" / "report.md").read_text())

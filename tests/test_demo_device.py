@@ -35,6 +35,7 @@ def test_every_step_receives_the_device(tmp_path, device):
     model = ROOT / "data" / "demo-model"
     assert _rlkv_args(demo.curriculum_command(model, tmp_path, device, smoke=True)).device == device
     assert _rlkv_args(demo.eval_command(model, tmp_path, device, smoke=True)).device == device
+    assert _rlkv_args(demo.ablation_command(model, tmp_path, device, smoke=True)).device == device
 
     train = demo.train_command(model, tmp_path, device, smoke=True)
     assert train[:3] == [sys.executable, "-m", "accelerate.commands.launch"]

@@ -12,7 +12,7 @@ from rlkv.eval.runner import read_results
 from rlkv.head_mask import HeadMask
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = {"full", "rlkv", "rlkv+rkv", "random-mask@0", "random-mask@1", "rkv", "streaming"}
+METHODS = {"full", "rlkv", "rlkv+rkv", "ablation-mask", "random-mask@0", "random-mask@1", "rkv", "streaming"}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,10 @@ def test_smoke_demo_mask_fits_the_demo_model_and_eval_used_it(smoke_run):
 
     out, _ = smoke_run
     mask = HeadMask.load(out / "head_mask.json")
-    mask.check_compatible(AutoConfig.from_pretrained(ROOT / "data" / "demo-model"))
+    config = AutoConfig.from_pretrained(ROOT / "data" / "demo-model")
+    mask.check_compatible(config)
+    assert mask.metadata["objective"] == "distill"  # the demo's default objective (issue 48)
+    HeadMask.from_pretrained(out / "ablation-mask", config)  # the baseline the eval compares against
     rows = read_results(out / "eval" / "results.jsonl")
     assert {r["method"] for r in rows} == METHODS
     assert len({(r["method"], r["problem_id"]) for r in rows}) == len(rows)  # one row per method x problem
