@@ -51,8 +51,9 @@ def test_write_outside_the_work_dir_is_contained(level, tmp_path):
     target = tmp_path / "written.txt"
     run_python_tests(f"open({str(target)!r}, 'w').write('x')", "pass", timeout_s=3)
     assert not target.exists()
-    # writing inside the program's own working directory stays allowed
-    assert run_python_tests("open('scratch.txt', 'w').write('x')", "assert open('scratch.txt').read() == 'x'")
+    # writing inside the program's own working directory stays allowed (the tests run elsewhere)
+    scratch = "def f():\n    open('scratch.txt', 'w').write('x')\n    return open('scratch.txt').read()\n"
+    assert run_python_tests(scratch, "assert f() == 'x'")
 
 
 def test_shell_commands_are_contained(level, tmp_path):
@@ -227,22 +228,25 @@ def test_guard_holds_against_plain_python_bypasses(probe, tmp_path):
     assert not attempt(guard=True)
 
 
-def test_guard_keeps_the_nonce_out_of_reach():
-    """Without the guard a program can read the harness's nonce from the keeper's frame and report it."""
-    steal = (
+def test_nothing_of_the_tests_is_in_the_programs_process():
+    """Without the guard a program may walk every frame and read every object of its interpreter (the
+    old harness's nonce was there); now neither the tests' text nor the nonce is in that process."""
+    search = (
         "import gc, os, sys\n"
-        "def add(a, b):\n    return a - b\n"
-        "frame = sys._getframe()\n"
-        "while 'keeper' not in frame.f_locals:\n    frame = frame.f_back\n"
-        "keeper = frame.f_locals['keeper']\n"
-        "os.write(frame.f_locals['result_fd'], keeper.gi_frame.f_locals['nonce'])\n"
-        "os._exit(0)\n"
+        "def found():\n"
+        "    seen = [repr(f.f_locals) + repr(f.f_globals) + repr(f.f_code.co_consts) for f in frames()]\n"
+        "    seen += [repr(o) for o in gc.get_objects() if isinstance(o, (str, bytes, dict))]\n"
+        "    return any('== 4' in s or 'nonce' in s for s in seen)\n"
+        "def frames():\n    f = sys._getframe()\n    while f is not None:\n        yield f\n        f = f.f_back\n"
+        "def add(a, b):\n    return 4 if found() else 0\n"
+        "if found():\n    os._exit(0)\n"
     )
     tests = "assert add(2, 2) == 4"
-    assert sandbox.run_program(steal, timeout_s=5, tests=tests, guard=False, os_sandbox=False).passed
-    assert not sandbox.run_program(steal, timeout_s=5, tests=tests, guard=True, os_sandbox=False).passed
-    via_gc = steal.replace("keeper.gi_frame.f_locals['nonce']", "[o for o in gc.get_referrers(keeper)][0]")
-    assert not sandbox.run_program(via_gc, timeout_s=5, tests=tests, guard=True, os_sandbox=False).passed
+    assert not sandbox.run_program(search, timeout_s=10, tests=tests, guard=False, os_sandbox=False).passed
+    # the same search finds the tests where a harness in the program's interpreter holds their text
+    harness = f"def harness(tests={tests!r}):\n    exec(program + chr(10) + tests, {{}})\n"
+    shared = f"program = {search!r}\n{harness}harness()\n"
+    assert sandbox.run_program(shared, timeout_s=10, guard=False, os_sandbox=False).passed
     mem = "open('/proc/self/mem', 'rb')"
     assert sandbox.run_program(mem, timeout_s=5, guard=False, os_sandbox=False).passed
     assert not sandbox.run_program(mem, timeout_s=5, guard=True, os_sandbox=False).passed

@@ -210,16 +210,21 @@ def run_program(
     timeout_s: float,
     *,
     tests: str | None = None,
+    setup: str | None = None,
+    entry_point: str | None = None,
     guard: bool = True,
     os_sandbox: bool | None = None,
 ) -> RunResult:
     """Run Python `source` contained (see the module docstring) and report how it ended.
 
-    tests: test code run after `source` in the same namespace by the harness of
-    `sandbox_child.py`; `RunResult.passed` is then True only when the harness reported, over a
-    channel the program cannot write, that every test ran and passed. `guard` installs the
-    audit-hook guard; `os_sandbox` None follows `active_containment()`. Output is discarded.
-    Never raises for anything the program does; `SandboxError` for an invalid setting.
+    tests: test code run in another interpreter against the program (`sandbox_tests.py`): the
+    names the tests read that the program defines are proxies to it, and only plain data crosses;
+    `RunResult.passed` is then True only when the tests' interpreter reported, over a channel the
+    program cannot write, that every test ran and passed. setup: trusted code run before the tests
+    in their interpreter (HumanEval's prompt), whose names the program cannot replace except
+    `entry_point`. `guard` installs the audit-hook guard; `os_sandbox` None follows
+    `active_containment()`. Output is discarded. Never raises for anything the program does;
+    `SandboxError` for an invalid setting.
     """
     if os_sandbox is None:
         os_sandbox = active_containment() == "namespace"
@@ -245,7 +250,8 @@ def run_program(
     level = "namespace" if os_sandbox else "guard"
     try:
         out, _ = proc.communicate(
-            json.dumps({"program": source, "tests": tests}), timeout=timeout_s + _SUPERVISOR_GRACE_S
+            json.dumps({"program": source, "tests": tests, "setup": setup, "entry_point": entry_point}),
+            timeout=timeout_s + _SUPERVISOR_GRACE_S,
         )
     except subprocess.TimeoutExpired:
         proc.terminate()  # the supervisor cleans up on SIGTERM

@@ -1,21 +1,27 @@
-"""What runs inside the contained interpreter before the model's program (standard library only).
+"""What runs inside the program's contained interpreter before its first line (standard library only).
 
-The supervisor (`sandbox_supervisor.py`) sends this file's text followed by one call line to a
-fresh `python -I -B -`: `_rlkv_guard()` (the guard level's audit hook), then either the program
-itself or `_rlkv_run_tests(program, tests, nonce_fd, result_fd)` (the test harness).
-
-The harness reports success by writing a nonce to `result_fd`; the nonce comes from the supervisor
-through `nonce_fd`, which is read and closed before the program's first line. It is held in the
-frame of a suspended generator (`_rlkv_keeper`), which writes it only when resumed by the last
-line of the genuine test code object, after every test statement ran, and only if the functions
-the tests defined are still the ones they defined. Exiting early (`sys.exit`, `os._exit`,
-`SystemExit`, `exit()`), killing itself, printing anything or skipping the tests leaves no nonce,
-so none of these pass. The guard keeps the nonce out of reach: it refuses the ways to a
-suspended generator's frame (`gi_frame`, `gc`, tracing and profiling, `/proc/<pid>/mem`, ctypes).
+The supervisor (`sandbox_supervisor.py`) sends this file's text, `sandbox_wire.py`'s, and one call
+line to a fresh `python -I -B -`: `_rlkv_guard()` (the guard level's audit hook), then either the
+program itself (a run without tests) or `_rlkv_serve(program, read_fd, write_fd)`: the program runs,
+then its functions answer the calls of the tests, which run in another interpreter
+(`sandbox_tests.py`) and reach this one only through that pipe pair, as plain data. Nothing of the
+tests (their text, frames, code objects, expected values) and nothing that reports success is in
+this process, so a program that walks its frames, exits early, kills itself, prints a marker or
+rebinds names here changes nothing but its own answers.
 """
 
 # No `from __future__` import: in a run without tests the program's text follows this file's, and
 # a future import here would change how the program compiles.
+
+if (
+    "_RlkvChannel" not in globals()
+):  # imported as a module; the contained interpreter runs the wire text first
+    from rlkv.data.sandbox_wire import (  # noqa: F401
+        _rlkv_decode,
+        _rlkv_encode,
+        _RlkvChannel,
+        _RlkvWireError,
+    )
 
 
 def _rlkv_guard() -> None:
@@ -53,6 +59,7 @@ def _rlkv_guard() -> None:
     }  # fmt: skip
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     root = os.path.realpath(os.getcwd())
+    own_proc = f"/proc/{os.getpid()}"
 
     def resolve(path, realpath=os.path.realpath, fsdecode=os.fsdecode, readlink=os.readlink):
         try:
@@ -70,7 +77,7 @@ def _rlkv_guard() -> None:
     def hook(
         event, args, refused=refused, refused_imports=refused_imports, frame_attributes=frame_attributes,
         path_events=path_events, write_flags=write_flags, inside=inside, resolve=resolve,
-        isdir=os.path.isdir,
+        isdir=os.path.isdir, own_proc=own_proc,
     ):  # fmt: skip
         if event in refused:
             raise PermissionError(f"{event} is disabled in rlkv code verification")
@@ -92,6 +99,16 @@ def _rlkv_guard() -> None:
                 raise PermissionError(f"rlkv code verification: writing {path!r} is disabled")
             if full is not None and full.startswith("/proc/") and full.endswith("/mem"):
                 raise PermissionError(f"rlkv code verification: reading {path!r} is disabled")
+            if (  # another process's /proc entries: the tests' interpreter, the supervisor, the caller
+                full is not None
+                and full.startswith("/proc/")
+                and full.split("/")[2].isdigit()
+                and full != own_proc
+                and not full.startswith(own_proc + "/")
+            ):
+                raise PermissionError(
+                    f"rlkv code verification: reading {path!r} of another process is disabled"
+                )
             if not inside(full) and (full is None or isdir(full)):
                 raise PermissionError(f"rlkv code verification: opening the directory {path!r} is disabled")
         elif event in path_events:
@@ -102,51 +119,79 @@ def _rlkv_guard() -> None:
     sys.addaudithook(hook)
 
 
-def _rlkv_keeper(nonce_fd, result_fd, tests_code, getframe, read, write, close, exit_):
-    """Hold the supervisor's nonce in this suspended frame; write it once the tests' last line resumes us.
+def _rlkv_serve(program, read_fd, write_fd):
+    """Run `program`, then answer the tests' requests over (`read_fd`, `write_fd`) until they end.
 
-    Resumed from anywhere but the genuine test code, or with a test function replaced or deleted,
-    it raises and ends, so the harness's own resume later fails too.
+    Requests (`sandbox_tests.py` sends them): `["names", [name, ...]]`, which of the names the
+    tests read the program defines, each as `[name, "m", module name]` or `[name, "v", value]`;
+    `["call", id, args, kwargs]`; `["iter", id]`, the object's items as a list. Replies: `["ok",
+    value]`, `["exc", builtin type name, message]` for an exception the program raised, `["bad",
+    why]` for a value that cannot cross. Values are `sandbox_wire.py`'s tagged plain data; any other
+    object stays here and crosses as a handle (an id into `objects`, which keeps it alive).
+    Nothing here holds a secret or the tests' text: what the program does to this code only
+    changes what it answers, and the tests' side decodes every answer as plain data.
     """
-    nonce = read(nonce_fd, 256)
-    close(nonce_fd)
-    defined = {}  # function name -> the code objects the tests bind to it
-    for const in tests_code.co_consts:
-        if hasattr(const, "co_flags") and const.co_flags & 1 and not const.co_name.startswith("<"):
-            defined.setdefault(const.co_name, []).append(const)  # CO_OPTIMIZED: a function, not a class body
-    yield
-    caller = getframe(1)
-    if caller.f_code is not tests_code:
-        raise PermissionError(
-            "rlkv code verification: the tests' completion can only be reported by the tests"
-        )
-    for name, codes in defined.items():
-        if not any(getattr(caller.f_globals.get(name), "__code__", None) is code for code in codes):
-            raise PermissionError(f"rlkv code verification: the test function {name!r} was replaced")
-    write(result_fd, nonce)
-    exit_(0)
+    import builtins
 
+    channel = _RlkvChannel(read_fd, write_fd)
+    exceptions = {
+        v: k for k, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)
+    }
+    objects, ids = {}, {}
+    module_type = type(builtins)
 
-def _rlkv_run_tests(program: str, tests: str, nonce_fd: int, result_fd: int) -> None:
-    """Run `program`, then `tests` in the same namespace; on success the tests' last line reports it."""
-    import os
-    import signal
-    import sys
+    def handle(obj):
+        if id(obj) not in ids:
+            ids[id(obj)] = len(objects)
+            objects[len(objects)] = obj
+        return ids[id(obj)]
 
-    tests_code = compile(tests + "\n__rlkv_tests_done__()\n", "<tests>", "exec")
-    keeper = _rlkv_keeper(
-        nonce_fd, result_fd, tests_code, sys._getframe, os.read, os.write, os.close, os._exit
-    )
-    next(keeper)
-    run, getsignal, set_signal, setitimer = exec, signal.getsignal, signal.signal, signal.setitimer
+    def resolve(remote_id):
+        if remote_id not in objects:
+            raise _RlkvWireError(f"no program object {remote_id}")
+        return objects[remote_id]
+
+    def describe(value):
+        if isinstance(value, module_type) and isinstance(getattr(value, "__name__", None), str):
+            return ["m", value.__name__]
+        return ["v", _rlkv_encode(value, handle)]
+
+    def builtin_name(error):
+        for kind in type(error).__mro__:
+            if kind in exceptions:
+                return exceptions[kind]
+        return "BaseException"
+
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-    run(compile(program, "<program>", "exec"), namespace)
-    # a handler or timer the program left could rebind the tests' names between two test lines
-    for timer in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF):
-        setitimer(timer, 0)
-    for sig in signal.valid_signals():
-        if callable(getsignal(sig)):
-            set_signal(sig, signal.SIG_DFL)
-    namespace["__rlkv_tests_done__"] = keeper.__next__
-    run(tests_code, namespace)
-    raise SystemExit(1)  # unreachable unless the tests' last line did not report (it exits 0)
+    exec(compile(program, "<program>", "exec"), namespace)
+    while True:
+        try:
+            request = channel.receive()
+        except _RlkvWireError:
+            return  # the tests ended
+        try:
+            op = request[0]
+            if op == "names":
+                reply = ["names", [[n, *describe(namespace[n])] for n in request[1] if n in namespace]]
+            elif op in ("call", "iter"):
+                target = resolve(request[1])
+                try:
+                    if op == "call":
+                        args = [_rlkv_decode(a, resolve) for a in request[2]]
+                        kwargs = {k: _rlkv_decode(v, resolve) for k, v in request[3]}
+                        result = target(*args, **kwargs)
+                    else:
+                        result = list(target)
+                except BaseException as error:  # SystemExit included: the tests' side decides
+                    try:
+                        text = str(error)[:2000]
+                    except BaseException:
+                        text = ""
+                    reply = ["exc", builtin_name(error), text]
+                else:
+                    reply = ["ok", _rlkv_encode(result, handle)]
+            else:
+                raise _RlkvWireError(f"unknown request {op!r}")
+        except (_RlkvWireError, RecursionError, LookupError, TypeError, ValueError) as e:
+            reply = ["bad", f"{type(e).__name__}: {e}"[:2000]]
+        channel.send(reply)

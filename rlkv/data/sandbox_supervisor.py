@@ -1,10 +1,10 @@
 """The code sandbox's supervisor: runs as `python -I -S -B sandbox_supervisor.py SPEC` (standard library only).
 
-It reads `{"program", "tests"}` as JSON on stdin, starts the contained interpreter (see
-`rlkv.data.sandbox`), and prints one `rlkv-sandbox-result:{json}` line: `returncode` (None when it
-killed the program), `timed_out`, `limit` (why it killed the program over a whole-program limit,
-else None) and `tests_passed` (None without tests; else whether the harness wrote this run's
-nonce). While the program runs it measures the whole process tree (this supervisor is a child
+It reads `{"program", "tests", "setup", "entry_point"}` as JSON on stdin, starts the contained
+interpreters (see `rlkv.data.sandbox`; with tests, one for the program and one for the tests), and
+prints one `rlkv-sandbox-result:{json}` line: `returncode` (None when it killed the run), `timed_out`,
+`limit` (why it killed the run over a whole-program limit, else None) and `tests_passed` (None
+without tests; else whether the tests' interpreter wrote this run's nonce). While the program runs it measures the whole process tree (this supervisor is a child
 subreaper, so every descendant stays under it, also after a double fork or `setsid`) and kills the
 tree when the processes or the sum of their resident memory exceed the limits.
 """
@@ -113,17 +113,37 @@ def _set_limits(cpu_s: int, memory_bytes: int, file_bytes: int) -> None:
         resource.setrlimit(limit, (value, value))
 
 
-def _child_source(spec: dict, payload: dict, nonce_fd: int, result_fd: int) -> str:
-    """The contained interpreter's whole input: the guard and harness definitions, then the calls."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")) as f:
-        lines = [f.read()]
+def _harness(*names: str) -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    texts = []
+    for name in names:
+        with open(os.path.join(here, name)) as f:
+            texts.append(f.read())
+    return "\n".join(texts)
+
+
+def _program_source(spec: dict, payload: dict, fds: tuple[int, int] | None) -> str:
+    """The program's interpreter's whole input: the guard, the wire format and the server, then the calls.
+
+    fds: the (requests, replies) pipe ends it serves the tests on; None runs the program alone.
+    """
+    lines = [_harness("sandbox_wire.py", "sandbox_child.py")]
     if spec["guard"]:
         lines.append("_rlkv_guard()")
-    if payload.get("tests") is None:
+    if fds is None:
         lines.append(payload["program"])
     else:
-        args = (payload["program"], payload["tests"], nonce_fd, result_fd)
-        lines.append(f"_rlkv_run_tests{args!r}")
+        lines.append(f"_rlkv_serve{(payload['program'], *fds)!r}")
+    return "\n".join(lines) + "\n"
+
+
+def _tests_source(spec: dict, payload: dict, fds: tuple[int, int, int, int]) -> str:
+    """The tests' interpreter's whole input (never the program's): guard, wire format, harness, the call."""
+    lines = [_harness("sandbox_wire.py", "sandbox_child.py", "sandbox_tests.py")]
+    if spec["guard"]:
+        lines.append("_rlkv_guard()")
+    args = (payload["tests"], payload.get("setup"), payload.get("entry_point"), *fds)
+    lines.append(f"_rlkv_run_tests{args!r}")
     return "\n".join(lines) + "\n"
 
 
@@ -163,56 +183,83 @@ def _watch(proc: subprocess.Popen, spec: dict, own: int) -> dict:
             os.close(waiter)
 
 
+def _start(prefix: list[str], source: str, cwd: str, fds: tuple[int, ...], limits: tuple) -> subprocess.Popen:
+    """A contained `python -I -B -` in its own session with `limits`, fed `source`, keeping only `fds`."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    env["TMPDIR"] = env["HOME"] = cwd if cwd != "/" else "/tmp"
+    proc = subprocess.Popen(
+        [*prefix, os.path.realpath(sys.executable), "-I", "-B", "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+        pass_fds=fds,
+        preexec_fn=lambda: _set_limits(*limits),
+    )
+    for fd in fds:
+        os.close(fd)
+    try:
+        proc.stdin.write(source.encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    return proc
+
+
 def supervise(spec: dict, payload: dict) -> dict:
-    """Run the payload contained as `spec` says, clean up everything it left, and report how it ended."""
+    """Run the payload contained as `spec` says, clean up everything it left, and report how it ended.
+
+    With tests, two interpreters: the tests' (`sandbox_tests.py`, outside the OS sandbox; it alone
+    holds the nonce and the result pipe) and the program's (`sandbox_child.py`'s server). They
+    share one pair of pipes and nothing else.
+    """
     _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the caller's death reaches us
     _prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphaned descendants become our children
     if os.getppid() != spec["parent"]:
         return {"returncode": None, "timed_out": False, "limit": None, "tests_passed": None}
+    with_tests = payload.get("tests") is not None
     nonce = secrets.token_hex(32).encode()
-    nonce_r, nonce_w = os.pipe()
-    result_r, result_w = os.pipe()
-    os.write(nonce_w, nonce)
-    os.close(nonce_w)
-    workdir = None if spec["os_sandbox"] else tempfile.mkdtemp(prefix="rlkv-code-")
-    proc = None
+    result_r = None
+    workdirs = [tempfile.mkdtemp(prefix="rlkv-tests-")] if with_tests else []
+    if not spec["os_sandbox"]:
+        workdirs.append(tempfile.mkdtemp(prefix="rlkv-code-"))
+    procs = []
+    limits = (int(spec["timeout_s"]) + 1, spec["process_memory_bytes"], spec["file_bytes"])
+    outcome = {"returncode": None, "timed_out": False, "limit": None}
     try:
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-        env["TMPDIR"] = env["HOME"] = workdir or "/tmp"
-        limits = (int(spec["timeout_s"]) + 1, spec["process_memory_bytes"], spec["file_bytes"])
-        proc = subprocess.Popen(
-            [*spec["prefix"], os.path.realpath(sys.executable), "-I", "-B", "-"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            cwd=workdir or "/",
-            env=env,
-            start_new_session=True,
-            pass_fds=(nonce_r, result_w),
-            preexec_fn=lambda: _set_limits(*limits),
-        )
-        os.close(nonce_r)
-        os.close(result_w)
-        try:
-            proc.stdin.write(_child_source(spec, payload, nonce_r, result_w).encode())
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        outcome = _watch(proc, spec, own=1 if spec["os_sandbox"] else 0)  # the namespace's outer `unshare`
+        program_fds = None
+        if with_tests:
+            nonce_r, nonce_w = os.pipe()
+            result_r, result_w = os.pipe()
+            requests_r, requests_w = os.pipe()
+            replies_r, replies_w = os.pipe()
+            os.write(nonce_w, nonce)
+            os.close(nonce_w)
+            fds = (replies_r, requests_w, nonce_r, result_w)
+            # the program's interpreter starts at once: its guard refuses other processes' /proc
+            # entries (the tests' stdin among them); the OS sandbox gives it its own /proc
+            procs.append(_start([], _tests_source(spec, payload, fds), workdirs[0], fds, limits))
+            program_fds = (requests_r, replies_w)
+        source = _program_source(spec, payload, program_fds)
+        cwd = "/" if spec["os_sandbox"] else workdirs[-1]
+        procs.append(_start(spec["prefix"], source, cwd, program_fds or (), limits))
+        own = (1 if spec["os_sandbox"] else 0) + (1 if with_tests else 0)  # the outer `unshare`, the tests
+        outcome = _watch(procs[0], spec, own=own)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup below runs to its end
-        if proc is not None:
+        for proc in reversed(procs):
             _kill_tree(proc.pid)
-        if workdir is not None:
+        for workdir in workdirs:
             shutil.rmtree(workdir, ignore_errors=True)
-    reported = b""
-    if payload.get("tests") is not None:  # every writer is dead now: read to the end, bounded
+    outcome["tests_passed"] = None
+    if result_r is not None:  # every writer is dead now: read to the end, bounded
+        reported = b""
         while len(reported) <= len(nonce) and (chunk := os.read(result_r, 4096)):
             reported += chunk
-    os.close(result_r)
-    outcome["tests_passed"] = (
-        None if payload.get("tests") is None else secrets.compare_digest(reported, nonce)
-    )
+        os.close(result_r)
+        outcome["tests_passed"] = secrets.compare_digest(reported, nonce)
     return outcome
 
 

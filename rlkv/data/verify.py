@@ -98,16 +98,28 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def run_python_tests(program: str, test_code: str, timeout_s: float = CODE_TIMEOUT_S) -> bool:
-    """True when `test_code`, run after `program` in its namespace, ran to its end within `timeout_s`.
+def run_python_tests(
+    program: str,
+    test_code: str,
+    timeout_s: float = CODE_TIMEOUT_S,
+    *,
+    setup: str | None = None,
+    entry_point: str | None = None,
+) -> bool:
+    """True when `test_code`, run against `program`, ran to its end within `timeout_s`.
 
-    Contained by `rlkv.data.sandbox`; success is reported by the test harness after the tests'
-    last line, over a channel the program cannot write, so a program that exits (even with
-    status 0), kills itself, prints anything or replaces the test functions fails. The
-    containment level follows `RLKV_CODE_SANDBOX` (the OS sandbox where `unshare` works, else the
-    guard); `SandboxError` when the required level is not available.
+    The program and the tests run in two contained interpreters (`rlkv.data.sandbox`): the tests
+    call the program's functions through proxies, arguments and return values cross as plain
+    builtin data (a value whose `__eq__` says yes to anything arrives as a handle equal only to
+    itself), and nothing of the tests is in the program's process. Success is reported by the tests'
+    interpreter after their last line, over a channel the program cannot write, so a program that
+    exits (even with status 0), kills itself, prints anything, walks its frames or rebinds names
+    fails. `setup`: trusted code run before the tests in their interpreter (HumanEval's prompt: its
+    helpers stay its own); `entry_point`: the one name the program may give even where the setup or
+    the builtins define it. The containment level follows `RLKV_CODE_SANDBOX` (the OS sandbox where
+    `unshare` works, else the guard); `SandboxError` when the required level is not available.
     """
-    return run_program(program, timeout_s, tests=test_code).passed
+    return run_program(program, timeout_s, tests=test_code, setup=setup, entry_point=entry_point).passed
 
 
 def example_metadata(example: dict) -> dict:
@@ -165,7 +177,10 @@ def verify_code(completion: str, example: dict) -> bool:
     entry_point = meta.get("entry_point")
     if entry_point and not re.search(rf"def\s+{re.escape(entry_point)}\s*\(", code):
         code = meta.get("prefix", "") + code
-    return run_python_tests(code, test_code, timeout_s=timeout_s)
+    setup = meta.get("prefix") or None  # the prompt's helpers (HumanEval/32's `poly`) run on the tests' side
+    return run_python_tests(
+        code, test_code, timeout_s=timeout_s, setup=setup, entry_point=entry_point or None
+    )
 
 
 def verify_reasoning_gym(completion: str, example: dict) -> bool:
