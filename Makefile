@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv demo test lint format bench model
+.PHONY: venv demo test test-kernels lint format bench model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+# the tests that compare floats across code paths, again with ATen's portable kernels (CONTRIBUTING.md)
+test-kernels: $(STAMP)
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest tests -m cross_path_floats
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python scripts/demo.py --out runs/demo

@@ -13,6 +13,16 @@ from rlkv.testing import FAMILIES, tiny_model, tiny_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 
+
+def pytest_configure(config):
+    # registered here, not in pyproject.toml: the Makefile reinstalls the venv whenever pyproject changes
+    config.addinivalue_line(
+        "markers",
+        "cross_path_floats: compares floats computed along different code paths, shapes or capacities "
+        "(with a stated tolerance); .ci/run runs these again under ATEN_CPU_CAPABILITY=default",
+    )
+
+
 TESTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
 

@@ -12,6 +12,8 @@ from rlkv.inference import CompressionConfig, load, make_cache, resolve_dtype
 from rlkv.inference.dtypes import cpu_has_bf16
 from rlkv.testing import tiny_model
 
+pytestmark = pytest.mark.cross_path_floats  # floats compared across code paths (CONTRIBUTING.md)
+
 
 def bf16_model(family: str):
     return tiny_model(family).to(torch.bfloat16)

@@ -24,6 +24,7 @@ def _plain_generate(model, input_ids, attention_mask, max_new_tokens):
     )
 
 
+@pytest.mark.cross_path_floats
 @pytest.mark.parametrize(
     "compression",
     [
@@ -86,6 +87,7 @@ def _kept_positions(cache: HeadMixedCache, layer_idx: int, num_kv: int, length: 
     return keep
 
 
+@pytest.mark.cross_path_floats
 @pytest.mark.parametrize(
     "family, protect_prompt", [("llama", False), ("qwen2", False), ("qwen3", False), ("llama", True)]
 )

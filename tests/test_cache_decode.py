@@ -9,6 +9,8 @@ from rlkv import HeadMask
 from rlkv.cache import decode
 from rlkv.policies import get_policy
 
+pytestmark = pytest.mark.cross_path_floats  # floats compared across code paths (CONTRIBUTING.md)
+
 LONG = 4 * decode.MIN_SPLIT_TOKENS
 
 

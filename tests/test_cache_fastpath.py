@@ -23,6 +23,8 @@ from rlkv.inference import CompressionConfig, make_cache
 from rlkv.policies import get_policy
 from rlkv.policies.rkv import key_redundancy
 
+pytestmark = pytest.mark.cross_path_floats  # floats compared across code paths (CONTRIBUTING.md)
+
 
 def test_append_along_tokens_grows_by_a_bounded_fraction_and_keeps_content():
     gen = torch.Generator().manual_seed(0)

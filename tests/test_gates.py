@@ -12,6 +12,8 @@ from rlkv.testing import tiny_model
 
 SINK, LOCAL = 2, 4
 
+pytestmark = pytest.mark.cross_path_floats  # floats compared across code paths (CONTRIBUTING.md)
+
 
 def sink_local_mask(attention_mask: torch.Tensor, sink: int, local: int) -> torch.Tensor:
     """Plain dense reference: BoolTensor[B, 1, T, T], True where query i may attend key j."""

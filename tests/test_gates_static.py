@@ -35,6 +35,7 @@ def _static_cache(model, batch, steps):
     return StaticCache(config=model.config, max_cache_len=batch[0].shape[1] + steps)
 
 
+@pytest.mark.cross_path_floats
 @pytest.mark.parametrize("gates", list(GATES))
 def test_static_cache_gives_the_dynamic_caches_tokens_and_logits(left_padded_batch, gates):
     """The local branch finds each query's column from the mask: with a static cache the keys run past

@@ -14,6 +14,8 @@ from rlkv.policies import (
     register_policy,
 )
 
+pytestmark = pytest.mark.cross_path_floats  # floats compared across code paths (CONTRIBUTING.md)
+
 
 @register_policy("test_recorder")
 class RecorderPolicy(CompressionPolicy):

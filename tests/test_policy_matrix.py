@@ -12,6 +12,8 @@ from policy_properties import assert_no_eviction_is_identity, assert_rows_indepe
 
 from rlkv.policies import available, get_policy, get_policy_class
 
+pytestmark = pytest.mark.cross_path_floats  # floats compared across code paths (CONTRIBUTING.md)
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 END_OF_POLICY_TABLE = "<!-- policy rows"
 

@@ -131,6 +131,7 @@ def test_rollout_logprobs_equal_full_attention_logprobs_at_sparsity_zero(tmp_pat
     assert logged(trainer, "sampling/importance_sampling_ratio/mean")[0] == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.cross_path_floats
 def test_recorded_logprobs_are_tempered_raw_distribution(make_model, tokenizer, left_padded_batch):
     """Recorded log-probs = log_softmax(raw logits / T) of the sampled tokens, as TRL's loss computes
     them: logits processors (min_new_tokens, repetition penalty) and top-k do not change them."""

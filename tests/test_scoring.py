@@ -18,6 +18,8 @@ from rlkv.policies.scoring import (
     pool_query_groups,
 )
 
+pytestmark = pytest.mark.cross_path_floats  # floats compared across code paths (CONTRIBUTING.md)
+
 
 def make_store(keys, positions, queries, query_positions, row_start, prompt_length, logical_length, groups):
     """A real CompressedStore holding the given tensors (as the cache would after some steps)."""

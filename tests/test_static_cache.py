@@ -56,6 +56,7 @@ def _position_sets(positions: torch.Tensor) -> list[list[list[int]]]:
     return [[sorted(p for p in head if p >= 0) for head in row] for row in positions.tolist()]
 
 
+@pytest.mark.cross_path_floats
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_tokens_logits_and_kept_positions_as_the_dynamic_cache(left_padded_batch, case):
     model = tiny_model("llama")

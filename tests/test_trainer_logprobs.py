@@ -56,6 +56,7 @@ def test_token_logps_refuses_a_trainable_head():
         token_logps(torch.randn(2, 4), torch.randn(5, 4, requires_grad=True), torch.tensor([0, 1]))
 
 
+@pytest.mark.cross_path_floats
 def test_gate_trainer_logps_equal_trls_fused_head_values_and_gate_gradients(tmp_path, tokenizer):
     model = tiny_model("qwen2")
     trainer = GateGRPOTrainer(
