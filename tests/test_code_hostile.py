@@ -244,3 +244,68 @@ def test_humaneval_helpers_come_from_the_prompt_not_the_program():
         "SEEN = []\ndef encode(s):\n    SEEN.append(s)\n    return s\ndef decode(s):\n    return SEEN[-1]\n"
     )
     assert not verify(f"```python\n{stash}```", example)
+
+
+def test_the_wire_carries_builtin_values_only():
+    """What crosses decodes to exactly the builtin types (subclasses as their base value); a malformed
+    or unknown tag, whatever the program's side writes, is refused instead of decoded."""
+    import collections
+    import enum
+    import json
+    import math
+
+    from rlkv.data.sandbox_wire import _rlkv_decode, _rlkv_encode, _RlkvWireError
+
+    def cross(value):
+        return _rlkv_decode(
+            json.loads(json.dumps(_rlkv_encode(value, id))), lambda i: pytest.fail("a handle")
+        )
+
+    values = [
+        None,
+        True,
+        0,
+        -5,
+        10**5000,
+        1.5,
+        float("inf"),
+        -0.0,
+        1 + 2j,
+        "x\ud800",
+        b"\x00",
+        bytearray(b"a"),
+    ]
+    values += [range(1, 5, 2), [1, (2, 3)], {(1,): frozenset({2})}, {3}]
+    for value in values:
+        back = cross(value)
+        assert back == value and type(back) is type(value), value
+    assert math.isnan(cross(float("nan")))
+    assert math.copysign(1.0, cross(-0.0)) == -1.0
+    Point = collections.namedtuple("Point", "x y")
+
+    class Always(int):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = int.__hash__
+
+    class Four(enum.IntEnum):
+        FOUR = 4
+
+    subclasses = [(collections.Counter("aab"), {"a": 2, "b": 1}), (Point(1, 2), (1, 2)), (Four.FOUR, 4)]
+    subclasses += [(Always(3), 3), (collections.OrderedDict(a=1), {"a": 1})]
+    for value, plain in subclasses:
+        back = cross(value)
+        assert type(back) is type(plain) and back == plain
+    assert cross(Always(3)) != 4
+    malformed = [["x"], ["i", 5], ["b", 2], ["s"], ["h", "1"], "s", [], [1], ["d", [[["l", []], ["n"]]]]]
+    malformed += [
+        ["S", [["l", []]]],
+        ["d", [["n"]]],
+        ["i", "zz"],
+        ["f", "1e400x"],
+        ["r", "0x1", "0x2", "0x0"],
+    ]
+    for data in malformed:
+        with pytest.raises(_RlkvWireError):
+            _rlkv_decode(data, lambda i: None)
