@@ -160,8 +160,10 @@ def verify_code(completion: str, example: dict) -> bool:
 
     `metadata`: `test_code` (assertions / a `check(...)` call), optional `entry_point` (a name
     the code must define; if it does not, `prefix`, e.g. HumanEval's prompt, is prepended),
-    optional `timeout_s` (seconds, default CODE_TIMEOUT_S, at most MAX_CODE_TIMEOUT_S). Bad model
-    output gives False; bad problem data raises `ProblemDataError` naming the field.
+    optional `timeout_s` (seconds, default CODE_TIMEOUT_S, at most MAX_CODE_TIMEOUT_S). The prefix
+    also runs before the tests in their own interpreter, so the helpers it defines are its own there
+    (`run_python_tests`' `setup`). Bad model output gives False; bad problem data raises
+    `ProblemDataError` naming the field.
     """
     meta = example_metadata(example)
     test_code = meta.get("test_code")
