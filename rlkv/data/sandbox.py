@@ -8,8 +8,11 @@ Two levels, chosen by `RLKV_CODE_SANDBOX` (`auto`, the default; `guard`; `namesp
   (`sandbox_child.py`): an audit hook, installed before the program's first line, that refuses
   process creation (fork, exec, spawn, `os.system`, `_posixsubprocess`, so `subprocess` and
   multiprocessing's spawn/forkserver), signals to other processes, sockets, ctypes, rlimit
-  changes, frame introspection, opening directories outside the working directory, and writes,
-  deletes or renames outside it. Replacing `sys.audit` lifts none of it.
+  changes, frame introspection, other processes' `/proc` entries, opening directories outside the
+  working directory, and writes, deletes or renames outside it. Replacing `sys.audit` lifts none
+  of it. With tests, the tests run in a second contained interpreter (`sandbox_tests.py`) that
+  calls the program's functions over a pipe pair, values crossing as plain data
+  (`sandbox_wire.py`).
 - `namespace` (an OS sandbox, with util-linux `unshare` and user namespaces): additionally a
   private network namespace (no interface but a down loopback), a PID namespace (every process
   of the program dies with it), every mount read-only, a private tmpfs as working directory and
