@@ -233,3 +233,61 @@ def test_grpo_kl_reference_is_the_stock_model_without_a_second_copy(tmp_path, to
 def test_bad_objective_settings_name_the_field(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         distill_config(tmp_path, **overrides)
+
+
+def test_recipe_objectives_distill_and_distill_then_grpo(tmp_path):
+    """`rlkv train --objective distill+grpo`: the distillation stage's run in output_dir/distill, then GRPO
+    from exactly its gates (GRPO's learning rate 0 here, so the final gates are the distilled ones)."""
+    from rlkv.head_mask import HeadMask
+    from rlkv.trainers.checkpoints import load_gate_checkpoint
+    from rlkv.trainers.script import main
+
+    problems = load_problems("chain", split="train", num=8, seed=0).to_pandas()
+    problems["completion"] = problems["solution"]
+    data = tmp_path / "solutions.jsonl"
+    problems.to_json(data, orient="records", lines=True)
+    common = [
+        "--model_name_or_path", str(DEMO_MODEL), "--dataset_name", str(data), "--prompt_template", "plain",
+        "--gate_sink", "16", "--gate_local", "64", "--gate_init", "0.25", "--target_sparsity", "0.75",
+        "--penalty_scope", "budget", "--l1_beta", "0.5", "--use_cpu", "true", "--report_to", "none",
+        "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0",
+        "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+    ]  # fmt: skip
+    out = tmp_path / "both"
+    argv = ["--objective", "distill+grpo", "--distill_steps", "3", "--distill_learning_rate", "0.1"]
+    argv += ["--learning_rate", "0.0", "--weight_decay", "0.0", "--max_steps", "1", "--output_dir", str(out)]
+    assert main(common + argv) == 0
+    distilled, _ = load_gate_checkpoint(out / "distill")
+    final, _ = load_gate_checkpoint(out)
+    assert not torch.equal(distilled, torch.full_like(distilled, 0.25)), "distillation did not move the gates"
+    torch.testing.assert_close(final, distilled, atol=0, rtol=0)  # GRPO (lr 0) started from them
+    assert HeadMask.load(out / "distill" / "head_mask.json").metadata["objective"] == "distill"
+    assert HeadMask.load(out / "head_mask.json").metadata["trainer"] == "rlkv.trainers.GateGRPOTrainer"
+
+    alone = tmp_path / "distill"
+    argv = [
+        "--objective",
+        "distill",
+        "--learning_rate",
+        "0.1",
+        "--max_steps",
+        "2",
+        "--output_dir",
+        str(alone),
+    ]
+    assert main(common + argv) == 0
+    assert HeadMask.load(alone / "head_mask.json").metadata["global_step"] == 2
+    assert not (alone / "distill").exists()
+
+
+def test_distill_objective_without_completions_is_one_error_line(tmp_path, capsys):
+    from rlkv.trainers.script import main
+
+    argv = ["--model_name_or_path", str(DEMO_MODEL), "--dataset_name", "chain", "--dataset_num", "4"]
+    argv += ["--objective", "distill", "--use_cpu", "true", "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("train_gates.py: error: bad recipe: objective 'distill' needs")
+    assert "rlkv data curriculum" in err[-1]
