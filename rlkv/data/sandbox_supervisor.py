@@ -140,6 +140,9 @@ def _program_source(spec: dict, payload: dict, fds: tuple[int, int] | None) -> s
 def _tests_source(spec: dict, payload: dict, fds: tuple[int, int, int, int]) -> str:
     """The tests' interpreter's whole input (never the program's): guard, wire format, harness, the call."""
     lines = [_harness("sandbox_wire.py", "sandbox_child.py", "sandbox_tests.py")]
+    # without `site`, nothing imported `types` yet, and its first import reads a traceback's frame,
+    # which the guard refuses: what the harness needs is imported before the guard
+    lines.append("import importlib, json, types")
     if spec["guard"]:
         lines.append("_rlkv_guard()")
     args = (payload["tests"], payload.get("setup"), payload.get("entry_point"), *fds)
@@ -183,12 +186,18 @@ def _watch(proc: subprocess.Popen, spec: dict, own: int) -> dict:
             os.close(waiter)
 
 
-def _start(prefix: list[str], source: str, cwd: str, fds: tuple[int, ...], limits: tuple) -> subprocess.Popen:
-    """A contained `python -I -B -` in its own session with `limits`, fed `source`, keeping only `fds`."""
+def _start(
+    prefix: list[str], source: str, cwd: str, fds: tuple[int, ...], limits: tuple, site: bool = True
+) -> subprocess.Popen:
+    """A contained `python -I -B -` in its own session with `limits`, fed `source`, keeping only `fds`.
+
+    site=False adds `-S`: the tests' interpreter needs the standard library alone, and `site` (with
+    the .pth files of an installed Python) can cost several times an interpreter's own start.
+    """
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     env["TMPDIR"] = env["HOME"] = cwd if cwd != "/" else "/tmp"
     proc = subprocess.Popen(
-        [*prefix, os.path.realpath(sys.executable), "-I", "-B", "-"],
+        [*prefix, os.path.realpath(sys.executable), "-I", "-B", *([] if site else ["-S"]), "-"],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -240,7 +249,7 @@ def supervise(spec: dict, payload: dict) -> dict:
             fds = (replies_r, requests_w, nonce_r, result_w)
             # the program's interpreter starts at once: its guard refuses other processes' /proc
             # entries (the tests' stdin among them); the OS sandbox gives it its own /proc
-            procs.append(_start([], _tests_source(spec, payload, fds), workdirs[0], fds, limits))
+            procs.append(_start([], _tests_source(spec, payload, fds), workdirs[0], fds, limits, site=False))
             program_fds = (requests_r, replies_w)
         source = _program_source(spec, payload, program_fds)
         cwd = "/" if spec["os_sandbox"] else workdirs[-1]
