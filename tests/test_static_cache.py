@@ -28,6 +28,14 @@ CASES = {
     "snapkv": dict(mask=False, policy="snapkv", budget=10, policy_kwargs=dict(buffer=3)),
     "knorm": dict(mask=False, policy="knorm", budget=10, policy_kwargs=dict(buffer=2)),
     "sink-recent": dict(mask=False, policy="sink-recent", budget=8),
+    # RPC: compactions at 8, 14, 20, ... generated tokens (interval + selector window, then every interval)
+    "rpc": dict(
+        sparsity=0.5, policy="rpc", budget=10, policy_kwargs=dict(interval=6, selector_window=2, kernel=3)
+    ),
+    # RPC's first compaction keeps all 6 (below the budget), the second cuts 10 to the budget of 8
+    "rpc-below-budget": dict(
+        mask=False, policy="rpc", budget=8, policy_kwargs=dict(interval=4, selector_window=2)
+    ),
 }
 
 
@@ -177,7 +185,7 @@ def test_sparsity0_token_identical_to_plain_generate(model, left_padded_batch):
 
 def _capacity(model, cache: StaticHeadMixedCache, batch: int, width: int) -> int:
     """Analytic bytes of the static layout: full columns, compressed slots + int32 positions, observation
-    queries, per-layer bookkeeping (row starts, counters, head indices), the full-head mask."""
+    queries, per-layer bookkeeping (row starts, 4 counters, head indices), the full-head mask."""
     cfg = model.config
     dim, groups = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     element = 4  # fp32
@@ -193,7 +201,7 @@ def _capacity(model, cache: StaticHeadMixedCache, batch: int, width: int) -> int
         total += 2 * batch * h_full * cache.max_cache_len * dim * element
         total += batch * h_comp * slots * (2 * dim * element + 4)
         total += batch * h_comp * groups * form.observe * dim * element
-        total += 8 * (batch + 3 + (batch if h_comp else 0) + (h_full + h_comp) * (1 + groups))
+        total += 8 * (batch + 4 + (batch if h_comp else 0) + (h_full + h_comp) * (1 + groups))
     return total
 
 
@@ -228,9 +236,9 @@ def test_rows_are_independent(left_padded_batch):
         dict(policy="h2o", budget=32),
         dict(policy="knorm"),  # float default budget
         dict(policy="rkv", budget=64, protect_prompt=False),
-        dict(policy="rpc", budget=64),
+        dict(policy="rpc"),  # its own target grows every cycle
     ],
-    ids=["h2o", "float-budget", "unprotected-budget", "rpc"],
+    ids=["h2o", "float-budget", "unprotected-budget", "rpc-without-budget"],
 )
 def test_layouts_without_a_static_form_name_the_fix(kwargs):
     model = tiny_model("llama")
@@ -253,7 +261,7 @@ def test_lengths_beyond_max_cache_len_are_refused(left_padded_batch):
         greedy_generate(model, left_padded_batch, tight, steps=4)
 
 
-@pytest.mark.parametrize("case", ["streaming", "rkv", "snapkv", "knorm", "sink-recent"])
+@pytest.mark.parametrize("case", ["streaming", "rkv", "snapkv", "knorm", "sink-recent", "rpc"])
 def test_decode_steps_never_read_the_device(left_padded_batch, case):
     """Every decode step, compaction steps included, runs without a host sync."""
     model = tiny_model("llama")
@@ -284,7 +292,7 @@ def test_decode_steps_never_read_the_device(left_padded_batch, case):
         assert any(layer.compacted_at > 0 for layer in cache.layers)  # compaction steps were among them
 
 
-@pytest.mark.parametrize("case", ["streaming", "rkv"])
+@pytest.mark.parametrize("case", ["streaming", "rkv", "rpc"])
 def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, case):
     """transformers' compiled decode (fullgraph, static shapes) captures one graph and replays it."""
     model = tiny_model("llama")

@@ -5,17 +5,18 @@ A `StaticHeadMixedCache` (rlkv/cache/static.py) lays each layer's compressed hea
 
 - "streaming": a ring of window + 1 slots (no compaction ever runs; the slot a new token
   overwrites holds the position the dynamic cache evicts at that step);
-- "budget" (rkv, snapkv, knorm, sink-recent with an int budget): budget + `slack` slots, where
-  `slack` is how many tokens the policy lets accumulate above the budget before it compresses.
-  The schedule is host-known: every (row, head) holds the same number of generated tokens (the
-  prompt is protected), so a compression is due after exactly budget + slack generated tokens,
-  then every `slack` tokens. `compact_region` then runs the policy's own `select` over a
-  `CompressedStore` view of the slots and copies the `budget` kept region slots, in order, to
+- "budget" (rkv, snapkv, knorm, sink-recent, rpc with an int budget): budget + `slack` slots, where
+  `slack` is how many tokens the policy lets accumulate above the budget before it compresses
+  (RPC: its interval P, the region also holding the first P + R). The schedule is host-known: every
+  (row, head) holds the same number of generated tokens (the prompt is protected), so a compression
+  is due after exactly `first` generated tokens (budget + slack; RPC: P + R), then every `slack`.
+  `compact_region` then runs the policy's own `select` over a
+  `CompressedStore` view of the slots and copies the (at most `budget`) kept region slots, in order, to
   the region's start (a fixed-k stable sort, no data-dependent shape);
 - "full": no compressed head in any layer (any policy).
 
 Everything else (H2O and other observers of attention / tokens / hidden states, float budgets,
-SkipKV, RPC, an unprotected prompt with a budget) has no static form: `StaticCacheError` names
+SkipKV, RPC without a budget, an unprotected prompt with a budget) has no static form: `StaticCacheError` names
 `static_cache=False` as the fix.
 """
 
@@ -45,30 +46,53 @@ BUDGET_SLACK: dict[str, Callable[[CompressionPolicy], int]] = {
 }
 
 
+# Policies that compress on a schedule of generated tokens, whatever the region holds: (generated tokens
+# at the first compaction, tokens between compactions).
+PERIODIC: dict[str, Callable[[CompressionPolicy], tuple[int, int]]] = {
+    "rpc": lambda policy: (
+        policy.interval + policy.selector_window,
+        policy.interval,
+    ),  # RPCPolicy.should_compress
+}
+
+
 @dataclass(frozen=True)
 class StaticForm:
     """How the compressed heads of every layer are laid out (see the module docstring).
 
-    kind: "full" | "streaming" | "budget"; budget / slack: the budget region's sizes (0 otherwise);
-    observe: observation queries kept per compressed head (the policy's `observe_queries`).
+    kind: "full" | "streaming" | "budget"; budget: generated tokens kept per compressed head after a
+    compaction; first: generated tokens held when the first compaction is due (budget + slack for the
+    budgeted policies; RPC: interval + selector window); slack: generated tokens between later
+    compactions; observe: observation queries kept per compressed head (the policy's `observe_queries`).
     """
 
     kind: str
     budget: int = 0
     slack: int = 0
     observe: int = 0
+    first: int = 0
 
     def region_slots(self, window: int) -> int:
-        """Slots after the early region: the ring (window + 1) or the budget region (budget + slack)."""
+        """Slots after the early region: the ring (window + 1) or the budget region (the most it holds)."""
         if self.kind == "streaming":
             return window + 1
-        return self.budget + self.slack if self.kind == "budget" else 0
+        return max(self.first, self.budget + self.slack) if self.kind == "budget" else 0
 
     def compaction_due(self, generated: int) -> bool:
         """Whether the region is full before the forward of generated token `generated` (0-based)."""
-        if self.kind != "budget" or generated < self.budget + self.slack:
+        if self.kind != "budget" or generated < self.first:
             return False
-        return (generated - self.budget) % self.slack == 0
+        return (generated - self.first) % self.slack == 0
+
+    def held(self, generated: int) -> int:
+        """Generated tokens the region holds once `generated` were written and a compaction due then ran
+        (host ints: compaction k keeps min(budget, what the region holds), then `slack` more arrive)."""
+        if self.kind != "budget" or generated < self.first:
+            return generated
+        kept, at = min(self.budget, self.first), self.first
+        while kept < self.budget and generated >= at + self.slack:  # kept grows to the budget, then stays
+            kept, at = min(self.budget, kept + self.slack), at + self.slack
+        return kept + (generated - at) % self.slack if kept == self.budget else kept + generated - at
 
 
 def _no_static_form(why: str) -> StaticCacheError:
@@ -87,21 +111,27 @@ def static_form(settings: CompressionSettings, has_compressed: bool) -> StaticFo
         raise _no_static_form(f"policy {policy.name!r} observes attention, tokens or hidden states")
     if policy.name == "streaming":
         return StaticForm("streaming")
-    if policy.name not in BUDGET_SLACK:
+    if policy.name not in BUDGET_SLACK and policy.name not in PERIODIC:
         raise _no_static_form(
-            f"policy {policy.name!r} (static forms: streaming, {', '.join(sorted(BUDGET_SLACK))})"
+            f"policy {policy.name!r} (static forms: streaming, {', '.join(sorted({*BUDGET_SLACK, *PERIODIC}))})"
         )
     budget = settings.budget
     if not isinstance(budget, int) or isinstance(budget, bool):
         raise _no_static_form(
-            f"policy {policy.name!r} with budget={budget!r} (the static region needs an int budget)"
+            f"policy {policy.name!r} with budget={budget!r} (the static region needs an int budget"
+            + ("; RPC's own target grows every cycle" if budget is None and policy.name in PERIODIC else "")
+            + ")"
         )
     if not settings.protect_prompt:
         raise _no_static_form(
             f"policy {policy.name!r} with protect_prompt=False (the compression schedule then depends "
             "on each row's prompt length)"
         )
-    return StaticForm("budget", budget, BUDGET_SLACK[policy.name](policy), int(policy.observe_queries))
+    if policy.name in PERIODIC:
+        first, period = PERIODIC[policy.name](policy)
+        return StaticForm("budget", budget, period, int(policy.observe_queries), first)
+    slack = BUDGET_SLACK[policy.name](policy)
+    return StaticForm("budget", budget, slack, int(policy.observe_queries), budget + slack)
 
 
 def dynamic_order(

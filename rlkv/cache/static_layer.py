@@ -122,7 +122,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
     def _new_buffers(self, batch: int, dim: int) -> dict[str, torch.Tensor]:
         new = functools.partial(torch.zeros, device=self.device)
         bufs = {"row_start": new(batch, dtype=torch.long)}
-        for name in ("length", "prompt_len", "early_offset"):
+        for name in ("length", "prompt_len", "early_offset", "region_base"):
             bufs[name] = new((), dtype=torch.long)
         h_full, h_comp = self.full_idx.numel(), self.comp_idx.numel()
         if h_full:
@@ -171,8 +171,10 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             held = torch.arange(length - n, length, device=self.device)  # oldest first
             queries = (b["obs_q"].index_select(3, held % self.form.observe), held)
         region = self.form.region_slots(self.settings.window)
+        generated = length - self.prompt_width
+        kept_before = self.form.held(self.compacted_at - self.prompt_width) if self.compacted_at >= 0 else 0
         order = dynamic_order(
-            b["row_start"], self.prompt_width, self.early, region, self.form.budget, self.compacted_at >= 0
+            b["row_start"], self.prompt_width, self.early, region, kept_before, self.compacted_at >= 0
         )
         gather = order[:, None, :].expand(-1, slots[2].shape[1], -1)
         dim = slots[0].shape[-1]
@@ -191,6 +193,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             (length, self.prompt_width),
         )
         compact_region(view, self.settings.policy, slots, order, self.early, self.form.budget)
+        b["region_base"].fill_(self.form.held(generated) - generated)  # a host int written, nothing read
         self.compacted_at = length
 
     # CacheLayerMixin -------------------------------------------------------------------------------
@@ -243,6 +246,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.begun, self.in_flight, self.compacted_at, self.pending = False, 0, -1, None
         if self.buffers:
             self.buffers["length"].zero_()
+            self.buffers["region_base"].zero_()
             if "comp_pos" in self.buffers:
                 self.buffers["comp_pos"].fill_(-1)
 

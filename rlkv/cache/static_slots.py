@@ -92,13 +92,10 @@ def write_streaming(
 def write_budget(
     layer: StaticHeadMixedLayer, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 ) -> None:
-    """Decode write: generated token g at region slot g until the budget, then budget + (g - budget) % slack."""
+    """Decode write: generated token g at region slot g + `region_base`, the device offset the last
+    compaction set (kept - generated then; 0 before any), so it lands right after the kept run."""
     b = layer.buffers
-    budget, slack = layer.form.budget, layer.form.slack
-    generated = pos - b["prompt_len"]
-    slot = (
-        layer.early + torch.where(generated < budget, generated, budget + (generated - budget) % slack)
-    ).view(1)
+    slot = (layer.early + pos - b["prompt_len"] + b["region_base"]).view(1)
     b["comp_k"].index_copy_(2, slot, keys)
     b["comp_v"].index_copy_(2, slot, values)
     batch, heads = keys.shape[:2]
@@ -112,10 +109,7 @@ def kept_per_head(layer: StaticHeadMixedLayer, length: int, row_start: int) -> i
     settings, form, width = layer.settings, layer.form, layer.prompt_width
     real = length - row_start
     if form.kind == "budget":
-        generated = length - width
-        if generated >= form.budget + form.slack:  # compacted to the budget, then refilled
-            generated = form.budget + (generated - form.budget) % form.slack
-        return width - row_start + generated
+        return width - row_start + form.held(length - width)
     early = max(settings.sink, width - row_start) if settings.protect_prompt else settings.sink
     recent_from = max(length - settings.window, row_start + early)
     return min(early, real) + max(0, length - recent_from)
