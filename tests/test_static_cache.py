@@ -7,7 +7,7 @@ from rlkv.cache.static import StaticHeadMixedCache
 from rlkv.cache.static_budget import StaticCacheError
 from rlkv.head_mask import HeadMask
 from rlkv.inference import CompressionConfig, generate, make_cache
-from rlkv.testing import HostSyncCounter, graph_counting_compile, tiny_model
+from rlkv.testing import HostSyncCounter, graph_counting_compile, tiny_model, tiny_tokenizer
 
 SINK, WINDOW = 2, 4
 STEPS = 30
@@ -28,6 +28,8 @@ CASES = {
     "snapkv": dict(mask=False, policy="snapkv", budget=10, policy_kwargs=dict(buffer=3)),
     "knorm": dict(mask=False, policy="knorm", budget=10, policy_kwargs=dict(buffer=2)),
     "sink-recent": dict(mask=False, policy="sink-recent", budget=8),
+    # H2O: accumulated attention in per-slot buffers that follow the slots, one eviction per step
+    "h2o": dict(sparsity=0.5, policy="h2o", budget=10),
     # RPC: compactions at 8, 14, 20, ... generated tokens (interval + selector window, then every interval)
     "rpc": dict(
         sparsity=0.5, policy="rpc", budget=10, policy_kwargs=dict(interval=6, selector_window=2, kernel=3)
@@ -233,12 +235,12 @@ def test_rows_are_independent(left_padded_batch):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(policy="h2o", budget=32),
+        dict(policy="skipkv", budget=32, policy_kwargs=dict(tokenizer=tiny_tokenizer())),  # observes tokens
         dict(policy="knorm"),  # float default budget
         dict(policy="rkv", budget=64, protect_prompt=False),
         dict(policy="rpc"),  # its own target grows every cycle
     ],
-    ids=["h2o", "float-budget", "unprotected-budget", "rpc-without-budget"],
+    ids=["skipkv", "float-budget", "unprotected-budget", "rpc-without-budget"],
 )
 def test_layouts_without_a_static_form_name_the_fix(kwargs):
     model = tiny_model("llama")
@@ -261,7 +263,7 @@ def test_lengths_beyond_max_cache_len_are_refused(left_padded_batch):
         greedy_generate(model, left_padded_batch, tight, steps=4)
 
 
-@pytest.mark.parametrize("case", ["streaming", "rkv", "snapkv", "knorm", "sink-recent", "rpc"])
+@pytest.mark.parametrize("case", ["streaming", "rkv", "snapkv", "knorm", "sink-recent", "rpc", "h2o"])
 def test_decode_steps_never_read_the_device(left_padded_batch, case):
     """Every decode step, compaction steps included, runs without a host sync."""
     model = tiny_model("llama")
@@ -292,7 +294,7 @@ def test_decode_steps_never_read_the_device(left_padded_batch, case):
         assert any(layer.compacted_at > 0 for layer in cache.layers)  # compaction steps were among them
 
 
-@pytest.mark.parametrize("case", ["streaming", "rkv", "rpc"])
+@pytest.mark.parametrize("case", ["streaming", "rkv", "rpc", "h2o"])
 def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, case):
     """transformers' compiled decode (fullgraph, static shapes) captures one graph and replays it."""
     model = tiny_model("llama")
@@ -335,11 +337,11 @@ def test_generate_static_cache_option(tokenizer):
     )
     assert static == dynamic
     assert [reason for _, reason, _ in static].count("eos") == 2
-    h2o = CompressionConfig(policy="h2o", budget=128)
+    fractional = CompressionConfig(policy="h2o", budget=0.2)  # a row's budget grows with its length
     with pytest.raises(StaticCacheError, match="static_cache=False"):
-        generate(model, tokenizer, prompts, 4, compression=h2o, static_cache=True, progress=False)
+        generate(model, tokenizer, prompts, 4, compression=fractional, static_cache=True, progress=False)
     # None on CPU: the dynamic cache, so a layout without a static form still generates
-    assert len(generate(model, tokenizer, prompts, 4, compression=h2o, progress=False)) == len(prompts)
+    assert len(generate(model, tokenizer, prompts, 4, compression=fractional, progress=False)) == len(prompts)
 
 
 def test_cli_no_static_cache_flag(capsys):

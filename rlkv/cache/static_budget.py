@@ -15,7 +15,9 @@ A `StaticHeadMixedCache` (rlkv/cache/static.py) lays each layer's compressed hea
   the region's start (a fixed-k stable sort, no data-dependent shape);
 - "full": no compressed head in any layer (any policy).
 
-Everything else (H2O and other observers of attention / tokens / hidden states, float budgets,
+A policy that observes attention (H2O) gets each decode step's probabilities over the slots and keeps
+what it accumulates in per-slot buffers of static shape, moved with the slots by the compaction.
+Everything else (observers of tokens / hidden states, float budgets,
 SkipKV, RPC without a budget, an unprotected prompt with a budget) has no static form: `StaticCacheError` names
 `static_cache=False` as the fix.
 """
@@ -43,6 +45,7 @@ BUDGET_SLACK: dict[str, Callable[[CompressionPolicy], int]] = {
     "snapkv": lambda policy: max(int(policy.buffer), 1),
     "knorm": lambda policy: int(policy.buffer) + 1,  # compresses when > budget + buffer
     "sink-recent": lambda policy: 1,  # the base rule: compresses when > budget
+    "h2o": lambda policy: 1,  # the base rule; its accumulated attention lives in per-slot buffers
 }
 
 
@@ -107,8 +110,8 @@ def static_form(settings: CompressionSettings, has_compressed: bool) -> StaticFo
     policy = settings.policy
     if not has_compressed:
         return StaticForm("full")
-    if policy.observe_attention or policy.observe_tokens or policy.observe_hidden_states:
-        raise _no_static_form(f"policy {policy.name!r} observes attention, tokens or hidden states")
+    if policy.observe_tokens or policy.observe_hidden_states:
+        raise _no_static_form(f"policy {policy.name!r} observes tokens or hidden states")
     if policy.name == "streaming":
         return StaticForm("streaming")
     if policy.name not in BUDGET_SLACK and policy.name not in PERIODIC:
@@ -199,14 +202,16 @@ def compact_region(
     order: torch.Tensor,
     early: int,
     budget: int,
+    slot_buffers: tuple[tuple[torch.Tensor, float], ...] = (),
 ) -> None:
     """Run `policy.select(view)` and keep the selected region slots in place: the first `budget` kept
     ones, in slot (= position) order, move to the region's start; the rest of the region empties.
 
     view: the slots in the dynamic cache's order, `order` [B, N] their static slot indices
     (`dynamic_order`); slots: the layer's keys, values [B, H_c, S, D] and positions [B, H_c, S],
-    written in place; early: slots before the region (never compacted: the protected prompt).
-    No host sync.
+    written in place; early: slots before the region (never compacted: the protected prompt);
+    slot_buffers: the policy's per-slot buffers [B, H_c, S] and their fill values, moved likewise
+    (emptied slots get the fill). No host sync.
     """
     keep = policy.select(view)
     if keep.dim() == 2:
@@ -222,7 +227,8 @@ def compact_region(
         region = buf[:, :, early:]
         taken = region.gather(2, order[..., None].expand(*order.shape, buf.shape[-1]))
         region[:, :, :budget].copy_(taken)
-    region = positions[:, :, early:]
-    taken = torch.where(kept, region.gather(2, order), -1)
-    region[:, :, :budget].copy_(taken)
-    region[:, :, budget:].fill_(-1)
+    for buf, fill in ((positions, -1), *slot_buffers):
+        region = buf[:, :, early:]
+        taken = torch.where(kept, region.gather(2, order), fill)
+        region[:, :, :budget].copy_(taken)
+        region[:, :, budget:].fill_(fill)

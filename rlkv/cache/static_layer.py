@@ -52,6 +52,41 @@ def _decode_sdpa(
     return out.reshape(batch, 1, heads, dim)
 
 
+class _SlotBuffers:
+    """What `CompressionPolicy.on_attention` may call on a static layer: `slot_buffer`, its per-slot
+    buffers [B, H_c, S] in the layer's `buffers` (static addresses), created at the first (eager) call."""
+
+    def __init__(self, layer: StaticHeadMixedLayer) -> None:
+        self.layer = layer
+
+    def slot_buffer(self, name: str, fill: float = 0.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        b, key = self.layer.buffers, f"slot:{name}"
+        if key not in b:
+            if torch.compiler.is_compiling():
+                raise StaticCacheError(f"slot buffer {name!r} first asked for inside a compiled step")
+            with torch.inference_mode(False):
+                b[key] = torch.full(b["comp_pos"].shape, fill, dtype=dtype, device=b["comp_pos"].device)
+            mark_static_address(b[key])
+            self.layer.slot_fills[key] = fill
+        return b[key]
+
+
+def _observed_attention(
+    q_comp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query token [B, H_c * G, 1, D] over slots [B, H_c, S, D] (valid BoolTensor [B, H_c, S]) with an
+    explicit fp32 softmax, as the dynamic cache computes it for a policy that observes attention.
+    Returns (output [B, 1, H_c * G, D], probabilities [B, H_c, G, 1, S])."""
+    batch, heads, _, dim = q_comp.shape
+    kv_heads = keys.shape[1]
+    q = q_comp.reshape(batch, kv_heads, heads // kv_heads, 1, dim).float()
+    logits = torch.matmul(q, keys[:, :, None].float().transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    out = torch.matmul(probs, values[:, :, None].float()).to(values.dtype)
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2), probs
+
+
 class StaticHeadMixedLayer(CacheLayerMixin):
     """One layer of a `StaticHeadMixedCache` (see the module docstring for the layout)."""
 
@@ -83,6 +118,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.full_q_slice = self._query_slice(self.full_slice)
         self.comp_q_slice = self._query_slice(self.comp_slice)
         self.buffers: dict[str, torch.Tensor] = {}
+        self.slot_fills: dict[str, float] = {}  # the policy's per-slot buffers in `buffers`, and their fills
+        self.slot_view = _SlotBuffers(self)
         self.early = 0  # slots of the early region (host int; shapes depend on it)
         self.host_length = 0  # tokens stored, known on the host (decode indices use `length`)
         self.prompt_width = 0
@@ -113,6 +150,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.dtype, self.device, self.batch, self.early = key_states.dtype, key_states.device, batch, needed
         with torch.inference_mode(False):  # normal tensors: a later request may run outside inference mode
             self.buffers = self._new_buffers(batch, dim)
+        self.slot_fills = {}  # created again at the next prefill
         for t in self.buffers.values():
             mark_static_address(t)  # fixed addresses: CUDA graphs replay on them
         for i in ("full_idx", "comp_idx", "full_q", "comp_q"):
@@ -192,7 +230,10 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             b["row_start"],
             (length, self.prompt_width),
         )
-        compact_region(view, self.settings.policy, slots, order, self.early, self.form.budget)
+        slot_buffers = tuple((b[key], fill) for key, fill in self.slot_fills.items())
+        for (buf, fill), key in zip(slot_buffers, self.slot_fills, strict=True):
+            view._slot_buffers[key.removeprefix("slot:")] = (buf.gather(2, gather), fill)
+        compact_region(view, self.settings.policy, slots, order, self.early, self.form.budget, slot_buffers)
         b["region_base"].fill_(self.form.held(generated) - generated)  # a host int written, nothing read
         self.compacted_at = length
 
@@ -291,8 +332,16 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             if self.form.observe:
                 grouped = q_comp.reshape(q_comp.shape[0], -1, self.num_groups, 1, q_comp.shape[-1])
                 b["obs_q"].index_copy_(3, (pos % self.form.observe).view(1), grouped)
-            comp_mask = (b["comp_pos"] >= 0)[:, :, None, :]
-            outs.append(_decode_sdpa(q_comp, b["comp_k"], b["comp_v"], comp_mask, scaling))
+            policy = self.settings.policy
+            if policy.observe_attention:
+                out, probs = _observed_attention(
+                    q_comp, b["comp_k"], b["comp_v"], b["comp_pos"] >= 0, scaling
+                )
+                policy.on_attention(self.slot_view, probs)
+                outs.append(out)
+            else:
+                comp_mask = (b["comp_pos"] >= 0)[:, :, None, :]
+                outs.append(_decode_sdpa(q_comp, b["comp_k"], b["comp_v"], comp_mask, scaling))
         if len(outs) == 1:
             return outs[0]
         out = torch.empty_like(query.transpose(1, 2))
@@ -325,6 +374,17 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 _pick(keys, self.comp_idx, self.comp_slice),
                 _pick(values, self.comp_idx, self.comp_slice),
             )
+            policy = self.settings.policy
+            if policy.observe_attention:
+                # the prompt is protected, so its own attention never ranks a candidate; a zero
+                # observation makes the policy create its per-slot buffers here, eagerly
+                for key, fill in self.slot_fills.items():
+                    b[key].fill_(fill)
+                comp_pos = b["comp_pos"]
+                zero = torch.zeros(
+                    *comp_pos.shape[:2], self.num_groups, 1, comp_pos.shape[2], device=comp_pos.device
+                )
+                policy.on_attention(self.slot_view, zero)
             if self.form.observe:
                 q_comp = _pick(query, self.comp_q, self.comp_q_slice)
                 n = min(width, self.form.observe)

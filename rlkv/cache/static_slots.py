@@ -23,6 +23,7 @@ class StaticHeadMixedLayer(Protocol):
     the layer can import this module and not the other way round)."""
 
     buffers: dict[str, torch.Tensor]
+    slot_fills: dict[str, float]  # the policy's per-slot buffers (names in `buffers`) and fill values
     settings: CompressionSettings
     form: StaticForm
     early: int  # early-region slots
@@ -100,6 +101,8 @@ def write_budget(
     b["comp_v"].index_copy_(2, slot, values)
     batch, heads = keys.shape[:2]
     b["comp_pos"].index_copy_(2, slot, pos.to(torch.int32).expand(batch, heads, 1))
+    for name, fill in layer.slot_fills.items():  # the policy's per-slot values start afresh
+        b[name].index_fill_(2, slot, fill)
 
 
 def kept_per_head(layer: StaticHeadMixedLayer, length: int, row_start: int) -> int:
