@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv demo test test-kernels lint format bench model
+.PHONY: venv demo test test-kernels lint format docs bench model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ lint: $(STAMP)
 
 format: $(STAMP)
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+# the docs site (mkdocs.yml, docs/) into site/ (git-ignored); --strict fails on a broken link or reference
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py --suite all --out runs/bench

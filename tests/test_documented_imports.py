@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
 IMPORT = re.compile(r"^\s*from (rlkv(?:\.\w+)*) import \(?([\w, ]+)\)?\s*(?:#.*)?$")
 DOTTED = re.compile(r"`(rlkv(?:\.\w+)+)")  # `rlkv.ablation.mask_nll(...)`, `rlkv.HeadMask`
 MAX_MODULE_LINES = 500

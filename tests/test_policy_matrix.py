@@ -1,5 +1,6 @@
 """Every registered policy passes the shared properties (tests/policy_properties.py), and every
-registered policy has a matrix row (tests/policy_matrix.py) and a README table row."""
+registered policy has a matrix row (tests/policy_matrix.py) and a row in the policy table of
+docs/guides/policies.md."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from rlkv.policies import available, get_policy, get_policy_class
 
 pytestmark = pytest.mark.cross_path_floats  # floats compared across code paths (CONTRIBUTING.md)
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+POLICY_GUIDE = ROOT / "docs" / "guides" / "policies.md"
 END_OF_POLICY_TABLE = "<!-- policy rows"
 
 
-def readme_policy_names() -> list[str]:
-    """Names in the first column of the README's policy table (the rows above its end marker)."""
-    text = README.read_text()
+def guide_policy_names() -> list[str]:
+    """Names in the first column of the policy guide's table (the rows above its end marker)."""
+    text = POLICY_GUIDE.read_text()
     table = text[: text.index(END_OF_POLICY_TABLE)].rsplit("| name | paper |", 1)[1]
     return re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
 
@@ -35,8 +37,8 @@ def test_every_registered_policy_is_in_the_matrix():
     assert sorted(POLICY_MATRIX) == shipped_policies()
 
 
-def test_every_registered_policy_is_in_the_readme_table():
-    assert sorted(readme_policy_names()) == shipped_policies()
+def test_every_registered_policy_is_in_the_policy_guide_table():
+    assert sorted(guide_policy_names()) == shipped_policies()
 
 
 def check_property(check, name, make_model, tokenizer, batch, new_tokens, cache_kwargs) -> None:
@@ -79,7 +81,7 @@ def test_contributing_shows_the_shipped_example_policy():
     matrix above runs like every other policy."""
     import rlkv.policies.knorm as example
 
-    listing = (README.parent / "CONTRIBUTING.md").read_text().split("```python\n")[1].split("```")[0]
+    listing = (ROOT / "CONTRIBUTING.md").read_text().split("```python\n")[1].split("```")[0]
     assert listing == Path(example.__file__).read_text()
     assert len(listing.splitlines()) < 50
-    assert "knorm" in POLICY_MATRIX and "knorm" in readme_policy_names()
+    assert "knorm" in POLICY_MATRIX and "knorm" in guide_policy_names()
