@@ -3,7 +3,7 @@ none passes. Each class of issue 49 (values that compare equal to anything, the 
 from the harness, changes to the program's interpreter) plus honest programs that must still pass.
 
 The program runs in its own interpreter and its results reach the tests as plain builtin data
-(`rlkv/data/sandbox_wire.py`); see README, "Code verification". Guard level (the OS sandbox
+(`rlkv/data/sandbox_wire.py`); see docs/guides/code-verification.md. Guard level (the OS sandbox
 changes nothing here: these probes are about the harness, not containment).
 """
 

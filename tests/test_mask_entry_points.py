@@ -1,5 +1,5 @@
-"""Every documented head-mask form works at every entry point that documents it (README, "Head
-masks"): a bare L x H_kv `.tsv` of scores, an RLKV-authors file and folder, a DuoAttention folder, a
+"""Every documented head-mask form works at every entry point that documents it
+(docs/guides/masks.md): a bare L x H_kv `.tsv` of scores, an RLKV-authors file and folder, a DuoAttention folder, a
 `save_pretrained` folder and a `head_mask.json`, read by `rlkv eval --head-mask / --ablation-mask /
 --duo-mask` (a run and its resume), `rlkv generate --head-mask`, `rlkv mask-nll --masks`,
 `CompressionConfig` and compressed rollouts. All forms hold the same scores, so each entry point
