@@ -36,7 +36,7 @@ format: $(STAMP)
 
 # the docs site (mkdocs.yml, docs/) into site/ (git-ignored); --strict fails on a broken link or reference
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py --suite all --out runs/bench
