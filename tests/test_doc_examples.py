@@ -108,7 +108,7 @@ def test_doc_block_runs(block: Block, tmp_path_factory):
         state.done = earlier.index
     state.done = block.index
     if block.skip_reason is not None:
-        pytest.skip(block.skip_reason)
+        pytest.skip(f"{block.page}:{block.line}: {block.skip_reason}")
     if state.failed is not None:
         pytest.fail(f"an earlier block of the page failed: {state.failed}")
     try:
