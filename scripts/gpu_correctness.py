@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import os
 import sys
 import time
 import traceback
@@ -29,9 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu_profile import HostReads  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmarks/
+from benchmarks.gpu.profile import HostReads  # noqa: E402
 from rlkv import HeadMask  # noqa: E402
 from rlkv._io import atomic_write_text  # noqa: E402
 from rlkv.compat import cache_kwargs  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU command of issue 40 (README "Gate training on a GPU"), separate from issue 38's
 # scripts/gpu_check.sh so each fits a 15-minute device session: within GPU_TRAIN_CHECK_SECONDS (270)
-#   1. `scripts/bench.py --suite gpu-train`: one GRPO gate-training step on random weights of Qwen2.5-7B's
+#   1. `python -m benchmarks --suite gpu-train`: one GRPO gate-training step on random weights of Qwen2.5-7B's
 #      geometry, its parts, plain and compressed-rollout steps side by side (gets all the time the
 #      other steps do not need; the suite lowers the completion length to fit and says so);
 #   2. the rollout memory report on the demo model (resident KV, peak allocated, importance-sampling ratio), on
@@ -42,7 +42,7 @@ fi
 # 1. the gpu-train suite, leaving ~100 s to steps 2-3 (step 4 runs only if the suite finished early)
 BENCH_S=$(($(left) - 100))
 if [ "$BENCH_S" -gt 30 ]; then
-  step gpu-train $((BENCH_S + 60)) "$PY" scripts/bench.py --suite gpu-train --device "$DEVICE" $QUICK \
+  step gpu-train $((BENCH_S + 60)) "$PY" -m benchmarks --suite gpu-train --device "$DEVICE" $QUICK \
     --train-budget-s "$BENCH_S" --out "$WORK/gpu-train"
   cp "$WORK/gpu-train/bench.json" "$OUT/bench_gpu_train.json" 2>/dev/null
   cp "$WORK/gpu-train/bench.md" "$OUT/bench_gpu_train.md" 2>/dev/null
@@ -51,7 +51,7 @@ else
 fi
 
 # 2. compressed rollouts on the demo model: resident KV, peak allocated, importance-sampling ratio
-MEMORY=("$PY" scripts/rollout_memory_report.py --model data/demo-model --device "$DEVICE" --sparsity 0.5 --sink 16
+MEMORY=("$PY" -m benchmarks.memory.rollout --model data/demo-model --device "$DEVICE" --sparsity 0.5 --sink 16
   --window 64 "${MEMORY_SIZE[@]}")
 step rollout-memory "$STEP_S" "${MEMORY[@]}" --rollout-cache dynamic --out "$OUT/rollout_memory.json"
 

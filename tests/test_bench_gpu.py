@@ -1,4 +1,4 @@
-"""The GPU suite (scripts/bench_gpu.py, `scripts/bench.py --suite gpu`) in its CPU quick mode: every row is
+"""The GPU suite (benchmarks/gpu/, `python -m benchmarks --suite gpu`) in its CPU quick mode: every row is
 measured or says why not, the fields are sane, the report carries the verdict lines, the time budget
 skips rows; the profiler-trace counting on a CUDA-shaped trace; and the serve suite's GPU path (its
 defaults, the evictable prompt of a random geometry, the time limit) run on CPU. No timing assertions."""
@@ -16,14 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks/ is in the checkout, not in the installed package
+sys.path.insert(1, str(ROOT / "scripts"))  # gpu_correctness.py, a device tool
 
-import bench_gpu  # noqa: E402
-import bench_gpu_profile  # noqa: E402
-import bench_serve  # noqa: E402
-import bench_serve_probe  # noqa: E402
-import bench_serve_report  # noqa: E402
+from benchmarks.gpu import profile as bench_gpu_profile  # noqa: E402
+from benchmarks.gpu import runner as bench_gpu  # noqa: E402
+from benchmarks.serve import probe as bench_serve_probe  # noqa: E402
+from benchmarks.serve import report as bench_serve_report  # noqa: E402
+from benchmarks.serve import runner as bench_serve  # noqa: E402
 
 
 def quick_args(*extra: str):
@@ -253,9 +254,12 @@ def test_gpu_check_script_runs_to_the_end_and_skips_what_does_not_fit(tmp_path):
     env = dict(
         os.environ, GPU_CHECK_DEVICE="cpu", PYTHON=sys.executable, OUT=str(tmp_path), GPU_CHECK_SECONDS="0"
     )
-    root = SCRIPTS.parent
     proc = subprocess.run(
-        ["bash", str(SCRIPTS / "gpu_check.sh"), "--quick"], cwd=root, env=env, capture_output=True, text=True
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     log = (tmp_path / "gpu_check.log").read_text()

@@ -1,4 +1,4 @@
-"""`scripts/bench.py --suite gpu-train`: its CPU quick run measures every part of a real GRPO step."""
+"""`python -m benchmarks --suite gpu-train` (benchmarks/gpu_train/): its CPU quick run measures every part of a real GRPO step."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))  # benchmarks/ is in the checkout, not in the installed package
 
-import bench_gpu_train  # noqa: E402
-import bench_gpu_train_report  # noqa: E402
-from bench_gpu_train_parts import PartTimer, count_host_syncs  # noqa: E402
+from benchmarks.gpu_train import report as bench_gpu_train_report  # noqa: E402
+from benchmarks.gpu_train import runner as bench_gpu_train  # noqa: E402
+from benchmarks.gpu_train.parts import PartTimer, count_host_syncs  # noqa: E402
 
 
 def _quick(out: Path, *flags: str) -> tuple[dict, str]:
     proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", "--suite", "gpu-train", "--quick", "--out", str(out), *flags],
+        [sys.executable, "-m", "benchmarks", "--suite", "gpu-train", "--quick", "--out", str(out), *flags],
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
         capture_output=True,
@@ -101,7 +101,7 @@ def test_plan_tokens_lowers_the_completion_length_to_fit_the_budget():
 
 def test_full_geometry_on_cpu_is_refused_with_the_way_out(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", "--suite", "gpu-train", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks", "--suite", "gpu-train", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,

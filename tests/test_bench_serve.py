@@ -1,4 +1,4 @@
-"""The serve benchmark (scripts/bench_serve.py, bench_serve_probe.py, bench_serve_report.py): the max-batch
+"""The serve benchmark (benchmarks/serve/: runner.py, probe.py, report.py): the max-batch
 search and the report, not speed."""
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks/ is in the checkout, not in the installed package
 
-import bench_serve  # noqa: E402
-import bench_serve_probe  # noqa: E402
-import bench_serve_report  # noqa: E402
-
+from benchmarks.serve import probe as bench_serve_probe  # noqa: E402
+from benchmarks.serve import report as bench_serve_report  # noqa: E402
+from benchmarks.serve import runner as bench_serve  # noqa: E402
 from rlkv.testing import tiny_model  # noqa: E402
 
 NEW_TOKENS = 24
@@ -168,10 +167,10 @@ def test_report_fields_and_verdicts(model_and_prompt, tmp_path):
 
 
 def test_worker_process_prints_one_probe(tmp_path):
-    cmd = [sys.executable, str(SCRIPTS / "bench_serve.py"), "--worker", "serve", "--method", "rlkv s=0.5"]
+    cmd = [sys.executable, "-m", "benchmarks.serve.runner", "--worker", "serve", "--method", "rlkv s=0.5"]
     cmd += ["--batch", "2", "--cap-bytes", str(2**30), "--serve-model-spec", "tiny:llama"]
     cmd += ["--serve-tokens", "6", "--prompt-tokens", "4", "--serve-budget", "96", "--threads", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (r["method"], r["batch"], r["fits"], r["generated"]) == ("rlkv s=0.5", 2, True, 6)

@@ -1,4 +1,4 @@
-"""The rlkv side of scripts/compare_kvpress.py: the measurement helpers and the files the kvpress worker reads.
+"""The rlkv side of benchmarks/kvpress/compare.py: the measurement helpers and the files the kvpress worker reads.
 
 kvpress itself is never needed (it lives in its own venv); these run offline on the tiny model.
 """
@@ -11,11 +11,10 @@ from pathlib import Path
 
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks/ is in the checkout, not in the installed package
 
-import compare_kvpress  # noqa: E402
-
+from benchmarks.kvpress import compare as compare_kvpress  # noqa: E402
 from rlkv import HeadMask  # noqa: E402
 from rlkv.compat import cache_kwargs  # noqa: E402
 from rlkv.inference import CompressionConfig, make_cache  # noqa: E402
@@ -25,7 +24,7 @@ worker = compare_kvpress.load_worker()
 
 
 def test_worker_imports_no_rlkv():
-    source = (SCRIPTS / "kvpress_worker.py").read_text()
+    source = (ROOT / "benchmarks" / "kvpress" / "worker.py").read_text()
     assert "rlkv" not in "\n".join(line for line in source.splitlines() if "import" in line)
 
 

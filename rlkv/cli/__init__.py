@@ -24,6 +24,7 @@ SUBCOMMANDS = [
     "rlkv.cli.steering",
     "rlkv.cli.eval",
     "rlkv.cli.train",
+    "rlkv.cli.bench",
 ]
 
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if getattr(args, "passes_extra_args", False):
-        args.extra_args = extra  # `rlkv train`: the recipe parser reads them
+        args.extra_args = extra  # `rlkv train`: the recipe parser reads them; `rlkv bench`: benchmarks'
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     prog = " ".join(["rlkv", args.command, *(v for k, v in vars(args).items() if k.endswith("_command"))])

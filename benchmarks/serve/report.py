@@ -1,4 +1,4 @@
-"""The serve suite's report (scripts/bench_serve.py): the markdown table with its verdicts, and the plot."""
+"""The serve suite's report (benchmarks/serve/runner.py): the markdown table with its verdicts, and the plot."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from bench_serve import serve_targets
+from benchmarks.serve.runner import serve_targets
 
 
 def report_serve(s: dict) -> list[str]:

@@ -1,4 +1,4 @@
-"""The decode suite of scripts/bench.py: time per decode step, and of it the attention function's, for
+"""The decode suite of `python -m benchmarks`: time per decode step, and of it the attention function's, for
 every mode against stock sdpa on a cache pre-filled to each context length."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import functools
 import time
 
 import torch
-from bench_common import ATTN_SHAPE, TARGETS, build_model, compression_for, run_decode, sync, timed
 from transformers import DynamicCache
 
+from benchmarks.common import ATTN_SHAPE, TARGETS, build_model, compression_for, run_decode, sync, timed
 from rlkv.compat import cache_kwargs
 from rlkv.inference import make_cache
 
@@ -84,7 +84,7 @@ def decode_step_time(model, cache, batch: int, device: str, steps: int, repeats:
     passes of `steps` steps (noise from other processes only ever adds time). On CUDA the steps run
     with SDPA's cuDNN backend off (flash first): cuDNN builds a graph for every new key length, 41-63 ms
     of host time per step on this suite's 2-layer model, which would be all the suite measured."""
-    from bench_gpu_profile import sdpa_backends
+    from benchmarks.gpu.profile import sdpa_backends
 
     with sdpa_backends("no-cudnn" if device.startswith("cuda") else "default", device):
         return _best_step_times(model, cache, batch, device, steps, repeats)

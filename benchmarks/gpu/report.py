@@ -1,4 +1,4 @@
-"""The GPU suite's verdicts against issue 38's targets and its markdown report (scripts/bench_gpu.py)."""
+"""The GPU suite's verdicts against issue 38's targets and its markdown report (benchmarks/gpu/runner.py)."""
 
 from __future__ import annotations
 

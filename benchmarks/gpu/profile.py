@@ -1,4 +1,4 @@
-"""What the GPU suite (scripts/bench_gpu.py) measures besides time: the model geometries it builds on the
+"""What the GPU suite (benchmarks/gpu/runner.py) measures besides time: the model geometries it builds on the
 device, the SDPA backend pins, the card's copy bandwidth, and per-step counts read from a torch.profiler
 trace (kernel launches, CUDA graph launches, host syncs, GPU-busy fraction)."""
 

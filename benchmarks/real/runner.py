@@ -1,7 +1,7 @@
 """Real-model CPU benchmark: gated generation and GRPO gate-training steps on a real LLM.
 
-    python scripts/bench.py --suite real --model models/qwen2.5-coder-0.5b-instruct --out runs/bench-real
-    python scripts/bench_real.py --worker step --model M --completions 32   # one measurement alone (JSON)
+    python -m benchmarks --suite real --model models/qwen2.5-coder-0.5b-instruct --out runs/bench-real
+    python -m benchmarks.real.runner --worker step --model M --completions 32   # one measurement alone (JSON)
 
 Each measurement runs in its own process (clean peak RSS: the high-water mark is reset after the
 model is loaded), side by side in one run, and the suite prints ratios with PASS/FAIL:
@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from benchmarks.common import child_env, module_command
 from rlkv.inference import load
 
 GATE_SINK, GATE_LOCAL = 16, 64
@@ -258,11 +259,11 @@ def run_worker(kind: str, args, **overrides) -> dict:
         activation_checkpointing=args.activation_checkpointing,
     )
     opts.update(overrides)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind]
+    cmd = [*module_command("benchmarks.real.runner"), "--worker", kind]
     for key, value in opts.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     print(f"  [{kind}] {' '.join(f'{k}={v}' for k, v in opts.items() if k != 'model')}", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if proc.returncode != 0:
         raise RuntimeError(f"worker {kind} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -348,7 +349,7 @@ def verdict(ok: bool) -> str:
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
-    """The real-model options (shared by bench.py --suite real and the worker command line)."""
+    """The real-model options (shared by `python -m benchmarks --suite real and the worker command line)."""
     parser.add_argument("--model", help="model folder for --suite real (make model)")
     parser.add_argument(
         "--dtype", default="auto", help="auto (bf16 on AVX512/AMX-BF16 CPUs), bfloat16, float32"

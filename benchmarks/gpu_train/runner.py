@@ -1,7 +1,7 @@
-"""The gpu-train suite of scripts/bench.py: one GRPO gate-training step on Qwen2.5-7B's geometry, parts timed.
+"""The gpu-train suite of `python -m benchmarks`: one GRPO gate-training step on Qwen2.5-7B's geometry, parts timed.
 
-    python scripts/bench.py --suite gpu-train --device cuda --out $OUT/gpu-train   # one H100/H200
-    python scripts/bench.py --suite gpu-train --quick --out runs/gpu-train         # tiny geometry, CPU, seconds
+    python -m benchmarks --suite gpu-train --device cuda --out $OUT/gpu-train   # one H100/H200
+    python -m benchmarks --suite gpu-train --quick --out runs/gpu-train         # tiny geometry, CPU, seconds
 
 Random weights of Qwen2.5-7B's geometry in bf16, built on the device; `GateGRPOTrainer` with the
 gates trainable and activation checkpointing runs one GRPO step of P prompts x G completions x N
@@ -21,7 +21,7 @@ on CUDA, `rlkv.testing.HostSyncCounter` on CPU). Peak allocated memory is
 so that the three rollouts and the loss passes fit, and the report says so. `--quick` is the
 CPU smoke (tiny geometry, a few tokens) that tests/test_bench_gpu_train.py runs.
 `--train-micro-batch` runs the loss in gradient-accumulation micro-batches (one rollout per step).
-The measurement helpers are in bench_gpu_train_parts, the markdown in bench_gpu_train_report.
+The measurement helpers are in benchmarks/gpu_train/parts.py, the markdown in report.py.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ import tempfile
 import time
 
 import torch
-from bench_gpu_profile import GEOMETRIES
-from bench_gpu_train_parts import (
+from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
+
+from benchmarks.gpu.profile import GEOMETRIES
+from benchmarks.gpu_train.parts import (
     PartTimer,
     count_host_syncs,
     count_kernel_launches,
@@ -46,12 +48,11 @@ from bench_gpu_train_parts import (
     step_parts,
     timed_trainer,
 )
-from bench_gpu_train_report import report_gpu_train  # noqa: F401 (bench.py: the section)
-from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
+from benchmarks.gpu_train.report import report_gpu_train  # noqa: F401 (benchmarks/__main__.py: the section)
 
 
 def _qwen2_geometry(name: str, **overrides: int) -> dict:
-    """A geometry of bench_gpu_profile.GEOMETRIES (all Qwen2) as Qwen2Config keyword arguments."""
+    """A geometry of benchmarks.gpu.profile.GEOMETRIES (all Qwen2) as Qwen2Config keyword arguments."""
     return {**{k: v for k, v in GEOMETRIES[name].items() if k != "model_type"}, **overrides}
 
 
@@ -389,7 +390,7 @@ def summarize(
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
-    """The gpu-train options of scripts/bench.py."""
+    """The gpu-train options of `python -m benchmarks`."""
     group = parser.add_argument_group("gpu-train suite")
     group.add_argument("--train-budget-s", type=float, default=400, help="seconds for the whole suite")
     group.add_argument("--train-prompts", type=int, default=16, help="prompts per GRPO step")

@@ -2,7 +2,7 @@
 
 kvpress pins transformers<5.3 and rlkv needs 5.23, so kvpress runs in its own venv
 (`.venv-kvpress/`, created on demand: `python3 -m venv` + `pip install "torch==2.13.0" kvpress`),
-through `scripts/kvpress_worker.py` (imports only torch/transformers/kvpress). This script:
+through `benchmarks/kvpress/worker.py` (imports only torch/transformers/kvpress). This script:
 
 1. writes the spec: the demo model, `--num-problems` chain test problems rendered with rlkv's
    prompt builder and tokenized here (the worker reads the token ids, so both sides see the same
@@ -18,7 +18,7 @@ Both sides measure with the worker's helpers: greedy accuracy, resident KV after
 (tensor storages reachable from the cache), peak KV during generation (the same walk after every
 forward), VmHWM (reset before each method) and decode tokens/s.
 
-    .venv/bin/python scripts/compare_kvpress.py --out runs/compare-kvpress     # ~10 min on 2 busy cores
+    .venv/bin/python -m benchmarks.kvpress.compare --out runs/compare-kvpress     # ~10 min on 2 busy cores
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 KVPRESS_VENV = ROOT / ".venv-kvpress"
-WORKER = ROOT / "scripts" / "kvpress_worker.py"
+WORKER = Path(__file__).resolve().with_name("worker.py")  # run by path in .venv-kvpress (no rlkv there)
 
 
 def load_worker():

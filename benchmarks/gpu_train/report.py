@@ -1,4 +1,4 @@
-"""The markdown section of the gpu-train suite (scripts/bench_gpu_train.py) and its targets."""
+"""The markdown section of the gpu-train suite (benchmarks/gpu_train/runner.py) and its targets."""
 
 from __future__ import annotations
 

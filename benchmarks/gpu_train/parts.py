@@ -1,4 +1,4 @@
-"""Measurement helpers of the gpu-train suite (scripts/bench_gpu_train.py): timed parts with peak
+"""Measurement helpers of the gpu-train suite (benchmarks/gpu_train/runner.py): timed parts with peak
 allocated memory, host-sync and kernel-launch counts, a decode-step probe, and a GRPO trainer
 subclass that times its own rollout, log-prob, loss and training-step parts."""
 

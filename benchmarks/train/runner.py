@@ -1,12 +1,12 @@
-"""The train suite of scripts/bench.py: a forward + backward step of a gated model against the plain one."""
+"""The train suite of `python -m benchmarks`: a forward + backward step of a gated model against the plain one."""
 
 from __future__ import annotations
 
 import torch
-from bench_common import ATTN_SHAPE, TARGETS, build_model, timed
 from transformers import LlamaConfig
 
 import rlkv
+from benchmarks.common import ATTN_SHAPE, TARGETS, build_model, timed
 
 
 def suite_train(args) -> dict:

@@ -3,9 +3,9 @@
 Every number is a ratio measured side by side in one run, printed as tables with PASS/FAIL
 against the targets of the performance issue, and written as JSON + PNG under --out.
 
-    python scripts/bench.py --suite all --out runs/bench           # default suite, CPU, < 15 min
-    python scripts/bench.py --suite decode,memory --long            # adds 32K contexts / 8K training
-    python scripts/bench.py --suite all --device cuda               # CUDA events, max_memory_allocated
+    python -m benchmarks --suite all --out runs/bench           # default suite, CPU, < 15 min
+    python -m benchmarks --suite decode,memory --long            # adds 32K contexts / 8K training
+    python -m benchmarks --suite all --device cuda               # CUDA events, max_memory_allocated
 
 Shapes: memory and overhead use a small GQA Llama (cheap to fill to 32K tokens; bytes scale
 linearly with layers x KV heads x head_dim, so ratios carry over); decode and training use
@@ -13,9 +13,9 @@ Llama-3.1-8B attention dims (32 query heads, 8 KV heads, head_dim 128) with 2 la
 1024 and random weights, so attention dominates as it does at long context in the real model.
 """
 
-# This file is the command line and the combined report; each suite is its own module: bench_memory
-# (memory, maxbatch), bench_decode, bench_overhead, bench_train, bench_real and bench_serve (with
-# bench_serve_probe and bench_serve_report), and what they share is in bench_common.
+# This file is the command line (`python -m benchmarks`, `make bench`, `rlkv bench`) and the combined
+# report; each suite is its own subpackage with its runner and report: memory (memory, maxbatch), decode,
+# overhead, train, real, serve (runner, probe, report), gpu and gpu_train; what they share is in common.
 
 from __future__ import annotations
 
@@ -26,18 +26,24 @@ import sys
 import time
 from pathlib import Path
 
-import bench_gpu
-import bench_gpu_train
-import bench_real
-import bench_serve
 import torch
-from bench_common import MODES
-from bench_decode import report_decode, suite_decode
-from bench_memory import memory_worker, report_maxbatch, report_memory, suite_maxbatch, suite_memory
-from bench_overhead import report_overhead, suite_overhead
-from bench_serve_report import plot_serve, report_serve
-from bench_train import report_train, suite_train
 
+from benchmarks.common import MODES
+from benchmarks.decode.runner import report_decode, suite_decode
+from benchmarks.gpu import runner as bench_gpu
+from benchmarks.gpu_train import runner as bench_gpu_train
+from benchmarks.memory.runner import (
+    memory_worker,
+    report_maxbatch,
+    report_memory,
+    suite_maxbatch,
+    suite_memory,
+)
+from benchmarks.overhead.runner import report_overhead, suite_overhead
+from benchmarks.real import runner as bench_real
+from benchmarks.serve import runner as bench_serve
+from benchmarks.serve.report import plot_serve, report_serve
+from benchmarks.train.runner import report_train, suite_train
 from rlkv._io import atomic_write_text
 
 SECTIONS = {  # the report's sections after the real-model one, in order
@@ -106,7 +112,7 @@ def parse_ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--suite",

@@ -1,13 +1,13 @@
-"""The kvpress half of `scripts/compare_kvpress.py`, run inside `.venv-kvpress/` (kvpress pins transformers<5.3).
+"""The kvpress half of `benchmarks/kvpress/compare.py`, run inside `.venv-kvpress/` (kvpress pins transformers<5.3).
 
 Imports only torch, transformers and kvpress (never rlkv, which needs transformers 5.23), so the
-same file runs in both environments: `compare_kvpress.py` imports its measurement helpers
+same file runs in both environments: `compare.py` imports its measurement helpers
 (`tensor_storage_bytes`, `GenerationProbe`, `vm_hwm_bytes`) for the rlkv side, so both sides are
 measured by the same code.
 
-    .venv-kvpress/bin/python scripts/kvpress_worker.py --spec runs/compare-kvpress/spec.json --out kvpress.json
+    .venv-kvpress/bin/python benchmarks/kvpress/worker.py --spec runs/compare-kvpress/spec.json --out kvpress.json
 
-The spec (written by compare_kvpress.py): model folder, prompts (token ids), answers, max_new_tokens,
+The spec (written by compare.py): model folder, prompts (token ids), answers, max_new_tokens,
 a DuoAttention pattern folder (`full_attention_heads.tsv` + `config.json`) and the kvpress methods.
 """
 

@@ -1,8 +1,8 @@
-"""The GPU suite of scripts/bench.py (`--suite gpu`): decode throughput of plain transformers and rlkv on
+"""The GPU suite of `python -m benchmarks` (`--suite gpu`): decode throughput of plain transformers and rlkv on
 random weights of a real geometry, in one run under a time budget.
 
-    python scripts/bench.py --suite gpu --device cuda --out runs/bench-gpu       # H100/H200, ~7 min
-    python scripts/bench.py --suite gpu --quick --out /tmp/gpu-smoke              # CPU smoke, tiny geometry
+    python -m benchmarks --suite gpu --device cuda --out runs/bench-gpu       # H100/H200, ~7 min
+    python -m benchmarks --suite gpu --quick --out /tmp/gpu-smoke              # CPU smoke, tiny geometry
 
 Every row runs `model.generate` greedily on `--gpu-batches` rows of a `--gpu-prompt`-token random prompt
 for up to `--gpu-steps` new tokens (the model has no EOS, so every method decodes the same count), bf16
@@ -30,7 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from bench_gpu_profile import (
+from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers.generation import CompileConfig
+
+from benchmarks.gpu.profile import (
     FORWARD_MARK,
     STEP_MARK,
     build_random_model,
@@ -41,11 +44,8 @@ from bench_gpu_profile import (
     trace_events,
     weight_bytes_per_step,
 )
-from bench_gpu_report import GPU_TARGETS, report_gpu, verdicts
-from bench_serve_probe import kv_resident_bytes
-from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
-from transformers.generation import CompileConfig
-
+from benchmarks.gpu.report import GPU_TARGETS, report_gpu, verdicts
+from benchmarks.serve.probe import kv_resident_bytes
 from rlkv import HeadMask
 from rlkv._io import atomic_write_text
 from rlkv.compat import cache_kwargs
@@ -55,7 +55,7 @@ from rlkv.inference import CompressionConfig, make_cache
 @dataclass(frozen=True)
 class Row:
     """One configuration: plain transformers (`policy` None) or an rlkv cache; `static`: a static cache
-    (compiled with CUDA graphs on CUDA); `sdpa`: the SDPA backend pin (bench_gpu_profile.sdpa_backends)."""
+    (compiled with CUDA graphs on CUDA); `sdpa`: the SDPA backend pin (benchmarks.gpu.profile.sdpa_backends)."""
 
     name: str
     policy: str | None = None

@@ -1,4 +1,4 @@
-"""The overhead suite of scripts/bench.py: each policy's compression events timed during decode, as a
+"""The overhead suite of `python -m benchmarks`: each policy's compression events timed during decode, as a
 share of the decode step (budget 1024, every head compressed)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import functools
 import time
 
 import torch
-from bench_common import ATTN_SHAPE, TARGETS, build_model, run_decode, sync, timed
 
+from benchmarks.common import ATTN_SHAPE, TARGETS, build_model, run_decode, sync, timed
 from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
 

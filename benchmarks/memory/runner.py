@@ -1,23 +1,28 @@
-"""The memory suite of scripts/bench.py (resident KV bytes against the analytic count, each mode in
+"""The memory suite of `python -m benchmarks` (resident KV bytes against the analytic count, each mode in
 its own process) and the max-batch table derived from it."""
 
 from __future__ import annotations
 
 import json
-import os
 import resource
 import subprocess
-import sys
 
 import torch
-from bench_common import MODES, SMALL_SHAPE, TARGETS, build_model, compression_for
 
+from benchmarks.common import (
+    MODES,
+    SMALL_SHAPE,
+    TARGETS,
+    build_model,
+    child_env,
+    compression_for,
+    module_command,
+)
 from rlkv.compat import cache_kwargs
 from rlkv.inference import make_cache
 
 CAP_BYTES = 8 * 2**30
 LLAMA8B_KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # layers x KV heads x head_dim x (K, V) x bf16
-BENCH = os.path.join(os.path.dirname(__file__), "bench.py")  # runs memory_worker via --worker memory
 
 
 def analytic_bytes(cache) -> tuple[int, int]:
@@ -90,9 +95,8 @@ def memory_worker(mode: str, lengths: list[int], device: str, chunk: int) -> dic
 def suite_memory(args) -> dict:
     results, peaks = [], {}
     for mode in MODES:
-        cmd = [
-            sys.executable,
-            BENCH,
+        cmd = [  # `python -m benchmarks --worker memory` runs memory_worker
+            *module_command("benchmarks"),
             "--worker",
             "memory",
             "--mode",
@@ -102,7 +106,7 @@ def suite_memory(args) -> dict:
             "--lengths",
             ",".join(map(str, args.mem_lengths)),
         ]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=child_env())
         if out.returncode != 0:
             raise RuntimeError(f"memory worker {mode!r} failed:\n{out.stderr[-3000:]}")
         res = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""One probe of the serve suite (scripts/bench_serve.py): a method's cache, one generation stopped once
+"""One probe of the serve suite (benchmarks/serve/runner.py): a method's cache, one generation stopped once
 its resident KV goes over the cap, the search for the largest batch that fits (and its starting
 guess), and the record of finished probes that lets a killed suite resume."""
 
@@ -41,9 +41,9 @@ def methods(budget: int, extra_policies: list[str]) -> list[Method]:
 
 def protect_prompt(spec: str) -> bool:
     """Whether the compressed heads keep the prompt: not for a random geometry of
-    bench_gpu_profile.GEOMETRIES, whose long random prompt stands in for generated reasoning (every token
+    benchmarks.gpu.profile.GEOMETRIES, whose long random prompt stands in for generated reasoning (every token
     evictable, as in the decode suite)."""
-    from bench_gpu_profile import GEOMETRIES
+    from benchmarks.gpu.profile import GEOMETRIES
 
     return spec not in GEOMETRIES
 
@@ -126,9 +126,10 @@ def serve_probe(
     steady-state decode: the second half of the steps) and peak process memory since the call;
     timed_out: stopped at `deadline` (perf_counter seconds), which says nothing about the cap.
     On CUDA, SDPA runs without cuDNN for every method (cuDNN builds a graph per key length)."""
-    from bench_gpu_profile import sdpa_backends
-    from bench_real import peak_rss_bytes, reset_peak_rss
     from transformers import StoppingCriteriaList
+
+    from benchmarks.gpu.profile import sdpa_backends
+    from benchmarks.real.runner import peak_rss_bytes, reset_peak_rss
 
     cache = make_method_cache(model, method, mask_path, seed, protect_prompt)
     meter = _StepMeter(cache, cap_bytes, device, deadline)
@@ -235,9 +236,9 @@ def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096, guess: i
 
 def kv_geometry(args) -> tuple[int, int, int, int]:
     """(layers, KV heads, head_dim, bytes per element) of the suite's model, without loading weights."""
-    from bench_gpu_profile import GEOMETRIES, geometry_config
     from transformers import AutoConfig, LlamaConfig
 
+    from benchmarks.gpu.profile import GEOMETRIES, geometry_config
     from rlkv.geometry import attention_geometry
     from rlkv.inference import resolve_dtype
     from rlkv.testing import tiny_config
@@ -246,7 +247,7 @@ def kv_geometry(args) -> tuple[int, int, int, int]:
     if spec in GEOMETRIES:
         config = geometry_config(spec)
     elif spec == "synthetic":
-        from bench_common import ATTN_SHAPE
+        from benchmarks.common import ATTN_SHAPE
 
         config = LlamaConfig(num_hidden_layers=args.serve_layers, **ATTN_SHAPE)
     elif spec.startswith("tiny:"):

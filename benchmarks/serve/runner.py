@@ -1,9 +1,9 @@
 """Serving benchmark: throughput at a fixed KV memory budget (the batch-scaling result).
 
-    python scripts/bench.py --suite serve --model models/qwen2.5-coder-0.5b-instruct --kv-cap-gib 0.25
-    python scripts/bench.py --suite serve --serve-model synthetic --kv-cap-gib 0.125   # Llama-3.1-8B attention
-    python scripts/bench.py --suite serve --quick                                      # a smoke run (seconds)
-python scripts/bench.py --suite serve --device cuda      # GPU: Qwen2.5-7B geometry, cap = 16 full rows, < 8 min
+    python -m benchmarks --suite serve --model models/qwen2.5-coder-0.5b-instruct --kv-cap-gib 0.25
+    python -m benchmarks --suite serve --serve-model synthetic --kv-cap-gib 0.125   # Llama-3.1-8B attention
+    python -m benchmarks --suite serve --quick                                      # a smoke run (seconds)
+python -m benchmarks --suite serve --device cuda      # GPU: Qwen2.5-7B geometry, cap = 16 full rows, < 8 min
 
 For every method (full; rlkv head mask at s=0.5 and 0.75 with streaming heads; rkv budget 1024 on
 every head; rlkv+rkv at s=0.5; any registered policy named in --serve-policies) the suite searches
@@ -36,14 +36,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
 import torch
-from bench_serve_probe import (
+
+from benchmarks.common import child_env, module_command
+from benchmarks.serve.probe import (
     Method,
     find_max_batch,
     kv_geometry,
@@ -80,22 +81,21 @@ class ServeTimeLimit(Exception):
 # ------------------------------------------------------------------------------------------ models
 def build_serve_model(spec: str, layers: int, device: str, dtype: str):
     """(model, prompt token ids [1, P] or None) for "synthetic" (random Llama with Llama-3.1-8B
-    attention geometry, `layers` layers), a geometry of bench_gpu_profile.GEOMETRIES (random weights
+    attention geometry, `layers` layers), a geometry of benchmarks.gpu.profile.GEOMETRIES (random weights
     built on the device), "tiny:<family>" (rlkv.testing) or a model folder."""
-    from bench_gpu_profile import GEOMETRIES, build_random_model
-
+    from benchmarks.gpu.profile import GEOMETRIES, build_random_model
     from rlkv.inference import load, resolve_dtype
 
     if spec in GEOMETRIES:
         return build_random_model(spec, device, resolve_dtype(dtype, device)), None
     if spec == "synthetic":
-        from bench_common import ATTN_SHAPE, build_model
+        from benchmarks.common import ATTN_SHAPE, build_model
 
         return build_model(ATTN_SHAPE, layers, device, resolve_dtype(dtype, device)), None
     model, tok = load(spec, dtype=dtype, device=device)
     if spec.startswith("tiny:"):
         return model, None
-    import bench_real
+    from benchmarks.real import runner as bench_real
 
     text = bench_real.prompts(tok, 1)[0]
     return model, tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
@@ -130,7 +130,7 @@ def prompt_for(model, prompt: torch.Tensor | None, length: int, device: str) -> 
 
 def worker_command(args, method: Method, batch: int) -> list[str]:
     """The command line of one probe in its own process."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "serve", "--method", method.name]
+    cmd = [*module_command("benchmarks.serve.runner"), "--worker", "serve", "--method", method.name]
     cmd += ["--batch", str(batch), "--cap-bytes", str(args.cap_bytes), "--device", args.device]
     cmd += ["--serve-model-spec", args.serve_model_spec, "--serve-layers", str(args.serve_layers)]
     cmd += ["--dtype", args.dtype, "--serve-tokens", str(args.serve_tokens)]
@@ -145,7 +145,9 @@ def subprocess_probe(args, method: Method) -> Callable[[int], dict]:
     def probe(batch: int) -> dict:
         if time.perf_counter() > args.deadline:
             raise ServeTimeLimit(f"{method.name} B={batch}: not started")
-        proc = subprocess.run(worker_command(args, method, batch), capture_output=True, text=True)
+        proc = subprocess.run(
+            worker_command(args, method, batch), capture_output=True, text=True, env=child_env()
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"serve probe {method.name!r} batch {batch} failed:\n{proc.stderr[-3000:]}")
         return log_probe(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -334,7 +336,7 @@ def serve_summary(rows: list[dict], args) -> dict:
 
 # ------------------------------------------------------------------------------------------ options
 def add_options(parser: argparse.ArgumentParser) -> None:
-    """The serve suite's options (shared by bench.py --suite serve and the worker command line)."""
+    """The serve suite's options (shared by `python -m benchmarks --suite serve and the worker command line)."""
     parser.add_argument(
         "--kv-cap-gib", type=float, help="KV cap in GiB (default 0.25 real model, 0.125 synthetic)"
     )
@@ -372,7 +374,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The probe worker: one measurement in this process, its JSON on the last stdout line."""
-    import bench_real
+    from benchmarks.real import runner as bench_real
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -394,5 +396,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

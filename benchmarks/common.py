@@ -1,9 +1,12 @@
-"""What the suites of scripts/bench.py share: the random Llama they measure, its compression modes,
-timing, and the targets of the performance issue."""
+"""What the suites of `python -m benchmarks` share: the random Llama they measure, its compression modes,
+timing, the targets of the performance issue, and how a suite starts a worker in its own process."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -11,6 +14,21 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from rlkv import HeadMask
 from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: benchmarks/ is not part of the installed package
+
+
+def module_command(module: str) -> list[str]:
+    """`python -m <module>` in this interpreter: a worker in its own process (run it with `child_env()`)."""
+    return [sys.executable, "-m", module]
+
+
+def child_env() -> dict[str, str]:
+    """This environment with the checkout first on PYTHONPATH, so `-m benchmarks...` imports from any cwd."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
 
 ATTN_SHAPE = dict(
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=1024, intermediate_size=1024

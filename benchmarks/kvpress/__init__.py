@@ -1,0 +1,1 @@
+"""NVIDIA kvpress side by side with rlkv (`compare` in .venv, `worker` in .venv-kvpress)."""

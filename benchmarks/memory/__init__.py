@@ -1,0 +1,1 @@
+"""The memory suite (resident vs analytic KV, max batch) and the rollout memory report (`rollout`)."""

@@ -1,0 +1,1 @@
+"""The overhead suite: a scoring policy's compression cost amortised over decode steps."""

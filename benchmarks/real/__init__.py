@@ -1,0 +1,1 @@
+"""The real suite: a real small LLM, each measurement in its own process."""

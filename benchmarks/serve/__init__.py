@@ -1,0 +1,1 @@
+"""The serve suite: throughput at a fixed KV memory budget (runner, probe, report)."""

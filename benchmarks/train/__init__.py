@@ -1,0 +1,1 @@
+"""The train suite: a gated train step vs a plain one."""
