@@ -25,6 +25,7 @@ SEQUENCES = [([5, 9, 14, 3], [7, 8, 21, 4, 2]), ([11, 12], [13, 30, 2]), ([40, 4
 
 
 def distill_config(tmp_path, **overrides) -> GateGRPOConfig:
+    """A small CPU config (distillation unless `objective` is overridden)."""
     kwargs = dict(
         output_dir=str(tmp_path / "out"),
         report_to="none",
@@ -183,11 +184,9 @@ def test_grpo_kl_reference_is_the_stock_model_without_a_second_copy(tmp_path, to
             stock, stock.get_output_embeddings(), batch.input_ids, batch.attention_mask, 3
         )
     parameters = sum(p.numel() for p in stock.parameters())
-    args = GateGRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
+    args = distill_config(
+        tmp_path,
+        objective="grpo",
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=6,
@@ -195,9 +194,7 @@ def test_grpo_kl_reference_is_the_stock_model_without_a_second_copy(tmp_path, to
         gate_sink=1,
         gate_local=2,
         gate_init=0.3,
-        save_strategy="no",
         beta=0.1,
-        seed=0,
     )
     trainer = GateGRPOTrainer(
         model=stock,
