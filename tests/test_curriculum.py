@@ -169,6 +169,29 @@ def test_rebucketing_a_finished_run_generates_nothing(engine, reference_run, tmp
     assert result.dataset["bucket"] == ["0-30", "30-40", "30-40"]
 
 
+def test_keep_finished_samples_every_eos_completion_correct_or_not(engine, reference_run, tmp_path):
+    out = tmp_path / "finished"
+    shutil.copytree(reference_run.out_dir, out)
+    records = read_shards(out / "shards")
+    finished = {i for i, r in records.items() if r["finish_reason"] == "eos"}
+    wrong = {i for i in finished if not records[i]["correct"]}
+    assert wrong, "the fixture should hold finished but incorrect completions"
+    result = build_curriculum(engine, _pool(24), out, _config(keep="finished"))
+    stats = result.stats
+    assert stats["throughput"]["problems_generated"] == 0
+    assert stats["kept"] == len(finished) and stats["keep"] == "finished"
+    assert stats["solved"] == reference_run.stats["solved"] == reference_run.stats["kept"]
+    buckets = parse_buckets(BUCKETS)
+    available = [sum(b.holds(records[i]["solution_tokens"]) for i in finished) for b in buckets]
+    assert [b["available"] for b in stats["buckets"]] == available
+    assert len(result.dataset) == sum(min(b.quota, a) for b, a in zip(buckets, available))
+    completions = {records[i]["completion"] for i in finished}
+    assert set(result.dataset["completion"]) <= completions
+    assert any(not crc_correct(c, {}) for c in result.dataset["completion"])  # incorrect ones are kept too
+    with pytest.raises(CurriculumError, match="keep='every'"):
+        _config(keep="every")
+
+
 KILL_SCRIPT = textwrap.dedent(
     """
     import sys, zlib

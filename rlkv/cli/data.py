@@ -11,7 +11,7 @@ from rlkv.cli import positive_int
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `rlkv data curriculum` and `rlkv data show`."""
-    from rlkv.data.curriculum import PAPER_BUCKETS
+    from rlkv.data.curriculum import KEEP_CHOICES, PAPER_BUCKETS
 
     data = subparsers.add_parser("data", help="problem datasets and the length curriculum")
     sub = data.add_subparsers(dest="data_command", required=True)
@@ -48,6 +48,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--chunk-size", type=positive_int, default=None, help="problems per engine call / resume unit"
     )
     cur.add_argument("--seed", type=int, default=0, help="pool sampling and quota sampling seed")
+    cur.add_argument(
+        "--keep",
+        choices=KEEP_CHOICES,
+        default="solved",
+        help="sample quotas from solved problems (the paper's curriculum) or from every finished "
+        "completion, correct or not (a distillation set: the full model's own behaviour is the target)",
+    )
     cur.add_argument("--template", default="auto", help="prompt template: auto, math, code, plain")
     cur.add_argument(
         "--open-think", action="store_true", help="start the answer inside an opened <think> block"
@@ -76,12 +83,13 @@ def _curriculum(args: argparse.Namespace) -> int:
         return 2
     stats = result.stats
     print(
-        f"solved {stats['solved']}/{stats['pool_size']} ({stats['pool_accuracy']:.1%}); "
+        f"solved {stats['solved']}/{stats['pool_size']} ({stats['pool_accuracy']:.1%}), kept {stats['kept']} "
+        f"({stats['keep']}); "
         f"selected {stats['selected']} -> {result.out_dir / 'dataset'}"
     )
     for b in stats["buckets"]:
         short = f" (short by {b['shortfall']})" if b["shortfall"] else ""
-        print(f"  {b['bucket']:>10}: {b['selected']}/{b['quota']} of {b['available']} solved{short}")
+        print(f"  {b['bucket']:>10}: {b['selected']}/{b['quota']} of {b['available']} {stats['keep']}{short}")
     tput = stats["throughput"]
     if tput["problems_generated"]:
         print(f"throughput: {tput['problems_per_s']} problems/s, {tput['tokens_per_s']} tokens/s")
@@ -109,6 +117,7 @@ def _build(args: argparse.Namespace):
         open_think=args.open_think,
         chunk_size=chunk_size,
         seed=args.seed,
+        keep=args.keep,
     )
     if args.engine == "transformers":
         engine = make_engine(

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 TOKENS_PER_K = 1024
 PAPER_BUCKETS = "0-2k:600,2k-4k:600,4k-6k:1000,6k-8k:800"
+KEEP_CHOICES = ("solved", "finished")
 _BOUND_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kK]?)\s*$")
 
 
@@ -110,6 +111,9 @@ class CurriculumConfig:
     template / open_think / chat_template_kwargs: prompt construction (`rlkv.data.build_prompt`).
     chunk_size: problems per engine call; also the resume granularity (a chunk is redone if cut).
     seed: quota sampling seed.
+    keep: which completions the quotas sample from: "solved" (verified correct and finished, the
+        paper's curriculum) or "finished" (every completion that ended with EOS, correct or not: a
+        distillation set, where the full-attention model's own behaviour is the target).
     histogram_bins: number of equal-width bins of the length histogram over [0, max_new_tokens].
     """
 
@@ -120,6 +124,7 @@ class CurriculumConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     chunk_size: int = 64
     seed: int = 0
+    keep: str = "solved"
     histogram_bins: int = 16
 
     def __post_init__(self) -> None:
@@ -128,6 +133,8 @@ class CurriculumConfig:
             if not (value is None and name == "max_new_tokens") and (not isinstance(value, int) or value < 1):
                 raise CurriculumError(f"CurriculumConfig.{name}={value!r}: must be an integer >= 1")
         parse_buckets(self.buckets)
+        if self.keep not in KEEP_CHOICES:
+            raise CurriculumError(f"CurriculumConfig.keep={self.keep!r}: choose one of {list(KEEP_CHOICES)}")
 
     def resolved_max_new_tokens(self) -> int:
         """`max_new_tokens`, defaulting to the top bucket's upper bound."""
@@ -295,11 +302,16 @@ def _histogram(lengths: list[int], max_new_tokens: int, bins: int) -> list[int]:
     return counts
 
 
+def _kept(record: dict[str, Any], keep: str) -> bool:
+    return record["finish_reason"] == "eos" and (keep == "finished" or record["correct"])
+
+
 def select_curriculum(
-    records: dict[int, dict[str, Any]], buckets: list[Bucket], seed: int
+    records: dict[int, dict[str, Any]], buckets: list[Bucket], seed: int, keep: str = "solved"
 ) -> tuple[list[int], list[dict[str, Any]]]:
-    """Sample each bucket's quota from the solved records (seeded); returns pool indices easy to hard and bucket stats."""
-    solved = sorted(i for i, r in records.items() if r["correct"] and r["finish_reason"] == "eos")
+    """Sample each bucket's quota from the kept records (seeded: "solved" or "finished", see
+    `CurriculumConfig.keep`); returns pool indices easy to hard and bucket stats."""
+    solved = sorted(i for i, r in records.items() if _kept(r, keep))
     rng = random.Random(seed)
     selected, bucket_stats = [], []
     for bucket in buckets:
@@ -308,7 +320,7 @@ def select_curriculum(
         shortfall = bucket.quota - len(chosen)
         if shortfall:
             message = (
-                f"bucket {bucket.label}: quota {bucket.quota} but only {len(available)} solved problems "
+                f"bucket {bucket.label}: quota {bucket.quota} but only {len(available)} {keep} problems "
                 f"have a solution of {bucket.low}-{bucket.high} tokens (shortfall {shortfall})"
             )
             warnings.warn(message, stacklevel=3)
@@ -373,15 +385,16 @@ def build_curriculum(
     records, throughput = _generate_pool(engine, problems, prompts, out_dir, config)
 
     max_new_tokens = config.resolved_max_new_tokens()
-    solved = [i for i, r in records.items() if r["correct"] and r["finish_reason"] == "eos"]
-    if not solved:
+    kept = [i for i, r in records.items() if _kept(r, config.keep)]
+    solved = [i for i, r in records.items() if _kept(r, "solved")]
+    if not kept:
         raise CurriculumError(
-            f"the model solved none of the {len(problems)} problems (finished: "
+            f"the model {'solved' if config.keep == 'solved' else 'finished'} none of the {len(problems)} problems (finished: "
             f"{sum(r['finish_reason'] == 'eos' for r in records.values())}); check the template "
             f"({config.template!r}), max_new_tokens ({max_new_tokens}) and the answer format; "
             f"completions are in {out_dir / 'shards'}"
         )
-    selected, bucket_stats = select_curriculum(records, buckets, config.seed)
+    selected, bucket_stats = select_curriculum(records, buckets, config.seed, config.keep)
 
     rows = []
     for i in selected:
@@ -395,7 +408,7 @@ def build_curriculum(
         rows.append(row)
     if not rows:
         raise CurriculumError(
-            f"{len(solved)} problems were solved but no solution length falls in the buckets {config.buckets!r}"
+            f"{len(kept)} problems were kept ({config.keep}) but no solution length falls in the buckets {config.buckets!r}"
         )
     dataset = Dataset.from_list(rows)
     _save_dataset(dataset, out_dir / "dataset")
@@ -411,17 +424,20 @@ def build_curriculum(
         "finished": sum(r["finish_reason"] == "eos" for r in records.values()),
         "truncated": sum(r["finish_reason"] == "length" for r in records.values()),
         "solved": len(solved),
+        "kept": len(kept),
+        "keep": config.keep,
         "pool_accuracy": len(solved) / len(problems),
         "accuracy_by_source": {s: c[0] / c[1] for s, c in sorted(by_source.items())},
         "selected": len(selected),
         "buckets": bucket_stats,
-        "unbucketed_solved": sum(
-            not any(b.holds(records[i]["solution_tokens"]) for b in buckets) for i in solved
+        "unbucketed_kept": sum(
+            not any(b.holds(records[i]["solution_tokens"]) for b in buckets) for i in kept
         ),
         "length_histogram": {
             "edges": [round(k * max_new_tokens / bins, 3) for k in range(bins + 1)],
             "all": _histogram([r["solution_tokens"] for r in records.values()], max_new_tokens, bins),
             "solved": _histogram([records[i]["solution_tokens"] for i in solved], max_new_tokens, bins),
+            "kept": _histogram([records[i]["solution_tokens"] for i in kept], max_new_tokens, bins),
             "selected": _histogram([records[i]["solution_tokens"] for i in selected], max_new_tokens, bins),
         },
         "mean_solution_tokens_selected": sum(records[i]["solution_tokens"] for i in selected) / len(selected),

@@ -5,7 +5,7 @@ Columns (all strings): `problem`, `answer`, `source` (selects the verifier, see
 object as a string: code tests, reasoning-gym entry data, ids; "{}" when empty).
 
 `load_problems(name_or_path, ...)` accepts a registered name ("gsm8k", "math500", "aime24",
-"deepscaler", "mbpp", "humaneval", "champ", "reasoning_gym[:task,...]", "chain"), the usual hub
+"deepscaler", "mbpp", "humaneval", "champ", "reasoning_gym[:task,...]", "chain", "codeio"), the usual hub
 id of one of them, or a local jsonl/json/parquet file (or `save_to_disk` folder, or a
 `rlkv data curriculum` output folder) already in the schema. Named hub datasets can also be read from local files in their hub layout (`data_files=`),
 which is how tests and offline machines use them.
@@ -272,8 +272,36 @@ def _load_champ(data_files: str | None) -> list[dict[str, str]]:
     return _map_records(records, ("_text", "_answer"), _champ_row, str(data_files))
 
 
+def _reasoning_gym_row(entry: dict, item_seed: int) -> dict[str, str]:
+    meta = entry["metadata"]
+    return _row(
+        entry["question"],
+        entry["answer"],
+        "reasoning_gym",
+        meta.get("answer_cot", ""),
+        {**meta, "item_seed": item_seed},
+    )
+
+
+def _codeio_row(entry: dict, item_seed: int) -> dict[str, str] | None:
+    """A `codeio` entry as a write-the-function problem; None for an entry without a usable pair."""
+    from rlkv.data.codeio import codeio_metadata, codeio_problem
+
+    try:
+        problem, meta = codeio_problem(entry["question"]), codeio_metadata(entry["metadata"])
+    except ProblemDataError as e:
+        logger.debug("codeio item %d left out: %s", item_seed, e)
+        return None
+    return _row(problem, "", "codeio", "", {**meta, "item_seed": item_seed})
+
+
 def _load_reasoning_gym(
-    tasks: tuple[str, ...], split: str, num: int | None, seed: int, exclude: Collection[str] = ()
+    tasks: tuple[str, ...],
+    split: str,
+    num: int | None,
+    seed: int,
+    exclude: Collection[str] = (),
+    to_row: Callable[[dict, int], dict[str, str] | None] = _reasoning_gym_row,
 ) -> list[dict[str, str]]:
     try:
         import reasoning_gym
@@ -297,17 +325,8 @@ def _load_reasoning_gym(
                     f"[0, {block - _TASK_SEED_STRIDE * (len(tasks) - 1) - drawn}] or fewer problems"
                 )
             entries = reasoning_gym.create_dataset(task, size=drawn, seed=offset + base)
-            rows = [
-                _row(
-                    e["question"],
-                    e["answer"],
-                    "reasoning_gym",
-                    e["metadata"].get("answer_cot", ""),
-                    {**e["metadata"], "item_seed": offset + base + k},
-                )
-                for k, e in enumerate(entries)
-                if e["question"] not in exclude
-            ][:size]
+            made = (to_row(e, offset + base + k) for k, e in enumerate(entries))
+            rows = [row for row in made if row is not None and row["problem"] not in exclude][:size]
             drawn += size - len(rows)
         per_task.append(rows)
     # Round-robin over tasks so any prefix of the pool mixes them.
@@ -355,9 +374,34 @@ def _subset(ds: Dataset, num: int | None, seed: int, origin: str, exclude: Colle
     return ds.shuffle(seed=seed).select(range(num)).flatten_indices()
 
 
+def _load_joined(
+    name: str, split: str | None, num: int | None, seed: int, data_files: Any, exclude: frozenset[str]
+) -> Dataset:
+    """Problem sets joined with "+", concatenated in order (then `num` sampled from the whole)."""
+    from datasets import concatenate_datasets
+
+    parts = [part.strip() for part in name.split("+")]
+    if not all(parts):
+        raise ProblemDataError(f"problem set {name!r}: an empty name around '+'; join sets as 'A+B'")
+    if data_files is not None:
+        raise ProblemDataError(
+            f"problem set {name!r}: data_files reads one named set; load joined sets from paths"
+        )
+    sets = [load_problems(part, split=split, seed=seed, exclude=exclude) for part in parts]
+    for part, ds in zip(parts[1:], sets[1:], strict=True):
+        if sorted(ds.column_names) != sorted(sets[0].column_names):
+            raise ProblemDataError(
+                f"problem set {name!r}: {part!r} has columns {sorted(ds.column_names)} but {parts[0]!r} has "
+                f"{sorted(sets[0].column_names)}; join sets of one kind (problem sets, or curricula)"
+            )
+    return _subset(
+        concatenate_datasets([ds.select_columns(sets[0].column_names) for ds in sets]), num, seed, name
+    )
+
+
 def problem_sources() -> list[str]:
     """Names `load_problems` accepts besides file paths."""
-    return sorted([*HUB_DATASETS, "humaneval", "champ", "reasoning_gym", "chain"])
+    return sorted([*HUB_DATASETS, "humaneval", "champ", "reasoning_gym", "chain", "codeio"])
 
 
 def load_problems(
@@ -371,7 +415,8 @@ def load_problems(
     """Load a problem set as a Dataset with columns `problem, answer, source, solution, metadata` (strings).
 
     name_or_path: a name from `problem_sources()` (or its hub id), "reasoning_gym:task1,task2",
-        or a local .jsonl/.json/.parquet file or `save_to_disk` folder in the schema (extra columns kept).
+        or a local .jsonl/.json/.parquet file or `save_to_disk` folder in the schema (extra columns kept);
+        several joined with "+" ("data/curricula/math+data/curricula/code") are concatenated in order.
     split: dataset split (each named set has a default; procedural sets use it to pick disjoint seeds).
     num: number of problems: a seeded random sample of a fixed set, or the size of a procedural one.
     seed: sampling / generation seed.
@@ -382,6 +427,8 @@ def load_problems(
     """
     name = str(name_or_path)
     exclude = frozenset(exclude)
+    if "+" in name and not Path(name).exists():
+        return _load_joined(name, split, num, seed, data_files, exclude)
     key = _HUB_ALIASES.get(name.lower(), name.lower())
     data_files = None if data_files is None else str(data_files)
     if key in HUB_DATASETS:
@@ -395,6 +442,9 @@ def load_problems(
         _, _, task_list = key.partition(":")
         tasks = tuple(t.strip() for t in task_list.split(",") if t.strip()) or REASONING_GYM_DEFAULT_TASKS
         return _to_dataset(_load_reasoning_gym(tasks, split or "train", num, seed, exclude), name)
+    if key == "codeio":
+        rows = _load_reasoning_gym(("codeio",), split or "train", num, seed, exclude, _codeio_row)
+        return _to_dataset(rows, name)
     if key == "chain":
         from rlkv.data.chain_task import load_chain_task
 

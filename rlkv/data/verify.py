@@ -207,7 +207,7 @@ def _verify_math_example(completion: str, example: dict) -> bool:
 
 
 MATH_SOURCES = ("gsm8k", "math500", "aime24", "aime25", "deepscaler", "champ", "math")
-CODE_SOURCES = ("mbpp", "humaneval")
+CODE_SOURCES = ("mbpp", "humaneval", "codeio")
 
 _VERIFIERS: dict[str, Verifier] = {
     **dict.fromkeys(MATH_SOURCES, _verify_math_example),
