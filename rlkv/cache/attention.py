@@ -18,6 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from rlkv.attention_masks import decode_mask
 from rlkv.cache.decode import decode_splits, split_attention
+from rlkv.cache.head_split import merge_heads, pick_heads
 from rlkv.cache.layer import HeadMixedLayer
 from rlkv.policies.base import CompressionPolicy
 
@@ -69,25 +70,21 @@ def attend(
         if any(padding):
             store.mark_padding(new_valid, padding)
 
-    out = query.new_empty(batch, q_len, num_q_heads, head_dim)
     full_q, comp_q = layer.full_q, layer.comp_q
+    full_out = None
     if full_q.numel():
-        q_full = query.index_select(1, full_q)
-        out[:, :, full_q] = _sdpa(layer, module, q_full, layer.keys, layer.values, attention_mask, scaling)
-    q_comp = query if comp_q.numel() == num_q_heads else query.index_select(1, comp_q)
+        q_full = pick_heads(query, full_q, layer.full_q_slice)
+        full_out = _sdpa(layer, module, q_full, layer.keys, layer.values, attention_mask, scaling)
+    q_comp = query if full_out is None else pick_heads(query, comp_q, layer.comp_q_slice)
     policy = layer.settings.policy
     _remember_queries(layer, q_comp, policy)
     if policy.observe_attention:
-        out_comp = _eager_compressed(layer, q_comp, attention_mask, scaling, policy)
+        out = _eager_compressed(layer, q_comp, attention_mask, scaling, policy)
     else:
-        out_comp = _sdpa_compressed(layer, module, q_comp, attention_mask, scaling)
-    if comp_q.numel() == num_q_heads:
-        out = out_comp
-    else:
-        out[:, :, comp_q] = out_comp
-    _after_attention(
-        layer,
-    )
+        out = _sdpa_compressed(layer, module, q_comp, attention_mask, scaling)
+    if full_out is not None:  # both kinds of heads in this layer: one output over all query heads
+        out = merge_heads(full_out, out, layer.full_q, layer.full_q_slice, layer.comp_q, layer.comp_q_slice)
+    _after_attention(layer)
     return out
 
 

@@ -17,8 +17,15 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from rlkv.cache.head_split import head_split, pick_heads
 from rlkv.cache.stats import CacheStats, head_mixed_counts, head_mixed_stats
-from rlkv.cache.store import CompressedStore, CompressionSettings, append_along_tokens, storage_bytes
+from rlkv.cache.store import (
+    CompressedStore,
+    CompressionSettings,
+    append_along_tokens,
+    storage_bytes,
+    token_prefix,
+)
 from rlkv.geometry import attention_geometry
 from rlkv.policies.base import CompressionPolicy
 
@@ -42,8 +49,10 @@ class HeadMixedLayer(CacheLayerMixin):
         self.num_kv_heads = int(full_heads.numel())
         self.num_groups = int(num_groups)
         self.settings = settings
-        self.full_idx = torch.nonzero(full_heads, as_tuple=True)[0]
-        self.comp_idx = torch.nonzero(~full_heads, as_tuple=True)[0]
+        self.full_idx, self.full_slice = head_split(full_heads)
+        self.comp_idx, self.comp_slice = head_split(~full_heads)
+        self.full_q, self.full_q_slice = head_split(full_heads, self.num_groups)
+        self.comp_q, self.comp_q_slice = head_split(~full_heads, self.num_groups)
         self.store = (
             CompressedStore(layer_idx, self.comp_idx, self.num_groups, settings)
             if self.comp_idx.numel()
@@ -63,8 +72,8 @@ class HeadMixedLayer(CacheLayerMixin):
         self.comp_idx = self.comp_idx.to(self.device)
         if self.store is not None:
             self.store.head_idx = self.comp_idx
-        self.full_q = self._query_heads(self.full_idx)
-        self.comp_q = self._query_heads(self.comp_idx)
+        self.full_q = self.full_q.to(self.device)
+        self.comp_q = self.comp_q.to(self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -73,16 +82,19 @@ class HeadMixedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         first = self.logical_length == 0
         if self.full_idx.numel():
-            k_full, v_full = self._select_heads(key_states, value_states, self.full_idx)
+            k_full = pick_heads(key_states, self.full_idx, self.full_slice)
+            v_full = pick_heads(value_states, self.full_idx, self.full_slice)
             if first:
                 self._key_storage = self._value_storage = self.keys = self.values = None
             # keys/values are prefix views of storages with spare capacity: no O(T) copy per step
             self._key_storage = append_along_tokens(self._key_storage, self.keys, k_full)
             self._value_storage = append_along_tokens(self._value_storage, self.values, v_full)
             length = self.logical_length + key_states.shape[2]
-            self.keys, self.values = self._key_storage[:, :, :length], self._value_storage[:, :, :length]
+            self.keys = token_prefix(self._key_storage, length)
+            self.values = token_prefix(self._value_storage, length)
         if self.store is not None:
-            k_comp, v_comp = self._select_heads(key_states, value_states, self.comp_idx)
+            k_comp = pick_heads(key_states, self.comp_idx, self.comp_slice)
+            v_comp = pick_heads(value_states, self.comp_idx, self.comp_slice)
             # the prompt = every token before the first single-token step (chunked prefill included)
             prefill = first or (key_states.shape[2] > 1 and self.store.prompt_length == self.logical_length)
             if prefill:
@@ -92,11 +104,6 @@ class HeadMixedLayer(CacheLayerMixin):
         self.logical_length += key_states.shape[2]
         self.decoding = self.decoding or key_states.shape[2] == 1
         return self, self
-
-    def _select_heads(self, keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor):
-        if idx.numel() == self.num_kv_heads:
-            return keys, values
-        return keys.index_select(1, idx), values.index_select(1, idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.logical_length + query_length, 0
@@ -129,11 +136,6 @@ class HeadMixedLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("HeadMixedCache does not support selecting batch rows")
-
-    def _query_heads(self, kv_idx: torch.Tensor) -> torch.Tensor:
-        """Query-head indices served by KV heads `kv_idx` (GQA: head h serves h*G .. h*G+G-1)."""
-        offsets = torch.arange(self.num_groups, device=kv_idx.device)
-        return (kv_idx[:, None] * self.num_groups + offsets).flatten()
 
     # accounting ------------------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor | None]:

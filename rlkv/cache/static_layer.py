@@ -16,6 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rlkv.cache.attention import SELF_ATTENDING_LAYERS
+from rlkv.cache.head_split import head_split, merge_heads, pick_heads
 from rlkv.cache.static_budget import (
     StaticCacheError,
     StaticForm,
@@ -26,19 +27,6 @@ from rlkv.cache.static_budget import (
 from rlkv.cache.static_slots import write_budget, write_prompt, write_streaming
 from rlkv.cache.store import CompressionSettings
 from rlkv.compat import mark_static_address
-
-
-def _heads(mask: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
-    """Indices of the True entries of `mask` [H], and the same as a slice when they are contiguous."""
-    idx = torch.nonzero(mask, as_tuple=True)[0]
-    if idx.numel() and int(idx[-1] - idx[0]) + 1 == idx.numel():
-        return idx, slice(int(idx[0]), int(idx[-1]) + 1)
-    return idx, None
-
-
-def _pick(t: torch.Tensor, idx: torch.Tensor, sl: slice | None) -> torch.Tensor:
-    """Heads `idx` (dim 1) of `t`: a view when they are a contiguous slice, else a gather."""
-    return t[:, sl] if sl is not None else t.index_select(1, idx)
 
 
 def _decode_sdpa(
@@ -109,14 +97,10 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.num_kv_heads = int(full_heads.numel())
         self.max_cache_len = int(max_cache_len)
         self.prompt_capacity = int(prompt_capacity)  # prompt columns the early region is first sized for
-        self.full_idx, self.full_slice = _heads(full_heads)
-        self.comp_idx, self.comp_slice = _heads(~full_heads)
-        groups = torch.arange(self.num_groups)
-        self.full_q = (self.full_idx[:, None] * self.num_groups + groups).flatten()
-        self.comp_q = (self.comp_idx[:, None] * self.num_groups + groups).flatten()
-        # query heads of a contiguous run of KV heads are contiguous too
-        self.full_q_slice = self._query_slice(self.full_slice)
-        self.comp_q_slice = self._query_slice(self.comp_slice)
+        self.full_idx, self.full_slice = head_split(full_heads)
+        self.comp_idx, self.comp_slice = head_split(~full_heads)
+        self.full_q, self.full_q_slice = head_split(full_heads, self.num_groups)
+        self.comp_q, self.comp_q_slice = head_split(~full_heads, self.num_groups)
         self.buffers: dict[str, torch.Tensor] = {}
         self.slot_fills: dict[str, float] = {}  # the policy's per-slot buffers in `buffers`, and their fills
         self.slot_view = _SlotBuffers(self)
@@ -127,9 +111,6 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.in_flight = 0  # tokens of a begun forward not yet written: get_seq_length excludes them
         self.compacted_at = -1
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the prompt's key/value, until attend
-
-    def _query_slice(self, kv: slice | None) -> slice | None:
-        return slice(kv.start * self.num_groups, kv.stop * self.num_groups) if kv is not None else None
 
     # allocation and host bookkeeping (eager) ---------------------------------------------------
     def early_needed(self, width: int) -> int:
@@ -258,11 +239,11 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         b["length"].add_(1)
         at = pos.view(1)
         if self.full_idx.numel():
-            b["full_k"].index_copy_(2, at, _pick(key_states, self.full_idx, self.full_slice))
-            b["full_v"].index_copy_(2, at, _pick(value_states, self.full_idx, self.full_slice))
+            b["full_k"].index_copy_(2, at, pick_heads(key_states, self.full_idx, self.full_slice))
+            b["full_v"].index_copy_(2, at, pick_heads(value_states, self.full_idx, self.full_slice))
         if self.comp_idx.numel():
-            keys = _pick(key_states, self.comp_idx, self.comp_slice)
-            values = _pick(value_states, self.comp_idx, self.comp_slice)
+            keys = pick_heads(key_states, self.comp_idx, self.comp_slice)
+            values = pick_heads(value_states, self.comp_idx, self.comp_slice)
             if self.form.kind == "streaming":
                 write_streaming(self, pos, keys, values)
             else:
@@ -325,10 +306,10 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 full_mask = ((cols <= pos) & (cols[None, :] >= b["row_start"][:, None]))[:, None, None, :]
             else:
                 full_mask = mask[:, :, -1:, :]
-            q_full = _pick(query, self.full_q, self.full_q_slice)
+            q_full = pick_heads(query, self.full_q, self.full_q_slice)
             outs.append(_decode_sdpa(q_full, b["full_k"], b["full_v"], full_mask, scaling))
         if self.comp_idx.numel():
-            q_comp = _pick(query, self.comp_q, self.comp_q_slice)
+            q_comp = pick_heads(query, self.comp_q, self.comp_q_slice)
             if self.form.observe:
                 grouped = q_comp.reshape(q_comp.shape[0], -1, self.num_groups, 1, q_comp.shape[-1])
                 b["obs_q"].index_copy_(3, (pos % self.form.observe).view(1), grouped)
@@ -344,10 +325,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 outs.append(_decode_sdpa(q_comp, b["comp_k"], b["comp_v"], comp_mask, scaling))
         if len(outs) == 1:
             return outs[0]
-        out = torch.empty_like(query.transpose(1, 2))
-        out.index_copy_(2, self.full_q, outs[0])
-        out.index_copy_(2, self.comp_q, outs[1])
-        return out
+        return merge_heads(outs[0], outs[1], self.full_q, self.full_q_slice, self.comp_q, self.comp_q_slice)
 
     def _prefill(
         self, module, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
@@ -366,13 +344,13 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         b["prompt_len"].fill_(width)
         out = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)[0]
         if self.full_idx.numel():
-            b["full_k"][:, :, :width].copy_(_pick(keys, self.full_idx, self.full_slice))
-            b["full_v"][:, :, :width].copy_(_pick(values, self.full_idx, self.full_slice))
+            b["full_k"][:, :, :width].copy_(pick_heads(keys, self.full_idx, self.full_slice))
+            b["full_v"][:, :, :width].copy_(pick_heads(values, self.full_idx, self.full_slice))
         if self.comp_idx.numel():
             write_prompt(
                 self,
-                _pick(keys, self.comp_idx, self.comp_slice),
-                _pick(values, self.comp_idx, self.comp_slice),
+                pick_heads(keys, self.comp_idx, self.comp_slice),
+                pick_heads(values, self.comp_idx, self.comp_slice),
             )
             policy = self.settings.policy
             if policy.observe_attention:
@@ -386,7 +364,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 )
                 policy.on_attention(self.slot_view, zero)
             if self.form.observe:
-                q_comp = _pick(query, self.comp_q, self.comp_q_slice)
+                q_comp = pick_heads(query, self.comp_q, self.comp_q_slice)
                 n = min(width, self.form.observe)
                 grouped = q_comp[:, :, width - n :].reshape(
                     q_comp.shape[0], -1, self.num_groups, n, q_comp.shape[-1]

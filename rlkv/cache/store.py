@@ -66,6 +66,11 @@ def append_along_tokens(
     return capacity
 
 
+def token_prefix(storage: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens (dim 2) of `storage`: the storage itself when that is all of it (no view op)."""
+    return storage if storage.shape[2] == length else storage[:, :, :length]
+
+
 class CompressionSettings:
     """What every layer of one cache shares: the policy and the budget definition."""
 
@@ -245,10 +250,12 @@ class CompressedStore:
         if self.positions is not None and self.positions.dtype != dtype:  # past 2**31 tokens: widen once
             self.positions = self.positions.to(dtype)
             self._capacity.pop("positions", None)
-        new_pos = torch.arange(
-            self.logical_length, self.logical_length + q_len, device=keys.device, dtype=dtype
-        )
-        new_pos = new_pos.expand(batch, heads, q_len)
+        if q_len == 1:  # a decode step: one op
+            new_pos = torch.full((batch, heads, 1), self.logical_length, device=keys.device, dtype=dtype)
+        else:
+            new_pos = torch.arange(
+                self.logical_length, self.logical_length + q_len, device=keys.device, dtype=dtype
+            ).expand(batch, heads, q_len)
         if self.keys is None:
             self.evicted = torch.zeros(batch, dtype=torch.long, device=keys.device)
         self.keys = self._append("keys", self.keys, keys)
@@ -268,7 +275,7 @@ class CompressedStore:
     def _append(self, name: str, current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         storage = append_along_tokens(self._capacity.get(name), current, new)
         self._capacity[name] = storage
-        return storage[:, :, : new.shape[2] + (0 if current is None else current.shape[2])]
+        return token_prefix(storage, new.shape[2] + (0 if current is None else current.shape[2]))
 
     def mark_padding(self, new_valid: torch.Tensor, padding: list[int] | None = None) -> None:
         """Set the slots of this forward's tokens that are padding (new_valid BoolTensor[B, Q] False) empty.
