@@ -51,5 +51,6 @@ def test_head_mixed_decode_step_stays_within_its_op_budget():
     model.set_attn_implementation(register_attention())
     cache = HeadMixedCache(model.config, LAYOUT, get_policy("streaming"), sink=4, window=8)
     mixed = _ops_per_step(model, cache)
-    # measured 2026-11-28: 326 vs 246 ops (1.33x; 1.43x before head slices, one-op merges and no full-range views)
-    assert mixed <= 1.34 * plain, (mixed, plain)
+    # measured 2026-11-28: 309 vs 246 ops (1.26x; 1.43x before head slices, one-op merges, no full-range
+    # views and the direct one-query mask)
+    assert mixed <= 1.28 * plain, (mixed, plain)
