@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     cur = sub.add_parser(
         "curriculum",
-        help="greedy-solve a problem pool, keep solved problems, bucket by solution length, sample quotas",
+        help="greedy-solve a problem pool, keep solved (or finished) problems, bucket by solution length, "
+        "sample quotas",
         description="Self-distilled length curriculum (RLKV). Resumable: rerun the same command after a kill.",
     )
     cur.add_argument(

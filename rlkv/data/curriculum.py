@@ -1,7 +1,8 @@
 """The self-distilled length curriculum (RLKV): the model's own solved problems, bucketed by solution length.
 
 `build_curriculum(engine, problems, out_dir, config)` runs the model greedily over a problem pool,
-keeps the problems it solves (verified, finished before `max_new_tokens`), buckets them by the
+keeps the problems it solves (verified, finished before `max_new_tokens`; or, with
+`keep="finished"`, every finished completion, a distillation set), buckets them by the
 token length of its own solution, samples each bucket's quota (seeded), orders the selection from
 short to long solutions (easy to hard) and writes, under `out_dir`:
 
