@@ -186,8 +186,8 @@ def test_sparsity0_token_identical_to_plain_generate(model, left_padded_batch):
 
 
 def _capacity(model, cache: StaticHeadMixedCache, batch: int, width: int) -> int:
-    """Analytic bytes of the static layout: full columns, compressed slots + int32 positions, observation
-    queries, per-layer bookkeeping (row starts, 4 counters, head indices), the full-head mask."""
+    """Analytic bytes of the static layout: full columns, compressed slots + int32 positions, the policy's
+    per-slot buffers, observation queries, per-layer bookkeeping (row starts, 4 counters, head indices), the full-head mask."""
     cfg = model.config
     dim, groups = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     element = 4  # fp32
@@ -198,16 +198,17 @@ def _capacity(model, cache: StaticHeadMixedCache, batch: int, width: int) -> int
         early = max(settings.sink, width) if settings.protect_prompt else settings.sink
     slots = early + form.region_slots(settings.window)
     total = cache.full_heads.numel()  # bool
-    for full in cache.full_heads.tolist():
+    for layer, full in zip(cache.layers, cache.full_heads.tolist(), strict=True):
         h_full, h_comp = sum(full), len(full) - sum(full)
         total += 2 * batch * h_full * cache.max_cache_len * dim * element
         total += batch * h_comp * slots * (2 * dim * element + 4)
+        total += batch * h_comp * slots * 4 * len(layer.slot_fills)  # per-slot fp32 buffers (H2O's sums)
         total += batch * h_comp * groups * form.observe * dim * element
         total += 8 * (batch + 4 + (batch if h_comp else 0) + (h_full + h_comp) * (1 + groups))
     return total
 
 
-@pytest.mark.parametrize("case", ["streaming", "rkv"])
+@pytest.mark.parametrize("case", ["streaming", "rkv", "h2o", "rpc"])
 def test_resident_bytes_equal_the_analytic_capacity(left_padded_batch, case):
     model = tiny_model("llama")
     input_ids = left_padded_batch[0]
