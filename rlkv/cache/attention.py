@@ -43,7 +43,7 @@ def attend(
     attention_mask: the model's bool mask [B, 1, Q, T] over logical positions (or None: causal,
     no padding). Full heads use it as is; compressed heads use its columns at their kept positions.
     """
-    batch, num_q_heads, q_len, head_dim = query.shape
+    batch, _, q_len, _ = query.shape
     padding = None
     if layer.row_start is None or q_len > 1:  # a prompt forward (or a chunk of it)
         new_valid = _new_token_validity(layer, attention_mask, batch, q_len, query.device)
