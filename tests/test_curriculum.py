@@ -345,3 +345,75 @@ def test_unknown_source_fails_before_generating(engine, tmp_path):
     with pytest.raises(ProblemDataError, match="nosuch.*register_verifier"):
         build_curriculum(engine, pool, tmp_path / "o", _config())
     assert not (tmp_path / "o" / "shards").exists()
+
+
+def test_a_compressed_engine_makes_an_on_policy_set_and_resume_checks_its_layout(engine, tmp_path):
+    """--head-mask: completions are the compressed model's (rlkv.inference.generate with that cache), bucketed
+    the same way; run.json records the layout, so a resume with another mask or sparsity is refused."""
+    from rlkv.head_mask import HeadMask
+    from rlkv.inference.config import CompressionConfig
+
+    pool = _pool(24)
+    mask = HeadMask.random(engine.model, seed=5)
+    # sink + window far below prompt + 40 new tokens, so the compressed heads really evict
+    compression = CompressionConfig(head_mask=mask, sparsity=0.75, sink=2, window=4)
+    compressed = TransformersEngine(engine.model, engine.tokenizer, compression=compression, batch_size=4)
+    config = _config(keep="finished")
+    with pytest.warns(UserWarning, match="shortfall"):
+        result = build_curriculum(compressed, pool, tmp_path / "run", config)
+
+    prompts = [build_prompt(row, engine.tokenizer, "plain") for row in pool]
+    # the builder's chunks of 4, so each row sees the same batch (padding) as there
+    compressed_out = [
+        o for start in range(0, 24, 4) for o in compressed.generate(prompts[start : start + 4], MAX_NEW)
+    ]
+    full_out = [o for start in range(0, 24, 4) for o in engine.generate(prompts[start : start + 4], MAX_NEW)]
+    shards = read_shards(tmp_path / "run" / "shards")
+    assert [shards[i]["completion"] for i in range(len(pool))] == [o.text for o in compressed_out]
+    assert [o.text for o in compressed_out] != [o.text for o in full_out], "the cache should evict here"
+    by_prompt = dict(zip(prompts, compressed_out))
+    assert len(result.dataset) > 0
+    for row in result.dataset:
+        assert row["completion"] == by_prompt[row["prompt"]].text
+        assert row["solution_tokens"] == by_prompt[row["prompt"]].num_generated_tokens
+        assert by_prompt[row["prompt"]].cache_stats.evictions > 0
+
+    generator = json.loads((tmp_path / "run" / "run.json").read_text())["generator"]
+    full_heads = mask.full_heads(0.75).nonzero().tolist()
+    assert generator["compression"]["full_heads"] == full_heads
+    assert generator["compression"]["sparsity"] == 0.75
+    other_layout = next(
+        m
+        for m in (HeadMask.random(engine.model, seed=seed) for seed in range(6, 64))
+        if m.full_heads(0.75).nonzero().tolist() != full_heads
+    )
+    for other in (
+        dataclasses.replace(compression, sparsity=0.5),
+        dataclasses.replace(compression, head_mask=other_layout),
+    ):
+        again = TransformersEngine(engine.model, engine.tokenizer, compression=other, batch_size=4)
+        with pytest.raises(CurriculumError, match="different generator.*full_heads"):
+            build_curriculum(again, pool, tmp_path / "run", config)
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--sparsity", "0.75"], "--sparsity is only used with --head-mask"),
+        (["--head-mask", "m"], "--head-mask needs --sparsity"),
+        (["--head-mask", "m", "--sparsity", "0.75", "--engine", "vllm"], "--engine transformers"),
+        (["--head-mask", "m", "--sparsity", "1.5"], "sparsity=1.5"),
+    ],
+    ids=["sparsity-without-mask", "mask-without-sparsity", "vllm", "sparsity-range"],
+)
+def test_cli_head_mask_errors_name_the_flag_before_loading_the_model(tmp_path, capsys, extra, needle):
+    from rlkv.cli import main
+
+    pool_file = tmp_path / "pool.jsonl"
+    _pool(4).to_json(str(pool_file))
+    args = ["data", "curriculum", "--model", str(tmp_path / "no-model"), "--problems", str(pool_file)]
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "o"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o" / "shards").exists()

@@ -62,6 +62,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     cur.add_argument("--dtype", default="auto", help="model dtype for the transformers engine")
     cur.add_argument("--device", default=None, help="device for the transformers engine (e.g. cuda)")
+    cur.add_argument(
+        "--head-mask",
+        default=None,
+        help="generate with this head mask's compressed KV cache (rlkv eval's 'rlkv' method: sink + local "
+        "on the compressed heads) instead of the full one: an on-policy distillation set; transformers engine",
+    )
+    cur.add_argument(
+        "--sparsity",
+        type=float,
+        default=None,
+        help="with --head-mask: fraction of KV heads compressed, in [0, 1]",
+    )
     cur.set_defaults(func=_curriculum)
 
     show = sub.add_parser("show", help="print problems of a dataset with the prompt the model would see")
@@ -120,13 +132,41 @@ def _build(args: argparse.Namespace):
         seed=args.seed,
         keep=args.keep,
     )
+    compression = _mask_compression(args)
     if args.engine == "transformers":
         engine = make_engine(
-            "transformers", args.model, batch_size=args.batch_size, dtype=args.dtype, device=args.device
+            "transformers",
+            args.model,
+            batch_size=args.batch_size,
+            dtype=args.dtype,
+            device=args.device,
+            compression=compression,
         )
     else:
         engine = make_engine("vllm", args.model, seed=args.seed)
     return build_curriculum(engine, problems, args.out, config)
+
+
+def _mask_compression(args: argparse.Namespace):
+    """The CompressionConfig of --head-mask / --sparsity (rlkv eval's 'rlkv' method), or None."""
+    from rlkv.errors import UserInputError
+    from rlkv.eval.methods import BudgetRule
+    from rlkv.inference.config import CompressionConfig
+
+    if args.head_mask is None:
+        if args.sparsity is not None:
+            raise UserInputError("--sparsity is only used with --head-mask; add --head-mask MASK or drop it")
+        return None
+    if args.sparsity is None:
+        raise UserInputError("--head-mask needs --sparsity (the fraction of KV heads compressed, e.g. 0.75)")
+    if args.engine != "transformers":
+        raise UserInputError(
+            f"--head-mask needs --engine transformers (the {args.engine} engine has a full KV cache only)"
+        )
+    rule = BudgetRule()
+    return CompressionConfig(
+        head_mask=args.head_mask, sparsity=args.sparsity, sink=rule.sink, window=rule.window
+    )
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -13,8 +13,13 @@ short to long solutions (easy to hard) and writes, under `out_dir`:
   chunk. A killed run restarts where it stopped: finished chunks are read back, unfinished ones
   are generated again with the same batch composition, so the final dataset equals that of an
   uninterrupted run;
-- `run.json`: what the shards were generated with (pool fingerprint, generation settings);
-  resuming with a different pool or generation settings is refused.
+- `run.json`: what the shards were generated with (pool fingerprint, generation settings, the
+  generator: model, dtype, batch size and, for an engine with a compressed KV cache, its policy,
+  sizes and full heads); resuming with a different pool, settings or generator is refused.
+
+An engine with a compressed cache (`TransformersEngine(compression=...)`, `rlkv data curriculum
+--head-mask`) makes an on-policy distillation set: the compressed model's own completions, on
+which the distillation objective matches it to the full model (the states it drifts into).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from rlkv.errors import UserError
 if TYPE_CHECKING:
     from datasets import Dataset
 
+    from rlkv.inference.config import CompressionConfig
     from rlkv.rollout.engines import GenerationEngine
 
 logger = logging.getLogger(__name__)
@@ -173,12 +179,32 @@ def generator_identity(engine: Any) -> dict[str, Any]:
     """What made the shards besides the settings: engine kind, model (name or path, type), dtype, batch size."""
     model = getattr(engine, "model", None)
     config = getattr(model, "config", None)
-    return {
+    identity = {
         "engine": getattr(engine, "name", type(engine).__name__),
         "model": getattr(model, "name_or_path", None) or getattr(engine, "model_path", None),
         "model_type": getattr(config, "model_type", None),
         "dtype": str(getattr(model, "dtype", getattr(engine, "dtype", None))),
         "batch_size": getattr(engine, "batch_size", None),
+    }
+    compression = getattr(engine, "compression", None)
+    if compression is not None:
+        # only when set, so run.json files of full-KV runs written before this key still resume
+        identity["compression"] = compression_identity(compression, model)
+    return identity
+
+
+def compression_identity(compression: CompressionConfig, model: Any) -> dict[str, Any]:
+    """The generating cache as JSON: policy, sizes and the layout of full heads (not the mask's path)."""
+    full = compression.full_heads(model)
+    return {
+        "policy": compression.policy,
+        "policy_kwargs": {k: v for k, v in compression.policy_kwargs.items() if k != "tokenizer"},
+        "sparsity": compression.sparsity,
+        "budget": compression.budget,
+        "sink": compression.sink,
+        "window": compression.window,
+        "protect_prompt": compression.protect_prompt,
+        "full_heads": None if full is None else full.nonzero().tolist(),
     }
 
 
