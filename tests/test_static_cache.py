@@ -38,6 +38,15 @@ CASES = {
     "rpc-below-budget": dict(
         mask=False, policy="rpc", budget=8, policy_kwargs=dict(interval=4, selector_window=2)
     ),
+    # ratio budgets (RLKV's dynamic budget): each row's budget follows its own real length, so rows of
+    # different prompt lengths compact to different counts (H2O and KNorm default to 0.2)
+    "h2o-ratio": dict(sparsity=0.5, policy="h2o", budget=0.2),
+    "knorm-ratio": dict(mask=False, policy="knorm", budget=0.2, policy_kwargs=dict(buffer=2)),
+    # R-KV cuts only the rows whose buffer is full: the others keep every slot
+    "rkv-ratio": dict(sparsity=0.5, policy="rkv", budget=0.25, policy_kwargs=dict(buffer=3)),
+    "rpc-ratio": dict(
+        sparsity=0.5, policy="rpc", budget=0.3, policy_kwargs=dict(interval=6, selector_window=2, kernel=3)
+    ),
 }
 
 
@@ -85,6 +94,8 @@ def test_same_tokens_logits_and_kept_positions_as_the_dynamic_cache(left_padded_
         assert _position_sets(static_layer.kept_positions()) == _position_sets(dyn_layer.store.positions)
         evicted += int(dyn_layer.store.evicted.sum())
     assert evicted > 0  # the case really evicts
+    if isinstance(config.budget, float):  # rows of different lengths kept different counts
+        assert any(len(set(kept)) > 1 for _, kept in static.layers[0].schedule.events)
     strip = ("resident_bytes",)
     assert [{k: v for k, v in s.items() if k not in strip} for s in static.stats()] == [
         {k: v for k, v in s.items() if k not in strip} for s in dynamic.stats()
@@ -187,7 +198,8 @@ def test_sparsity0_token_identical_to_plain_generate(model, left_padded_batch):
 
 def _capacity(model, cache: StaticHeadMixedCache, batch: int, width: int) -> int:
     """Analytic bytes of the static layout: full columns, compressed slots + int32 positions, the policy's
-    per-slot buffers, observation queries, per-layer bookkeeping (row starts, 4 counters, head indices), the full-head mask."""
+    per-slot buffers, observation queries, per-layer bookkeeping (row starts and region offsets per row,
+    3 counters, head indices), the full-head mask."""
     cfg = model.config
     dim, groups = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     element = 4  # fp32
@@ -204,11 +216,11 @@ def _capacity(model, cache: StaticHeadMixedCache, batch: int, width: int) -> int
         total += batch * h_comp * slots * (2 * dim * element + 4)
         total += batch * h_comp * slots * 4 * len(layer.slot_fills)  # per-slot fp32 buffers (H2O's sums)
         total += batch * h_comp * groups * form.observe * dim * element
-        total += 8 * (batch + 4 + (batch if h_comp else 0) + (h_full + h_comp) * (1 + groups))
+        total += 8 * (2 * batch + 3 + (batch if h_comp else 0) + (h_full + h_comp) * (1 + groups))
     return total
 
 
-@pytest.mark.parametrize("case", ["streaming", "rkv", "h2o", "rpc"])
+@pytest.mark.parametrize("case", ["streaming", "rkv", "h2o", "rpc", "knorm-ratio"])
 def test_resident_bytes_equal_the_analytic_capacity(left_padded_batch, case):
     model = tiny_model("llama")
     input_ids = left_padded_batch[0]
@@ -237,11 +249,10 @@ def test_rows_are_independent(left_padded_batch):
     "kwargs",
     [
         dict(policy="skipkv", budget=32, policy_kwargs=dict(tokenizer=tiny_tokenizer())),  # observes tokens
-        dict(policy="knorm"),  # float default budget
         dict(policy="rkv", budget=64, protect_prompt=False),
         dict(policy="rpc"),  # its own target grows every cycle
     ],
-    ids=["skipkv", "float-budget", "unprotected-budget", "rpc-without-budget"],
+    ids=["skipkv", "unprotected-budget", "rpc-without-budget"],
 )
 def test_layouts_without_a_static_form_name_the_fix(kwargs):
     model = tiny_model("llama")
@@ -264,7 +275,9 @@ def test_lengths_beyond_max_cache_len_are_refused(left_padded_batch):
         greedy_generate(model, left_padded_batch, tight, steps=4)
 
 
-@pytest.mark.parametrize("case", ["streaming", "rkv", "snapkv", "knorm", "sink-recent", "rpc", "h2o"])
+@pytest.mark.parametrize(
+    "case", ["streaming", "rkv", "snapkv", "knorm", "sink-recent", "rpc", "h2o", "h2o-ratio", "rkv-ratio"]
+)
 def test_decode_steps_never_read_the_device(left_padded_batch, case):
     """Every decode step, compaction steps included, runs without a host sync."""
     model = tiny_model("llama")
@@ -295,7 +308,7 @@ def test_decode_steps_never_read_the_device(left_padded_batch, case):
         assert any(layer.compacted_at > 0 for layer in cache.layers)  # compaction steps were among them
 
 
-@pytest.mark.parametrize("case", ["streaming", "rkv", "rpc", "h2o"])
+@pytest.mark.parametrize("case", ["streaming", "rkv", "rpc", "h2o", "rkv-ratio"])
 def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, case):
     """transformers' compiled decode (fullgraph, static shapes) captures one graph and replays it."""
     model = tiny_model("llama")
@@ -338,11 +351,13 @@ def test_generate_static_cache_option(tokenizer):
     )
     assert static == dynamic
     assert [reason for _, reason, _ in static].count("eos") == 2
-    fractional = CompressionConfig(policy="h2o", budget=0.2)  # a row's budget grows with its length
+    unprotected = CompressionConfig(policy="rkv", budget=96, protect_prompt=False)  # per-row schedules
     with pytest.raises(StaticCacheError, match="static_cache=False"):
-        generate(model, tokenizer, prompts, 4, compression=fractional, static_cache=True, progress=False)
+        generate(model, tokenizer, prompts, 4, compression=unprotected, static_cache=True, progress=False)
     # None on CPU: the dynamic cache, so a layout without a static form still generates
-    assert len(generate(model, tokenizer, prompts, 4, compression=fractional, progress=False)) == len(prompts)
+    assert len(generate(model, tokenizer, prompts, 4, compression=unprotected, progress=False)) == len(
+        prompts
+    )
 
 
 def test_cli_no_static_cache_flag(capsys):

@@ -68,7 +68,7 @@ class StaticHeadMixedCache(PolicyCache):
         if int(max_cache_len) < 1:
             raise StaticCacheError(f"max_cache_len={max_cache_len} must be >= 1 (prompt + max_new_tokens)")
         self.settings = CompressionSettings(policy, sink, window, budget, protect_prompt)
-        self.form = static_form(self.settings, bool((~full_heads).any()))
+        self.form = static_form(self.settings, bool((~full_heads).any()), int(max_cache_len))
         self.full_heads, self.max_cache_len, self.expected_batch_size = (
             full_heads,
             int(max_cache_len),
@@ -130,7 +130,7 @@ class StaticHeadMixedCache(PolicyCache):
         for layer in self.layers:
             h_full, h_comp = layer.full_idx.numel(), layer.comp_idx.numel()
             for row, start in enumerate(starts):
-                comp = kept_per_head(layer, length, start) if h_comp else 0
+                comp = kept_per_head(layer, length, row, start) if h_comp else 0
                 kept[row] += h_full * (length - start) + h_comp * comp
                 evicted[row] += h_comp * (length - start - comp)
         resident = self.resident_bytes() // batch

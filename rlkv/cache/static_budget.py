@@ -5,21 +5,23 @@ A `StaticHeadMixedCache` (rlkv/cache/static.py) lays each layer's compressed hea
 
 - "streaming": a ring of window + 1 slots (no compaction ever runs; the slot a new token
   overwrites holds the position the dynamic cache evicts at that step);
-- "budget" (rkv, snapkv, knorm, sink-recent, rpc with an int budget): budget + `slack` slots, where
+- "budget" (rkv, snapkv, knorm, sink-recent, h2o, rpc with a budget): budget + `slack` slots, where
   `slack` is how many tokens the policy lets accumulate above the budget before it compresses
-  (RPC: its interval P, the region also holding the first P + R). The schedule is host-known: every
-  (row, head) holds the same number of generated tokens (the prompt is protected), so a compression
-  is due after exactly `first` generated tokens (budget + slack; RPC: P + R), then every `slack`.
-  `compact_region` then runs the policy's own `select` over a
-  `CompressedStore` view of the slots and copies the (at most `budget`) kept region slots, in order, to
-  the region's start (a fixed-k stable sort, no data-dependent shape);
+  (RPC: its interval P, the region also holding the first P + R). A ratio budget r (RLKV's dynamic
+  budget, round(r * real tokens) + sink + window per row) sizes the region for the longest row
+  `max_cache_len` allows. The schedule is host-known (`RowSchedule`): the prompt is protected, so
+  every row's region receives one generated token per step, and the policy's own rule on host counts
+  (a row over budget + slack; RPC: every P tokens) says when a compaction is due and how many tokens
+  each row keeps. An int budget needs nothing from the device; a ratio budget needs each row's real
+  prompt length, read once at prefill. `compact_region` then runs the policy's own `select` over a
+  `CompressedStore` view of the slots and copies the kept region slots, in order, to the region's
+  start (a fixed-k stable sort, no data-dependent shape);
 - "full": no compressed head in any layer (any policy).
 
 A policy that observes attention (H2O) gets each decode step's probabilities over the slots and keeps
 what it accumulates in per-slot buffers of static shape, moved with the slots by the compaction.
-Everything else (observers of tokens / hidden states, float budgets,
-SkipKV, RPC without a budget, an unprotected prompt with a budget) has no static form: `StaticCacheError` names
-`static_cache=False` as the fix.
+Everything else (observers of tokens / hidden states: SkipKV; RPC without a budget; an unprotected
+prompt with a budget) has no static form: `StaticCacheError` names `static_cache=False` as the fix.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class StaticCacheError(ValueError, UserError):
 
 
 # Tokens a budgeted policy lets accumulate above its budget before it compresses (its
-# `should_compress` fires when the region holds budget + slack evictable tokens).
+# `should_compress` fires when a row holds budget + slack evictable tokens).
 BUDGET_SLACK: dict[str, Callable[[CompressionPolicy], int]] = {
     "rkv": lambda policy: max(int(policy.buffer), 1),  # WindowedBufferPolicy.due: >= budget + max(buffer, 1)
     "snapkv": lambda policy: max(int(policy.buffer), 1),
@@ -47,6 +49,10 @@ BUDGET_SLACK: dict[str, Callable[[CompressionPolicy], int]] = {
     "sink-recent": lambda policy: 1,  # the base rule: compresses when > budget
     "h2o": lambda policy: 1,  # the base rule; its accumulated attention lives in per-slot buffers
 }
+
+# Policies that cut only the rows over budget + slack (WindowedBufferPolicy.kept_counts: a row whose
+# buffer is not full keeps every slot); the others cut every row to its budget when any row is due.
+ROWS_DUE = frozenset({"rkv", "snapkv"})
 
 
 # Policies that compress on a schedule of generated tokens, whatever the region holds: (generated tokens
@@ -63,10 +69,12 @@ PERIODIC: dict[str, Callable[[CompressionPolicy], tuple[int, int]]] = {
 class StaticForm:
     """How the compressed heads of every layer are laid out (see the module docstring).
 
-    kind: "full" | "streaming" | "budget"; budget: generated tokens kept per compressed head after a
-    compaction; first: generated tokens held when the first compaction is due (budget + slack for the
-    budgeted policies; RPC: interval + selector window); slack: generated tokens between later
-    compactions; observe: observation queries kept per compressed head (the policy's `observe_queries`).
+    kind: "full" | "streaming" | "budget"; budget: generated tokens a row keeps at most after a
+    compaction (an int budget; a ratio budget: its value at max_cache_len real tokens); ratio: the
+    ratio r of a ratio budget (0: an int budget), whose row b keeps round(r * (prompt_b + generated))
+    + `base` (sink + window); slack: tokens the policy lets accumulate above the budget (RPC: its
+    interval); first: RPC's generated tokens at the first compaction (0: not periodic); rows_due:
+    only rows over budget + slack are cut; observe: observation queries kept per compressed head.
     """
 
     kind: str
@@ -74,6 +82,9 @@ class StaticForm:
     slack: int = 0
     observe: int = 0
     first: int = 0
+    ratio: float = 0.0
+    base: int = 0
+    rows_due: bool = False
 
     def region_slots(self, window: int) -> int:
         """Slots after the early region: the ring (window + 1) or the budget region (the most it holds)."""
@@ -81,21 +92,68 @@ class StaticForm:
             return window + 1
         return max(self.first, self.budget + self.slack) if self.kind == "budget" else 0
 
-    def compaction_due(self, generated: int) -> bool:
-        """Whether the region is full before the forward of generated token `generated` (0-based)."""
-        if self.kind != "budget" or generated < self.first:
-            return False
-        return (generated - self.first) % self.slack == 0
+    def row_budgets(self, real_prompt: list[int], generated: int) -> list[int]:
+        """Generated tokens each row may keep once `generated` were written (the dynamic store's budget:
+        the prompt is protected, so its evictable tokens are the generated ones)."""
+        if not self.ratio:
+            return [self.budget] * len(real_prompt)
+        return [round(self.ratio * (p + generated)) + self.base for p in real_prompt]
 
-    def held(self, generated: int) -> int:
-        """Generated tokens the region holds once `generated` were written and a compaction due then ran
-        (host ints: compaction k keeps min(budget, what the region holds), then `slack` more arrive)."""
-        if self.kind != "budget" or generated < self.first:
-            return generated
-        kept, at = min(self.budget, self.first), self.first
-        while kept < self.budget and generated >= at + self.slack:  # kept grows to the budget, then stays
-            kept, at = min(self.budget, kept + self.slack), at + self.slack
-        return kept + (generated - at) % self.slack if kept == self.budget else kept + generated - at
+
+class RowSchedule:
+    """The compactions of a budget region as host ints: when one is due and what each row keeps.
+
+    Replays the dynamic cache's decisions from its host counts, so no step reads the device:
+    real_prompt: each row's real prompt tokens (needed by a ratio budget only; zeros otherwise).
+    `due(g)`: a compaction runs once g generated tokens were written; `held(g)`: generated tokens
+    each row's region holds then (after that compaction, if one was due).
+    """
+
+    def __init__(self, form: StaticForm, real_prompt: list[int]) -> None:
+        self.form, self.real = form, list(real_prompt)
+        self.events: list[tuple[int, list[int]]] = []  # (generated, kept per row) of each compaction
+        self.checked = 0  # every generated count up to this one was decided
+
+    def _last(self, generated: int) -> tuple[int, list[int]]:
+        """The last compaction at or before `generated` (0 generated, nothing kept, before any)."""
+        for at, kept in reversed(self.events):
+            if at <= generated:
+                return at, kept
+        return 0, [0] * len(self.real)
+
+    def _advance(self, generated: int) -> None:
+        form = self.form
+        for g in range(self.checked + 1, generated + 1):
+            at, kept = self._last(g - 1)
+            held = [k + g - at for k in kept]
+            budgets = form.row_budgets(self.real, g)
+            if form.first:  # periodic: every `slack` tokens from `first` on, each row cut to its budget
+                if g >= form.first and (g - form.first) % form.slack == 0:
+                    self.events.append((g, [min(h, b) for h, b in zip(held, budgets, strict=True)]))
+                continue
+            over = [h >= b + form.slack for h, b in zip(held, budgets, strict=True)]
+            if any(over):
+                cut = over if form.rows_due else [True] * len(held)
+                self.events.append(
+                    (g, [min(h, b) if c else h for h, b, c in zip(held, budgets, cut, strict=True)])
+                )
+        self.checked = max(self.checked, generated)
+
+    def due(self, generated: int) -> bool:
+        """Whether a compaction runs once `generated` tokens were written."""
+        self._advance(generated)
+        return bool(self.events) and self._last(generated)[0] == generated
+
+    def held(self, generated: int) -> list[int]:
+        """Generated tokens each row's region holds once `generated` were written (and a due compaction ran)."""
+        self._advance(generated)
+        at, kept = self._last(generated)
+        return [k + generated - at for k in kept]
+
+    def last_compaction(self, generated: int) -> tuple[int, list[int]]:
+        """(generated, kept per row) of the last compaction before `generated` ((0, zeros) before any)."""
+        self._advance(generated)
+        return self._last(generated - 1)
 
 
 def _no_static_form(why: str) -> StaticCacheError:
@@ -105,7 +163,7 @@ def _no_static_form(why: str) -> StaticCacheError:
     )
 
 
-def static_form(settings: CompressionSettings, has_compressed: bool) -> StaticForm:
+def static_form(settings: CompressionSettings, has_compressed: bool, max_cache_len: int) -> StaticForm:
     """The static layout of `settings` (policy, budget, sink, window); raises `StaticCacheError` when none."""
     policy = settings.policy
     if not has_compressed:
@@ -119,10 +177,10 @@ def static_form(settings: CompressionSettings, has_compressed: bool) -> StaticFo
             f"policy {policy.name!r} (static forms: streaming, {', '.join(sorted({*BUDGET_SLACK, *PERIODIC}))})"
         )
     budget = settings.budget
-    if not isinstance(budget, int) or isinstance(budget, bool):
+    if budget is None or isinstance(budget, bool):
         raise _no_static_form(
-            f"policy {policy.name!r} with budget={budget!r} (the static region needs an int budget"
-            + ("; RPC's own target grows every cycle" if budget is None and policy.name in PERIODIC else "")
+            f"policy {policy.name!r} with budget={budget!r} (the static region needs a budget"
+            + ("; RPC's own target grows every cycle" if policy.name in PERIODIC else "")
             + ")"
         )
     if not settings.protect_prompt:
@@ -130,39 +188,49 @@ def static_form(settings: CompressionSettings, has_compressed: bool) -> StaticFo
             f"policy {policy.name!r} with protect_prompt=False (the compression schedule then depends "
             "on each row's prompt length)"
         )
+    ratio, base = 0.0, settings.sink + settings.window
+    if isinstance(budget, float):  # sized for the longest row: every real token of max_cache_len columns
+        ratio, budget = budget, round(budget * max_cache_len) + base
+    observe = int(policy.observe_queries)
     if policy.name in PERIODIC:
         first, period = PERIODIC[policy.name](policy)
-        return StaticForm("budget", budget, period, int(policy.observe_queries), first)
+        return StaticForm("budget", budget, period, observe, first, ratio, base)
     slack = BUDGET_SLACK[policy.name](policy)
-    return StaticForm("budget", budget, slack, int(policy.observe_queries), budget + slack)
+    return StaticForm("budget", budget, slack, observe, 0, ratio, base, policy.name in ROWS_DUE)
 
 
 def dynamic_order(
-    row_start: torch.Tensor, width: int, early: int, region: int, budget: int, compacted: bool
+    row_start: torch.Tensor, width: int, early: int, region: int, kept: torch.Tensor | None, since: int
 ) -> torch.Tensor:
-    """LongTensor[B, width + region]: the static slot that each slot of the dynamic cache's store holds.
+    """LongTensor[B, width + region]: the static slot that each slot of the dynamic cache's store holds,
+    `early + region` (one past the last slot: the caller appends an empty one) where it holds none.
 
     The policy must see the slots in the dynamic cache's order (its ties break towards the earlier
     slot and its pooling walks the slots in order). The dynamic store holds each row's real prompt
-    tokens first (n = width - row_start of them), then `row_start` empty slots (the padding it
-    dropped), then the generated tokens; after its first compaction it packs the kept tokens, so
-    the empty slots sit between the kept and the newer generated ones. Statically the prompt sits
-    at slots [early - width, ...) of the early region, the generated tokens in the region.
+    tokens first (n_b = width - row_start_b of them), then `row_start` empty slots (the padding it
+    dropped), then the generated tokens. A compaction packs each row's kept tokens (its prompt, then
+    kept_b generated ones) into max_b(n_b + kept_b) slots, the missing ones empty, and the newer
+    generated tokens follow. Statically the prompt sits at slots [early - width, ...) of the early
+    region, the generated tokens in the region (its first kept_b slots, then the newer ones).
+    kept: LongTensor[B], generated tokens each row kept at the last compaction (None: none ran yet);
+    since: generated tokens written since then (all of them before any compaction).
     """
-    offset = early - width
-    j = torch.arange(width + region, device=row_start.device)
-    if not compacted:  # prompt, padding gap, generated: the static order minus the unused early slots
-        return torch.where(j < width, offset + j, early + j - width).expand(row_start.shape[0], -1)
+    offset, empty = early - width, early + region
+    j = torch.arange(width + region, device=row_start.device)[None, :]
     real = (width - row_start)[:, None]
-    j = j[None, :]
-    kept, gap = j - real, j - real - budget  # offsets inside the kept run and the padding gap
+    if kept is None:
+        kept, size = torch.zeros_like(real), width
+    else:
+        kept = kept[:, None]
+        size = (real + kept).amax(0, keepdim=True)
+    newer = j - size  # index among the tokens generated since the last compaction
     return torch.where(
         j < real,
         offset + j,
         torch.where(
-            kept < budget,
-            early + kept,
-            torch.where(j < width + budget, offset + real + gap, early + j - width),
+            j < real + kept,
+            early + j - real,
+            torch.where((newer >= 0) & (newer < since), early + kept + newer, empty),
         ),
     )
 
@@ -201,34 +269,35 @@ def compact_region(
     slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     order: torch.Tensor,
     early: int,
-    budget: int,
     slot_buffers: tuple[tuple[torch.Tensor, float], ...] = (),
 ) -> None:
-    """Run `policy.select(view)` and keep the selected region slots in place: the first `budget` kept
-    ones, in slot (= position) order, move to the region's start; the rest of the region empties.
+    """Run `policy.select(view)` and keep the selected region slots in place: the kept ones, in slot
+    (= position) order, move to the region's start; the rest of the region empties.
 
     view: the slots in the dynamic cache's order, `order` [B, N] their static slot indices
-    (`dynamic_order`); slots: the layer's keys, values [B, H_c, S, D] and positions [B, H_c, S],
-    written in place; early: slots before the region (never compacted: the protected prompt);
-    slot_buffers: the policy's per-slot buffers [B, H_c, S] and their fill values, moved likewise
-    (emptied slots get the fill). No host sync.
+    (`dynamic_order`; one past the last slot for an empty one); slots: the layer's keys, values
+    [B, H_c, S, D] and positions [B, H_c, S], written in place; early: slots before the region (never
+    compacted: the protected prompt); slot_buffers: the policy's per-slot buffers [B, H_c, S] and
+    their fill values, moved likewise (emptied slots get the fill). No host sync.
     """
     keep = policy.select(view)
     if keep.dim() == 2:
         keep = keep[:, None, :].expand_as(view.positions)
     keep = (keep | view.forced_keep()) & view.valid()
     at = order[:, None, :].expand_as(keep)
-    keep = torch.zeros_like(slots[2], dtype=torch.bool).scatter_(2, at, keep)[..., early:]
-    # stable sort: kept slots first, each group in slot order; a fixed k keeps the shapes static
-    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :budget]
+    batch, heads, num_slots = slots[2].shape
+    # one column past the slots: where `order` sends what the dynamic store holds empty
+    keep = torch.zeros(batch, heads, num_slots + 1, dtype=torch.bool, device=keep.device).scatter_(
+        2, at, keep
+    )
+    keep = keep[..., early:num_slots]
+    # stable sort of the whole region: kept slots first, each group in slot order (static shapes)
+    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices
     kept = keep.gather(-1, order)
     keys, values, positions = slots
     for buf in (keys, values):
         region = buf[:, :, early:]
-        taken = region.gather(2, order[..., None].expand(*order.shape, buf.shape[-1]))
-        region[:, :, :budget].copy_(taken)
+        region.copy_(region.gather(2, order[..., None].expand(*order.shape, buf.shape[-1])))
     for buf, fill in ((positions, -1), *slot_buffers):
         region = buf[:, :, early:]
-        taken = torch.where(kept, region.gather(2, order), fill)
-        region[:, :, :budget].copy_(taken)
-        region[:, :, budget:].fill_(fill)
+        region.copy_(torch.where(kept, region.gather(2, order), fill))

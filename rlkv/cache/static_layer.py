@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from rlkv.cache.attention import SELF_ATTENDING_LAYERS
 from rlkv.cache.head_split import head_split, merge_heads, pick_heads
 from rlkv.cache.static_budget import (
+    RowSchedule,
     StaticCacheError,
     StaticForm,
     compact_region,
@@ -110,6 +111,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.begun = False  # the step hook already did this forward's bookkeeping
         self.in_flight = 0  # tokens of a begun forward not yet written: get_seq_length excludes them
         self.compacted_at = -1
+        self.schedule: RowSchedule | None = None  # a budget region's compactions (set at prefill)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the prompt's key/value, until attend
 
     # allocation and host bookkeeping (eager) ---------------------------------------------------
@@ -140,8 +142,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
 
     def _new_buffers(self, batch: int, dim: int) -> dict[str, torch.Tensor]:
         new = functools.partial(torch.zeros, device=self.device)
-        bufs = {"row_start": new(batch, dtype=torch.long)}
-        for name in ("length", "prompt_len", "early_offset", "region_base"):
+        bufs = {"row_start": new(batch, dtype=torch.long), "region_base": new(batch, dtype=torch.long)}
+        for name in ("length", "prompt_len", "early_offset"):
             bufs[name] = new((), dtype=torch.long)
         h_full, h_comp = self.full_idx.numel(), self.comp_idx.numel()
         if h_full:
@@ -172,15 +174,19 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             )
         if not self.host_length:
             self.prompt_width = q_len
-        elif self.form.compaction_due(self.host_length - self.prompt_width):
+        elif self._due(self.host_length - self.prompt_width):
             self.compact()
         self.host_length += q_len
         self.in_flight = q_len
 
+    def _due(self, generated: int) -> bool:
+        return self.schedule is not None and self.schedule.due(generated)
+
     def compact(self) -> None:
         """Compact the budget region now, if due and not done at this length (between decode steps)."""
         length = self.host_length
-        if self.compacted_at == length or not self.form.compaction_due(length - self.prompt_width):
+        generated = length - self.prompt_width
+        if self.compacted_at == length or not self._due(generated):
             return
         b = self.buffers
         slots = (b["comp_k"], b["comp_v"], b["comp_pos"])
@@ -190,32 +196,33 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             held = torch.arange(length - n, length, device=self.device)  # oldest first
             queries = (b["obs_q"].index_select(3, held % self.form.observe), held)
         region = self.form.region_slots(self.settings.window)
-        generated = length - self.prompt_width
-        kept_before = self.form.held(self.compacted_at - self.prompt_width) if self.compacted_at >= 0 else 0
-        order = dynamic_order(
-            b["row_start"], self.prompt_width, self.early, region, kept_before, self.compacted_at >= 0
-        )
+        at, kept_before = self.schedule.last_compaction(generated)
+        kept = torch.tensor(kept_before, device=self.device) if at else None  # a host list sent, nothing read
+        order = dynamic_order(b["row_start"], self.prompt_width, self.early, region, kept, generated - at)
         gather = order[:, None, :].expand(-1, slots[2].shape[1], -1)
-        dim = slots[0].shape[-1]
-        view_slots = (
-            *(t.gather(2, gather[..., None].expand(-1, -1, -1, dim)) for t in slots[:2]),
-            slots[2].gather(2, gather),
-        )
+
+        def view_of(t: torch.Tensor, empty: float) -> torch.Tensor:
+            """`t`'s slots in the dynamic order, an `empty` slot appended for what that store holds empty."""
+            padded = torch.cat([t, t.new_full((*t.shape[:2], 1, *t.shape[3:]), empty)], 2)
+            index = gather if t.dim() == 3 else gather[..., None].expand(-1, -1, -1, t.shape[-1])
+            return padded.gather(2, index)
+
         view = policy_view(
             self.layer_idx,
             self.comp_idx,
             self.num_groups,
             self.settings,
-            view_slots,
+            (view_of(slots[0], 0), view_of(slots[1], 0), view_of(slots[2], -1)),
             queries,
             b["row_start"],
             (length, self.prompt_width),
         )
         slot_buffers = tuple((b[key], fill) for key, fill in self.slot_fills.items())
         for (buf, fill), key in zip(slot_buffers, self.slot_fills, strict=True):
-            view._slot_buffers[key.removeprefix("slot:")] = (buf.gather(2, gather), fill)
-        compact_region(view, self.settings.policy, slots, order, self.early, self.form.budget, slot_buffers)
-        b["region_base"].fill_(self.form.held(generated) - generated)  # a host int written, nothing read
+            view._slot_buffers[key.removeprefix("slot:")] = (view_of(buf, fill), fill)
+        compact_region(view, self.settings.policy, slots, order, self.early, slot_buffers)
+        base = [h - generated for h in self.schedule.held(generated)]
+        b["region_base"].copy_(torch.tensor(base))  # host ints sent, nothing read
         self.compacted_at = length
 
     # CacheLayerMixin -------------------------------------------------------------------------------
@@ -266,6 +273,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         """Forget the request; the tensors stay allocated at the same addresses."""
         self.host_length = self.prompt_width = 0
         self.begun, self.in_flight, self.compacted_at, self.pending = False, 0, -1, None
+        self.schedule = None
         if self.buffers:
             self.buffers["length"].zero_()
             self.buffers["region_base"].zero_()
@@ -342,6 +350,10 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             b["row_start"].copy_(torch.where(real.any(1), real.int().argmax(1), width))
         b["length"].fill_(width)
         b["prompt_len"].fill_(width)
+        if self.form.kind == "budget" and self.comp_idx.numel():
+            # a ratio budget follows each row's real length: the prompt's, read once here
+            real = (width - b["row_start"]).tolist() if self.form.ratio else [0] * b["row_start"].shape[0]
+            self.schedule = RowSchedule(self.form, real)
         out = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)[0]
         if self.full_idx.numel():
             b["full_k"][:, :, :width].copy_(pick_heads(keys, self.full_idx, self.full_slice))

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from rlkv.cache.static_budget import StaticForm
+from rlkv.cache.static_budget import RowSchedule, StaticForm
 from rlkv.cache.store import CompressionSettings
 
 
@@ -28,6 +28,7 @@ class StaticHeadMixedLayer(Protocol):
     form: StaticForm
     early: int  # early-region slots
     prompt_width: int
+    schedule: RowSchedule | None  # a budget region's compactions
 
     def early_needed(self, width: int) -> int: ...
 
@@ -93,26 +94,28 @@ def write_streaming(
 def write_budget(
     layer: StaticHeadMixedLayer, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 ) -> None:
-    """Decode write: generated token g at region slot g + `region_base`, the device offset the last
-    compaction set (kept - generated then; 0 before any), so it lands right after the kept run."""
+    """Decode write: row b's generated token g at region slot g + `region_base[b]`, the device offset
+    the last compaction set (the row's kept count - generated then; 0 before any), so it lands right
+    after the row's kept run."""
     b = layer.buffers
-    slot = (layer.early + pos - b["prompt_len"] + b["region_base"]).view(1)
-    b["comp_k"].index_copy_(2, slot, keys)
-    b["comp_v"].index_copy_(2, slot, values)
-    batch, heads = keys.shape[:2]
-    b["comp_pos"].index_copy_(2, slot, pos.to(torch.int32).expand(batch, heads, 1))
+    batch, heads, _, dim = keys.shape
+    slot = (layer.early + pos - b["prompt_len"] + b["region_base"])[:, None, None].expand(batch, heads, 1)
+    wide = slot[..., None].expand(batch, heads, 1, dim)
+    b["comp_k"].scatter_(2, wide, keys)
+    b["comp_v"].scatter_(2, wide, values)
+    b["comp_pos"].scatter_(2, slot, pos.to(torch.int32).expand(batch, heads, 1))
     for name, fill in layer.slot_fills.items():  # the policy's per-slot values start afresh
-        b[name].index_fill_(2, slot, fill)
+        b[name].scatter_(2, slot, fill)
 
 
-def kept_per_head(layer: StaticHeadMixedLayer, length: int, row_start: int) -> int:
-    """Tokens the dynamic cache keeps per compressed head of a row starting at column `row_start` once
-    `length` columns were seen (host ints only: the static layout holds exactly these, plus the ring
-    slot the next token overwrites)."""
+def kept_per_head(layer: StaticHeadMixedLayer, length: int, row: int, row_start: int) -> int:
+    """Tokens the dynamic cache keeps per compressed head of batch row `row`, starting at column
+    `row_start`, once `length` columns were seen (host ints only: the static layout holds exactly
+    these, plus the ring slot the next token overwrites)."""
     settings, form, width = layer.settings, layer.form, layer.prompt_width
     real = length - row_start
     if form.kind == "budget":
-        return width - row_start + form.held(length - width)
+        return width - row_start + layer.schedule.held(length - width)[row]
     early = max(settings.sink, width - row_start) if settings.protect_prompt else settings.sink
     recent_from = max(length - settings.window, row_start + early)
     return min(early, real) + max(0, length - recent_from)
