@@ -47,6 +47,22 @@ CASES = {
     "rpc-ratio": dict(
         sparsity=0.5, policy="rpc", budget=0.3, policy_kwargs=dict(interval=6, selector_window=2, kernel=3)
     ),
+    # unprotected prompts: the prompt counts against the budget, so long rows compact before the first
+    # decode step and every row on its own schedule (the eval's matched baselines: a ratio, unprotected)
+    "rkv-unprotected": dict(
+        sparsity=0.5, policy="rkv", budget=10, protect_prompt=False, policy_kwargs=dict(buffer=4)
+    ),
+    "knorm-ratio-unprotected": dict(
+        mask=False, policy="knorm", budget=0.2, protect_prompt=False, policy_kwargs=dict(buffer=2)
+    ),
+    "sink-recent-ratio-unprotected": dict(mask=False, policy="sink-recent", budget=0.3, protect_prompt=False),
+    "rpc-ratio-unprotected": dict(
+        sparsity=0.5,
+        policy="rpc",
+        budget=0.3,
+        protect_prompt=False,
+        policy_kwargs=dict(interval=6, selector_window=2, kernel=3),
+    ),
 }
 
 
@@ -96,13 +112,15 @@ def test_same_tokens_logits_and_kept_positions_as_the_dynamic_cache(left_padded_
     assert evicted > 0  # the case really evicts
     if isinstance(config.budget, float):  # rows of different lengths kept different counts
         assert any(len(set(kept)) > 1 for _, kept in static.layers[0].schedule.events)
+    if static.form.kind == "budget" and not config.protect_prompt and config.policy != "rpc":
+        assert static.layers[0].schedule.events[0][0] == 0  # long prompts were cut before the first step
     strip = ("resident_bytes",)
     assert [{k: v for k, v in s.items() if k not in strip} for s in static.stats()] == [
         {k: v for k, v in s.items() if k not in strip} for s in dynamic.stats()
     ]
 
 
-@pytest.mark.parametrize("case", ["streaming", "streaming-unprotected", "rkv", "snapkv"])
+@pytest.mark.parametrize("case", ["streaming", "streaming-unprotected", "rkv", "snapkv", "rkv-unprotected"])
 def test_a_shorter_request_reuses_the_tensors_and_still_matches(left_padded_batch, case):
     """A second request with a shorter prompt keeps the first one's tensors (same addresses, so a
     captured graph replays), its early region then starts later, and results still equal the dynamic cache's."""
@@ -249,10 +267,10 @@ def test_rows_are_independent(left_padded_batch):
     "kwargs",
     [
         dict(policy="skipkv", budget=32, policy_kwargs=dict(tokenizer=tiny_tokenizer())),  # observes tokens
-        dict(policy="rkv", budget=64, protect_prompt=False),
+        dict(policy="h2o", budget=64, protect_prompt=False),  # the prompt's own attention would score it
         dict(policy="rpc"),  # its own target grows every cycle
     ],
-    ids=["skipkv", "unprotected-budget", "rpc-without-budget"],
+    ids=["skipkv", "h2o-unprotected", "rpc-without-budget"],
 )
 def test_layouts_without_a_static_form_name_the_fix(kwargs):
     model = tiny_model("llama")
@@ -276,7 +294,20 @@ def test_lengths_beyond_max_cache_len_are_refused(left_padded_batch):
 
 
 @pytest.mark.parametrize(
-    "case", ["streaming", "rkv", "snapkv", "knorm", "sink-recent", "rpc", "h2o", "h2o-ratio", "rkv-ratio"]
+    "case",
+    [
+        "streaming",
+        "rkv",
+        "snapkv",
+        "knorm",
+        "sink-recent",
+        "rpc",
+        "h2o",
+        "h2o-ratio",
+        "rkv-ratio",
+        "rkv-unprotected",
+        "knorm-ratio-unprotected",
+    ],
 )
 def test_decode_steps_never_read_the_device(left_padded_batch, case):
     """Every decode step, compaction steps included, runs without a host sync."""
@@ -308,7 +339,7 @@ def test_decode_steps_never_read_the_device(left_padded_batch, case):
         assert any(layer.compacted_at > 0 for layer in cache.layers)  # compaction steps were among them
 
 
-@pytest.mark.parametrize("case", ["streaming", "rkv", "rpc", "h2o", "rkv-ratio"])
+@pytest.mark.parametrize("case", ["streaming", "rkv", "rpc", "h2o", "rkv-ratio", "knorm-ratio-unprotected"])
 def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, case):
     """transformers' compiled decode (fullgraph, static shapes) captures one graph and replays it."""
     model = tiny_model("llama")
@@ -351,7 +382,7 @@ def test_generate_static_cache_option(tokenizer):
     )
     assert static == dynamic
     assert [reason for _, reason, _ in static].count("eos") == 2
-    unprotected = CompressionConfig(policy="rkv", budget=96, protect_prompt=False)  # per-row schedules
+    unprotected = CompressionConfig(policy="h2o", budget=96, protect_prompt=False)
     with pytest.raises(StaticCacheError, match="static_cache=False"):
         generate(model, tokenizer, prompts, 4, compression=unprotected, static_cache=True, progress=False)
     # None on CPU: the dynamic cache, so a layout without a static form still generates

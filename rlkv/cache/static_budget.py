@@ -74,7 +74,9 @@ class StaticForm:
     ratio r of a ratio budget (0: an int budget), whose row b keeps round(r * (prompt_b + generated))
     + `base` (sink + window); slack: tokens the policy lets accumulate above the budget (RPC: its
     interval); first: RPC's generated tokens at the first compaction (0: not periodic); rows_due:
-    only rows over budget + slack are cut; observe: observation queries kept per compressed head.
+    only rows over budget + slack are cut; observe: observation queries kept per compressed head;
+    protect: the prompt is protected (else its tokens count against the budget and can be evicted,
+    from the compaction before the first decode step on).
     """
 
     kind: str
@@ -85,6 +87,7 @@ class StaticForm:
     ratio: float = 0.0
     base: int = 0
     rows_due: bool = False
+    protect: bool = True
 
     def region_slots(self, window: int) -> int:
         """Slots after the early region: the ring (window + 1) or the budget region (the most it holds)."""
@@ -104,22 +107,24 @@ class RowSchedule:
     """The compactions of a budget region as host ints: when one is due and what each row keeps.
 
     Replays the dynamic cache's decisions from its host counts, so no step reads the device:
-    real_prompt: each row's real prompt tokens (needed by a ratio budget only; zeros otherwise).
-    `due(g)`: a compaction runs once g generated tokens were written; `held(g)`: generated tokens
-    each row's region holds then (after that compaction, if one was due).
+    real_prompt: each row's real prompt tokens (needed by a ratio budget or an unprotected prompt;
+    zeros otherwise). `due(g)`: a compaction runs once g generated tokens were written (an
+    unprotected prompt: from g = 0, before the first decode step); `held(g)`: evictable tokens each
+    row holds then, after that compaction if one was due (the generated ones; an unprotected
+    prompt's tokens too).
     """
 
     def __init__(self, form: StaticForm, real_prompt: list[int]) -> None:
         self.form, self.real = form, list(real_prompt)
         self.events: list[tuple[int, list[int]]] = []  # (generated, kept per row) of each compaction
-        self.checked = 0  # every generated count up to this one was decided
+        self.checked = 0 if form.protect else -1  # every generated count up to this one was decided
 
     def _last(self, generated: int) -> tuple[int, list[int]]:
-        """The last compaction at or before `generated` (0 generated, nothing kept, before any)."""
+        """The last compaction at or before `generated` ((0, what the prefill left) before any)."""
         for at, kept in reversed(self.events):
             if at <= generated:
                 return at, kept
-        return 0, [0] * len(self.real)
+        return 0, [0] * len(self.real) if self.form.protect else self.real
 
     def _advance(self, generated: int) -> None:
         form = self.form
@@ -150,10 +155,11 @@ class RowSchedule:
         at, kept = self._last(generated)
         return [k + generated - at for k in kept]
 
-    def last_compaction(self, generated: int) -> tuple[int, list[int]]:
-        """(generated, kept per row) of the last compaction before `generated` ((0, zeros) before any)."""
+    def last_compaction(self, generated: int) -> tuple[int, list[int]] | None:
+        """(generated, kept per row) of the last compaction before `generated`, None before any."""
         self._advance(generated)
-        return self._last(generated - 1)
+        earlier = [event for event in self.events if event[0] < generated]
+        return earlier[-1] if earlier else None
 
 
 def _no_static_form(why: str) -> StaticCacheError:
@@ -183,10 +189,10 @@ def static_form(settings: CompressionSettings, has_compressed: bool, max_cache_l
             + ("; RPC's own target grows every cycle" if policy.name in PERIODIC else "")
             + ")"
         )
-    if not settings.protect_prompt:
+    if not settings.protect_prompt and policy.observe_attention:
         raise _no_static_form(
-            f"policy {policy.name!r} with protect_prompt=False (the compression schedule then depends "
-            "on each row's prompt length)"
+            f"policy {policy.name!r} with protect_prompt=False (its scores would start from the "
+            "prompt's own attention, which the static prefill does not observe)"
         )
     ratio, base = 0.0, settings.sink + settings.window
     if isinstance(budget, float):  # sized for the longest row: every real token of max_cache_len columns
@@ -194,13 +200,22 @@ def static_form(settings: CompressionSettings, has_compressed: bool, max_cache_l
     observe = int(policy.observe_queries)
     if policy.name in PERIODIC:
         first, period = PERIODIC[policy.name](policy)
-        return StaticForm("budget", budget, period, observe, first, ratio, base)
+        return StaticForm(
+            "budget", budget, period, observe, first, ratio, base, False, settings.protect_prompt
+        )
     slack = BUDGET_SLACK[policy.name](policy)
-    return StaticForm("budget", budget, slack, observe, 0, ratio, base, policy.name in ROWS_DUE)
+    rows_due = policy.name in ROWS_DUE
+    return StaticForm("budget", budget, slack, observe, 0, ratio, base, rows_due, settings.protect_prompt)
 
 
 def dynamic_order(
-    row_start: torch.Tensor, width: int, early: int, region: int, kept: torch.Tensor | None, since: int
+    row_start: torch.Tensor,
+    width: int,
+    early: int,
+    region: int,
+    kept: torch.Tensor | None,
+    since: int,
+    protect: bool = True,
 ) -> torch.Tensor:
     """LongTensor[B, width + region]: the static slot that each slot of the dynamic cache's store holds,
     `early + region` (one past the last slot: the caller appends an empty one) where it holds none.
@@ -208,29 +223,34 @@ def dynamic_order(
     The policy must see the slots in the dynamic cache's order (its ties break towards the earlier
     slot and its pooling walks the slots in order). The dynamic store holds each row's real prompt
     tokens first (n_b = width - row_start_b of them), then `row_start` empty slots (the padding it
-    dropped), then the generated tokens. A compaction packs each row's kept tokens (its prompt, then
-    kept_b generated ones) into max_b(n_b + kept_b) slots, the missing ones empty, and the newer
-    generated tokens follow. Statically the prompt sits at slots [early - width, ...) of the early
-    region, the generated tokens in the region (its first kept_b slots, then the newer ones).
-    kept: LongTensor[B], generated tokens each row kept at the last compaction (None: none ran yet);
+    dropped), then the generated tokens. A compaction packs each row's kept tokens (a protected
+    prompt, then the kept_b evictable ones) into max_b(n_b + kept_b) slots (unprotected: max_b
+    kept_b), the missing ones empty, and the newer generated tokens follow. Statically the prompt
+    sits at slots [early - width, ...) of the early region and the generated tokens in the region;
+    a compaction packs the kept evictable tokens from the region's start (unprotected: from slot 0).
+    kept: LongTensor[B], evictable tokens each row kept at the last compaction (None: none ran yet);
     since: generated tokens written since then (all of them before any compaction).
     """
     offset, empty = early - width, early + region
     j = torch.arange(width + region, device=row_start.device)[None, :]
     real = (width - row_start)[:, None]
     if kept is None:
-        kept, size = torch.zeros_like(real), width
-    else:
-        kept = kept[:, None]
-        size = (real + kept).amax(0, keepdim=True)
+        return torch.where(
+            j < real,
+            offset + j,
+            torch.where((j >= width) & (j < width + since), early + j - width, empty),
+        )
+    kept = kept[:, None]
+    prompt, base = (real, early) if protect else (torch.zeros_like(real), 0)
+    size = (prompt + kept).amax(0, keepdim=True)
     newer = j - size  # index among the tokens generated since the last compaction
     return torch.where(
-        j < real,
+        j < prompt,
         offset + j,
         torch.where(
-            j < real + kept,
-            early + j - real,
-            torch.where((newer >= 0) & (newer < since), early + kept + newer, empty),
+            j < prompt + kept,
+            base + j - prompt,
+            torch.where((newer >= 0) & (newer < since), base + kept + newer, empty),
         ),
     )
 

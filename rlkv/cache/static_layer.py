@@ -196,9 +196,12 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             held = torch.arange(length - n, length, device=self.device)  # oldest first
             queries = (b["obs_q"].index_select(3, held % self.form.observe), held)
         region = self.form.region_slots(self.settings.window)
-        at, kept_before = self.schedule.last_compaction(generated)
-        kept = torch.tensor(kept_before, device=self.device) if at else None  # a host list sent, nothing read
-        order = dynamic_order(b["row_start"], self.prompt_width, self.early, region, kept, generated - at)
+        last = self.schedule.last_compaction(generated)
+        at, kept = (0, None) if last is None else (last[0], torch.tensor(last[1], device=self.device))
+        base = self.early if self.form.protect else 0  # where the kept evictable tokens are packed
+        order = dynamic_order(
+            b["row_start"], self.prompt_width, self.early, region, kept, generated - at, self.form.protect
+        )
         gather = order[:, None, :].expand(-1, slots[2].shape[1], -1)
 
         def view_of(t: torch.Tensor, empty: float) -> torch.Tensor:
@@ -220,9 +223,10 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         slot_buffers = tuple((b[key], fill) for key, fill in self.slot_fills.items())
         for (buf, fill), key in zip(slot_buffers, self.slot_fills, strict=True):
             view._slot_buffers[key.removeprefix("slot:")] = (view_of(buf, fill), fill)
-        compact_region(view, self.settings.policy, slots, order, self.early, slot_buffers)
-        base = [h - generated for h in self.schedule.held(generated)]
-        b["region_base"].copy_(torch.tensor(base))  # host ints sent, nothing read
+        compact_region(view, self.settings.policy, slots, order, base, slot_buffers)
+        # generated token g then goes to slot early + g + region_base[b]: right after the row's kept run
+        offsets = [base + h - generated - self.early for h in self.schedule.held(generated)]
+        b["region_base"].copy_(torch.tensor(offsets))  # host ints sent, nothing read
         self.compacted_at = length
 
     # CacheLayerMixin -------------------------------------------------------------------------------
@@ -351,8 +355,9 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         b["length"].fill_(width)
         b["prompt_len"].fill_(width)
         if self.form.kind == "budget" and self.comp_idx.numel():
-            # a ratio budget follows each row's real length: the prompt's, read once here
-            real = (width - b["row_start"]).tolist() if self.form.ratio else [0] * b["row_start"].shape[0]
+            # a ratio budget or an unprotected prompt follows each row's real length: read once here
+            needs_real = self.form.ratio or not self.form.protect
+            real = (width - b["row_start"]).tolist() if needs_real else [0] * b["row_start"].shape[0]
             self.schedule = RowSchedule(self.form, real)
         out = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)[0]
         if self.full_idx.numel():

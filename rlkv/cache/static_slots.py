@@ -114,8 +114,9 @@ def kept_per_head(layer: StaticHeadMixedLayer, length: int, row: int, row_start:
     these, plus the ring slot the next token overwrites)."""
     settings, form, width = layer.settings, layer.form, layer.prompt_width
     real = length - row_start
-    if form.kind == "budget":
-        return width - row_start + layer.schedule.held(length - width)[row]
+    if form.kind == "budget":  # held: evictable tokens (an unprotected prompt's among them)
+        held = layer.schedule.held(length - width)[row]
+        return width - row_start + held if form.protect else held
     early = max(settings.sink, width - row_start) if settings.protect_prompt else settings.sink
     recent_from = max(length - settings.window, row_start + early)
     return min(early, real) + max(0, length - recent_from)
