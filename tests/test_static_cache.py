@@ -38,6 +38,10 @@ CASES = {
     "rpc-below-budget": dict(
         mask=False, policy="rpc", budget=8, policy_kwargs=dict(interval=4, selector_window=2)
     ),
+    # RPC's own target (no budget): P / c = 2 more kept per cycle, + R (6, 8, 10 at 12, 20, 28 generated)
+    "rpc-own-target": dict(
+        sparsity=0.5, policy="rpc", policy_kwargs=dict(interval=8, selector_window=4, ratio=4, kernel=3)
+    ),
     # ratio budgets (RLKV's dynamic budget): each row's budget follows its own real length, so rows of
     # different prompt lengths compact to different counts (H2O and KNorm default to 0.2)
     "h2o-ratio": dict(sparsity=0.5, policy="h2o", budget=0.2),
@@ -268,9 +272,9 @@ def test_rows_are_independent(left_padded_batch):
     [
         dict(policy="skipkv", budget=32, policy_kwargs=dict(tokenizer=tiny_tokenizer())),  # observes tokens
         dict(policy="h2o", budget=64, protect_prompt=False),  # the prompt's own attention would score it
-        dict(policy="rpc"),  # its own target grows every cycle
+        dict(policy="rpc", policy_kwargs=dict(interval=8, ratio=4, selector_window=2)),  # target 4 < 6
     ],
-    ids=["skipkv", "h2o-unprotected", "rpc-without-budget"],
+    ids=["skipkv", "h2o-unprotected", "rpc-target-below-forced"],
 )
 def test_layouts_without_a_static_form_name_the_fix(kwargs):
     model = tiny_model("llama")
@@ -307,6 +311,7 @@ def test_lengths_beyond_max_cache_len_are_refused(left_padded_batch):
         "rkv-ratio",
         "rkv-unprotected",
         "knorm-ratio-unprotected",
+        "rpc-own-target",
     ],
 )
 def test_decode_steps_never_read_the_device(left_padded_batch, case):

@@ -5,7 +5,7 @@ A `StaticHeadMixedCache` (rlkv/cache/static.py) lays each layer's compressed hea
 
 - "streaming": a ring of window + 1 slots (no compaction ever runs; the slot a new token
   overwrites holds the position the dynamic cache evicts at that step);
-- "budget" (rkv, snapkv, knorm, sink-recent, h2o, rpc with a budget): budget + `slack` slots, where
+- "budget" (rkv, snapkv, knorm, sink-recent, h2o, rpc): budget + `slack` slots, where
   `slack` is how many tokens the policy lets accumulate above the budget before it compresses
   (RPC: its interval P, the region also holding the first P + R). A ratio budget r (RLKV's dynamic
   budget, round(r * real tokens) + sink + window per row) sizes the region for the longest row
@@ -20,8 +20,9 @@ A `StaticHeadMixedCache` (rlkv/cache/static.py) lays each layer's compressed hea
 
 A policy that observes attention (H2O) gets each decode step's probabilities over the slots and keeps
 what it accumulates in per-slot buffers of static shape, moved with the slots by the compaction.
-Everything else (observers of tokens / hidden states: SkipKV; RPC without a budget; an unprotected
-prompt with a budget) has no static form: `StaticCacheError` names `static_cache=False` as the fix.
+RPC without a budget follows its own target (k * P / c + R after its k-th compaction), sized for the
+cycles `max_cache_len` allows. Everything else (observers of tokens / hidden states: SkipKV; H2O over an
+unprotected prompt) has no static form: `StaticCacheError` names `static_cache=False` as the fix.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class StaticForm:
     interval); first: RPC's generated tokens at the first compaction (0: not periodic); rows_due:
     only rows over budget + slack are cut; observe: observation queries kept per compressed head;
     protect: the prompt is protected (else its tokens count against the budget and can be evicted,
-    from the compaction before the first decode step on).
+    from the compaction before the first decode step on); per_cycle: RPC without a budget, whose
+    own target after its k-th compaction is k * per_cycle + `base` (its selector window).
     """
 
     kind: str
@@ -88,6 +90,7 @@ class StaticForm:
     base: int = 0
     rows_due: bool = False
     protect: bool = True
+    per_cycle: int = 0
 
     def region_slots(self, window: int) -> int:
         """Slots after the early region: the ring (window + 1) or the budget region (the most it holds)."""
@@ -131,11 +134,14 @@ class RowSchedule:
         for g in range(self.checked + 1, generated + 1):
             at, kept = self._last(g - 1)
             held = [k + g - at for k in kept]
-            budgets = form.row_budgets(self.real, g)
             if form.first:  # periodic: every `slack` tokens from `first` on, each row cut to its budget
                 if g >= form.first and (g - form.first) % form.slack == 0:
+                    budgets = form.row_budgets(self.real, g)
+                    if form.per_cycle:  # RPC's own target grows by per_cycle every cycle
+                        budgets = [(len(self.events) + 1) * form.per_cycle + form.base] * len(held)
                     self.events.append((g, [min(h, b) for h, b in zip(held, budgets, strict=True)]))
                 continue
+            budgets = form.row_budgets(self.real, g)
             over = [h >= b + form.slack for h, b in zip(held, budgets, strict=True)]
             if any(over):
                 cut = over if form.rows_due else [True] * len(held)
@@ -183,11 +189,9 @@ def static_form(settings: CompressionSettings, has_compressed: bool, max_cache_l
             f"policy {policy.name!r} (static forms: streaming, {', '.join(sorted({*BUDGET_SLACK, *PERIODIC}))})"
         )
     budget = settings.budget
-    if budget is None or isinstance(budget, bool):
+    if (budget is None and policy.name not in PERIODIC) or isinstance(budget, bool):
         raise _no_static_form(
-            f"policy {policy.name!r} with budget={budget!r} (the static region needs a budget"
-            + ("; RPC's own target grows every cycle" if policy.name in PERIODIC else "")
-            + ")"
+            f"policy {policy.name!r} with budget={budget!r} (the static region needs a budget)"
         )
     if not settings.protect_prompt and policy.observe_attention:
         raise _no_static_form(
@@ -200,8 +204,17 @@ def static_form(settings: CompressionSettings, has_compressed: bool, max_cache_l
     observe = int(policy.observe_queries)
     if policy.name in PERIODIC:
         first, period = PERIODIC[policy.name](policy)
+        per_cycle = 0
+        if budget is None:  # its own target, sized for the cycles max_cache_len generated tokens allow
+            per_cycle, base = policy.kept_per_cycle, policy.selector_window
+            if per_cycle + base < settings.sink + settings.window:
+                raise _no_static_form(
+                    f"policy {policy.name!r} without a budget, whose first target ({per_cycle} + {base}) is below "
+                    f"sink + window ({settings.sink + settings.window}): the forced tokens would exceed it"
+                )
+            budget = (max(0, max_cache_len - first) // period + 1) * per_cycle + base
         return StaticForm(
-            "budget", budget, period, observe, first, ratio, base, False, settings.protect_prompt
+            "budget", budget, period, observe, first, ratio, base, False, settings.protect_prompt, per_cycle
         )
     slack = BUDGET_SLACK[policy.name](policy)
     rows_due = policy.name in ROWS_DUE
@@ -264,13 +277,15 @@ def policy_view(
     queries: tuple[torch.Tensor, torch.Tensor] | None,
     row_start: torch.Tensor,
     lengths: tuple[int, int],
+    state: dict,
 ) -> CompressedStore:
     """A `CompressedStore` over the slots of a static layer, for the policy's `select`.
 
     slots: keys, values [B, H_c, N, D] and positions [B, H_c, N] (-1 = empty), in the dynamic cache's
     order (`dynamic_order`); queries: the last N
     observation queries [B, H_c, G, N, D] oldest first and their positions LongTensor[N], or None;
-    lengths: (tokens stored, prompt columns).
+    lengths: (tokens stored, prompt columns); state: the layer's policy state (`store.state`), kept
+    between compactions as the dynamic store keeps it (RPC counts its cycles there).
     """
     view = CompressedStore(layer_idx, head_idx, num_groups, settings)
     view.keys, view.values, view.positions = slots
@@ -280,6 +295,7 @@ def policy_view(
     view.logical_length, view.prompt_length = lengths
     view.evicted = torch.zeros_like(row_start)
     view.all_valid = False
+    view.state = state
     return view
 
 

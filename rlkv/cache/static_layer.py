@@ -112,6 +112,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.in_flight = 0  # tokens of a begun forward not yet written: get_seq_length excludes them
         self.compacted_at = -1
         self.schedule: RowSchedule | None = None  # a budget region's compactions (set at prefill)
+        self.policy_state: dict = {}  # the policy's per-layer state across compactions (`store.state`)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the prompt's key/value, until attend
 
     # allocation and host bookkeeping (eager) ---------------------------------------------------
@@ -219,6 +220,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             queries,
             b["row_start"],
             (length, self.prompt_width),
+            self.policy_state,
         )
         slot_buffers = tuple((b[key], fill) for key, fill in self.slot_fills.items())
         for (buf, fill), key in zip(slot_buffers, self.slot_fills, strict=True):
@@ -358,7 +360,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             # a ratio budget or an unprotected prompt follows each row's real length: read once here
             needs_real = self.form.ratio or not self.form.protect
             real = (width - b["row_start"]).tolist() if needs_real else [0] * b["row_start"].shape[0]
-            self.schedule = RowSchedule(self.form, real)
+            self.schedule, self.policy_state = RowSchedule(self.form, real), {}
         out = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)[0]
         if self.full_idx.numel():
             b["full_k"][:, :, :width].copy_(pick_heads(keys, self.full_idx, self.full_slice))
