@@ -23,6 +23,7 @@ SUBCOMMANDS = [
     "rlkv.cli.mask_nll",
     "rlkv.cli.steering",
     "rlkv.cli.eval",
+    "rlkv.cli.compare",
     "rlkv.cli.train",
     "rlkv.cli.bench",
 ]
