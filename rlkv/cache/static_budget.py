@@ -164,8 +164,8 @@ class RowSchedule:
     def last_compaction(self, generated: int) -> tuple[int, list[int]] | None:
         """(generated, kept per row) of the last compaction before `generated`, None before any."""
         self._advance(generated)
-        earlier = [event for event in self.events if event[0] < generated]
-        return earlier[-1] if earlier else None
+        # newest first: a compaction asks for the one just before it (H2O compacts every step)
+        return next((event for event in reversed(self.events) if event[0] < generated), None)
 
 
 def _no_static_form(why: str) -> StaticCacheError:
