@@ -74,6 +74,8 @@ class StaticHeadMixedCache(PolicyCache):
             int(max_cache_len),
             batch_size,
         )
+        compressed = (~full_heads).any(dim=1).nonzero().flatten().tolist()
+        shared = {"owner": compressed[0] if compressed else None}
         layers = [
             StaticHeadMixedLayer(
                 i,
@@ -83,6 +85,7 @@ class StaticHeadMixedCache(PolicyCache):
                 self.form,
                 max_cache_len,
                 max_prompt_len or 0,
+                shared,
             )
             for i in range(geometry.num_hidden_layers)
         ]

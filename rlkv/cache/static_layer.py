@@ -92,6 +92,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         form: StaticForm,
         max_cache_len: int,
         prompt_capacity: int = 0,
+        shared: dict | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx, self.num_groups, self.settings, self.form = layer_idx, int(num_groups), settings, form
@@ -112,6 +113,9 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.in_flight = 0  # tokens of a begun forward not yet written: get_seq_length excludes them
         self.compacted_at = -1
         self.schedule: RowSchedule | None = None  # a budget region's compactions (set at prefill)
+        # what the cache's layers share: the schedule ("schedule"), made by the layer "owner" at each prefill
+        # (every compressed layer holds the same tokens, so one replay of the policy's rule serves all)
+        self.shared = shared if shared is not None else {"owner": layer_idx}
         self.policy_state: dict = {}  # the policy's per-layer state across compactions (`store.state`)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the prompt's key/value, until attend
 
@@ -357,10 +361,13 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         b["length"].fill_(width)
         b["prompt_len"].fill_(width)
         if self.form.kind == "budget" and self.comp_idx.numel():
-            # a ratio budget or an unprotected prompt follows each row's real length: read once here
-            needs_real = self.form.ratio or not self.form.protect
-            real = (width - b["row_start"]).tolist() if needs_real else [0] * b["row_start"].shape[0]
-            self.schedule, self.policy_state = RowSchedule(self.form, real), {}
+            self.policy_state = {}
+            self.schedule = self.shared.get("schedule")
+            if self.layer_idx == self.shared.get("owner"):  # the first compressed layer; the others share it
+                # a ratio budget or an unprotected prompt follows each row's real length: read once here
+                needs_real = self.form.ratio or not self.form.protect
+                real = (width - b["row_start"]).tolist() if needs_real else [0] * b["row_start"].shape[0]
+                self.schedule = self.shared["schedule"] = RowSchedule(self.form, real)
         out = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)[0]
         if self.full_idx.numel():
             b["full_k"][:, :, :width].copy_(pick_heads(keys, self.full_idx, self.full_slice))
