@@ -60,6 +60,9 @@ CASES = {
         mask=False, policy="knorm", budget=0.2, protect_prompt=False, policy_kwargs=dict(buffer=2)
     ),
     "sink-recent-ratio-unprotected": dict(mask=False, policy="sink-recent", budget=0.3, protect_prompt=False),
+    # H2O over an unprotected prompt: the prompt's own attention scores it from the prefill on
+    "h2o-unprotected": dict(sparsity=0.5, policy="h2o", budget=10, protect_prompt=False),
+    "h2o-ratio-unprotected": dict(mask=False, policy="h2o", budget=0.25, protect_prompt=False),
     "rpc-ratio-unprotected": dict(
         sparsity=0.5,
         policy="rpc",
@@ -271,10 +274,9 @@ def test_rows_are_independent(left_padded_batch):
     "kwargs",
     [
         dict(policy="skipkv", budget=32, policy_kwargs=dict(tokenizer=tiny_tokenizer())),  # observes tokens
-        dict(policy="h2o", budget=64, protect_prompt=False),  # the prompt's own attention would score it
         dict(policy="rpc", policy_kwargs=dict(interval=8, ratio=4, selector_window=2)),  # target 4 < 6
     ],
-    ids=["skipkv", "h2o-unprotected", "rpc-target-below-forced"],
+    ids=["skipkv", "rpc-target-below-forced"],
 )
 def test_layouts_without_a_static_form_name_the_fix(kwargs):
     model = tiny_model("llama")
@@ -312,6 +314,7 @@ def test_lengths_beyond_max_cache_len_are_refused(left_padded_batch):
         "rkv-unprotected",
         "knorm-ratio-unprotected",
         "rpc-own-target",
+        "h2o-unprotected",
     ],
 )
 def test_decode_steps_never_read_the_device(left_padded_batch, case):
@@ -387,13 +390,11 @@ def test_generate_static_cache_option(tokenizer):
     )
     assert static == dynamic
     assert [reason for _, reason, _ in static].count("eos") == 2
-    unprotected = CompressionConfig(policy="h2o", budget=96, protect_prompt=False)
+    skipkv = CompressionConfig(policy="skipkv", budget=96, policy_kwargs=dict(tokenizer=tokenizer))
     with pytest.raises(StaticCacheError, match="static_cache=False"):
-        generate(model, tokenizer, prompts, 4, compression=unprotected, static_cache=True, progress=False)
+        generate(model, tokenizer, prompts, 4, compression=skipkv, static_cache=True, progress=False)
     # None on CPU: the dynamic cache, so a layout without a static form still generates
-    assert len(generate(model, tokenizer, prompts, 4, compression=unprotected, progress=False)) == len(
-        prompts
-    )
+    assert len(generate(model, tokenizer, prompts, 4, compression=skipkv, progress=False)) == len(prompts)
 
 
 def test_cli_no_static_cache_flag(capsys):

@@ -20,9 +20,10 @@ A `StaticHeadMixedCache` (rlkv/cache/static.py) lays each layer's compressed hea
 
 A policy that observes attention (H2O) gets each decode step's probabilities over the slots and keeps
 what it accumulates in per-slot buffers of static shape, moved with the slots by the compaction.
-RPC without a budget follows its own target (k * P / c + R after its k-th compaction), sized for the
-cycles `max_cache_len` allows. Everything else (observers of tokens / hidden states: SkipKV; H2O over an
-unprotected prompt) has no static form: `StaticCacheError` names `static_cache=False` as the fix.
+An unprotected prompt scored by attention (H2O) gets the prompt's own attention at the prefill, from an
+explicit softmax over the slots. RPC without a budget follows its own target (k * P / c + R after its
+k-th compaction), sized for the cycles `max_cache_len` allows. Observers of tokens or hidden states
+(SkipKV) have no static form: `StaticCacheError` names `static_cache=False` as the fix.
 """
 
 from __future__ import annotations
@@ -192,11 +193,6 @@ def static_form(settings: CompressionSettings, has_compressed: bool, max_cache_l
     if (budget is None and policy.name not in PERIODIC) or isinstance(budget, bool):
         raise _no_static_form(
             f"policy {policy.name!r} with budget={budget!r} (the static region needs a budget)"
-        )
-    if not settings.protect_prompt and policy.observe_attention:
-        raise _no_static_form(
-            f"policy {policy.name!r} with protect_prompt=False (its scores would start from the "
-            "prompt's own attention, which the static prefill does not observe)"
         )
     ratio, base = 0.0, settings.sink + settings.window
     if isinstance(budget, float):  # sized for the longest row: every real token of max_cache_len columns

@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlkv.cache.attention import SELF_ATTENDING_LAYERS
+from rlkv.cache.attention import EAGER_CHUNK_ELEMENTS, SELF_ATTENDING_LAYERS
 from rlkv.cache.head_split import head_split, merge_heads, pick_heads
 from rlkv.cache.static_budget import (
     RowSchedule,
@@ -380,15 +380,18 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             )
             policy = self.settings.policy
             if policy.observe_attention:
-                # the prompt is protected, so its own attention never ranks a candidate; a zero
-                # observation makes the policy create its per-slot buffers here, eagerly
                 for key, fill in self.slot_fills.items():
                     b[key].fill_(fill)
-                comp_pos = b["comp_pos"]
-                zero = torch.zeros(
-                    *comp_pos.shape[:2], self.num_groups, 1, comp_pos.shape[2], device=comp_pos.device
-                )
-                policy.on_attention(self.slot_view, zero)
+                if self.form.protect:
+                    # the prompt is protected, so its own attention never ranks a candidate; a zero
+                    # observation makes the policy create its per-slot buffers here, eagerly
+                    comp_pos = b["comp_pos"]
+                    zero = torch.zeros(
+                        *comp_pos.shape[:2], self.num_groups, 1, comp_pos.shape[2], device=comp_pos.device
+                    )
+                    policy.on_attention(self.slot_view, zero)
+                else:  # an evictable prompt is scored by its own attention, as the dynamic cache does
+                    self._observe_prompt(pick_heads(query, self.comp_q, self.comp_q_slice), scaling)
             if self.form.observe:
                 q_comp = pick_heads(query, self.comp_q, self.comp_q_slice)
                 n = min(width, self.form.observe)
@@ -398,6 +401,23 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 at = torch.arange(width - n, width, device=query.device) % self.form.observe
                 b["obs_q"].index_copy_(3, at, grouped)
         return out
+
+    def _observe_prompt(self, q_comp: torch.Tensor, scaling: float) -> None:
+        """Hand the policy the prompt's causal attention probabilities over the slots, [B, H_c, G, Q, S]
+        in query chunks (an explicit fp32 softmax, as the dynamic cache's observing path)."""
+        b = self.buffers
+        batch, _, width, dim = q_comp.shape
+        heads, slots = b["comp_k"].shape[1], b["comp_k"].shape[2]
+        q = q_comp.reshape(batch, heads, self.num_groups, width, dim)
+        keys_t = b["comp_k"][:, :, None].float().transpose(-1, -2)
+        pos = b["comp_pos"][:, :, None, None, :]  # [B, H_c, 1, 1, S]: a slot's column
+        step = max(1, EAGER_CHUNK_ELEMENTS // max(1, batch * heads * self.num_groups * slots))
+        for start in range(0, width, step):
+            cols = torch.arange(start, min(width, start + step), device=q.device)[:, None]
+            logits = torch.matmul(q[:, :, :, start : start + step].float(), keys_t) * scaling
+            allowed = (pos >= 0) & (pos <= cols)  # causal; a padding query sees no real key
+            probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+            self.settings.policy.on_attention(self.slot_view, probs)
 
     # what the cache reports --------------------------------------------------------------------------
     def kept_positions(self) -> torch.Tensor | None:
