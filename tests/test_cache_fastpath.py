@@ -220,14 +220,12 @@ def _fast_path_spy(monkeypatch) -> list[tuple[str, int]]:
     return calls
 
 
-def _compact_slot_by_slot(
-    self: CompressedStore, keep: torch.Tensor, kept: list[int] | None = None, by_position: bool = False
-) -> None:
+def _compact_slot_by_slot(self: CompressedStore, keep: torch.Tensor, kept: list[int] | None = None) -> None:
     """Reference compaction, one (row, head) at a time: kept slots first in order, then empty slots."""
     valid = self.valid()
     keep = keep & valid
     self.evicted += (valid & ~keep).sum(dim=(1, 2))
-    self._recount(keep, kept, by_position)  # the host counts, as the cache keeps them
+    self._recount(keep, kept)  # the host counts, as the cache keeps them
     self.uniform = False
     size = int(keep.sum(-1).max())
     batch, heads, _ = keep.shape
@@ -257,6 +255,14 @@ def _greedy_logits(model, policy_name, tokenizer, batch, new_tokens, **cache_kwa
     return generate_with_logits(model, policy, *batch, new_tokens, **cache_kwargs)
 
 
+def _compact_ends_slot_by_slot(self: CompressedStore, kept: list[int]) -> None:
+    """Reference of `compact_ends`: the mask of each row's early region and newest slots, compacted slot by slot."""
+    early = self._early_ends()[0] - self.row_starts()[0]
+    slot = torch.arange(self.positions.shape[2])
+    keep = (slot < early) | (slot >= self.positions.shape[2] - (kept[0] - early))
+    _compact_slot_by_slot(self, keep.expand_as(self.positions).clone(), kept)
+
+
 @pytest.mark.parametrize("name", sorted(n for n, e in POLICY_MATRIX.items() if e.evicting is not None))
 def test_every_policy_generates_as_with_slot_by_slot_compaction(
     name, make_model, tokenizer, left_padded_batch, monkeypatch
@@ -281,6 +287,7 @@ def test_every_policy_generates_as_with_slot_by_slot_compaction(
                 model, name, tokenizer, batch, entry.evicting_tokens, **settings
             )
             patch.setattr(CompressedStore, "compact", _compact_slot_by_slot)
+            patch.setattr(CompressedStore, "compact_ends", _compact_ends_slot_by_slot)
             ref_tokens, ref_logits, _ = _greedy_logits(
                 model, name, tokenizer, batch, entry.evicting_tokens, **settings
             )

@@ -5,6 +5,7 @@ tiny model, one layer all full, one all compressed, two mixed. A regression guar
 path's op count (docs/design.md, "Work per decode step"); it counts, it does not time.
 """
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -45,12 +46,17 @@ def _ops_per_step(model, cache) -> float:
     return sum(e.name.startswith("aten::") and top_level(e) for e in prof.events()) / STEPS
 
 
-def test_head_mixed_decode_step_stays_within_its_op_budget():
+@pytest.mark.parametrize("policy", ["streaming", "rkv"])
+def test_head_mixed_decode_step_stays_within_its_op_budget(policy):
+    """<= 1.25x plain's ops per step (issue 50's target). Measured 2026-11-28 on the 4-layer tiny model:
+    streaming 294 vs 246 (1.20x; 309 before by-position compactions stopped building a keep mask, 353
+    before head slices, one-op merges, no full-range views and the direct one-query mask); R-KV (budget 24,
+    its default buffer of 128, so no compaction falls in the 8 counted steps) 303 (1.23x). A compaction
+    every 128 steps adds ~650 ops, ~5 per step."""
     model = tiny_model("llama", num_hidden_layers=4)
     plain = _ops_per_step(model, DynamicCache(config=model.config))
     model.set_attn_implementation(register_attention())
-    cache = HeadMixedCache(model.config, LAYOUT, get_policy("streaming"), sink=4, window=8)
+    sizes = dict(budget=24, protect_prompt=False) if policy == "rkv" else {}
+    cache = HeadMixedCache(model.config, LAYOUT, get_policy(policy), sink=4, window=8, **sizes)
     mixed = _ops_per_step(model, cache)
-    # measured 2026-11-28: 309 vs 246 ops (1.26x; 1.43x before head slices, one-op merges, no full-range
-    # views and the direct one-query mask)
-    assert mixed <= 1.28 * plain, (mixed, plain)
+    assert mixed <= 1.25 * plain, (mixed, plain)

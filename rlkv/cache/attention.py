@@ -219,11 +219,14 @@ def _after_attention(layer: HeadMixedLayer) -> None:
         store.drop_padding()
     if policy.should_compress(store):  # a Python bool from host counts (the policy contract)
         kept = policy.kept_counts(store)  # before select: a policy may advance its schedule there
+        if policy.selects_by_position and store.uniform:
+            # every (row, head) alike: the early region and the newest slots, by count (no mask to build)
+            store.compact_ends(kept)
+            return
         keep = policy.select(store)
         if keep.dim() == 2:
             keep = keep[:, None, :].expand_as(store.positions)
-        # compact keeps valid slots only
-        store.compact(keep | store.forced_keep(), kept, by_position=policy.selects_by_position)
+        store.compact(keep | store.forced_keep(), kept)  # compact keeps valid slots only
 
 
 def rlkv_cache_attention(

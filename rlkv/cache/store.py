@@ -319,34 +319,35 @@ class CompressedStore:
             queries, pos = queries[:, :, :, -limit:].clone(), pos[-limit:].clone()
         self.queries, self.query_positions = queries, pos
 
-    def compact(self, keep: torch.Tensor, kept: list[int] | None = None, by_position: bool = False) -> None:
+    def compact_ends(self, kept: list[int]) -> None:
+        """Keep each row's early region (sink, protected prompt) and its newest slots, `kept` per (row,
+        head) in all, when every (row, head) holds the same positions and no empty slot (`uniform`):
+        one `torch.cat` of two column ranges per tensor, no keep mask built (streaming, sink + recent)."""
+        early = self._early_ends()[0] - self.row_starts()[0]
+        heads = self.positions.shape[1]
+        self.evicted += heads * (self.positions.shape[2] - kept[0])
+        self._recount_counts(kept, heads)
+        self._take_ends(early, kept[0])
+        self._capacity.clear()
+        self._slots_changed()
+
+    def compact(self, keep: torch.Tensor, kept: list[int] | None = None) -> None:
         """Keep the slots where `keep` [B, H_c, K] is True (valid ones only), in exactly sized new tensors.
 
         kept: how many slots each row keeps per head, as Python ints (the policy's `kept_counts`):
         the gather then never reads `keep` on the host. None: count `keep` (one host read, for
-        policies that declare no counts). by_position: `keep` depends only on the slots' positions
-        (and per-row values) and keeps the row's early region (sink, protected prompt) plus its most
-        recent slots (streaming, sink + recent): when every (row, head) holds the same positions,
-        those two ranges of columns are copied, with no index at all.
+        policies that declare no counts).
 
-        Kept slots stay in position order. Fast paths besides that one: when the keep mask is read
-        (`kept` None) and every (row, head) keeps the same slots, whole columns are copied with one
-        `index_select` per tensor; when every (row, head) keeps the same count, the kept slots are
-        copied as rows with `index_select`, several times faster on CPU than the padded path's gather.
+        Kept slots stay in position order. Fast paths (besides `compact_ends`, which needs no mask):
+        when the keep mask is read (`kept` None) and every (row, head) keeps the same slots, whole
+        columns are copied with one `index_select` per tensor; when every (row, head) keeps the same
+        count, the kept slots are copied as rows with `index_select`, several times faster on CPU than
+        the padded path's gather.
         """
-        if kept is not None and by_position and self.uniform and keep.numel():
-            # every (row, head) alike, no empty slot: the early region and the most recent slots
-            early = self._early_ends()[0] - self.row_starts()[0]
-            self.evicted += keep.shape[1] * (keep.shape[2] - kept[0])
-            self._recount(keep, kept, by_position)
-            self._take_ends(early, kept[0])
-            self._capacity.clear()
-            self._slots_changed()
-            return
         valid = self.valid()
         keep = keep & valid
         self.evicted += (valid > keep).sum(dim=(1, 2))  # valid and not kept: on the device, no read
-        same_columns = self._recount(keep, kept, by_position)
+        same_columns = self._recount(keep, kept)
         kept = self.slot_counts
         size = max(kept, default=0)
         equal_counts = self.head_counts is None and min(kept, default=0) == size
@@ -362,25 +363,32 @@ class CompressedStore:
         self._capacity.clear()  # the new tensors are exactly sized; the old storages are freed
         self._slots_changed()
 
-    def _recount(self, keep: torch.Tensor, kept: list[int] | None, by_position: bool) -> bool:
+    def _recount(self, keep: torch.Tensor, kept: list[int] | None) -> bool:
         """Update the host counts for a compaction to `keep` (valid slots only) keeping `kept` slots per
         row and head (None: count `keep`, one host read); returns whether whole columns suffice."""
         heads = keep.shape[1]
+        if kept is not None:
+            self._recount_counts(kept, heads)
+            return False
+        # the policy declares no counts: read them (and whether columns suffice)
         before = self.head_counts or [[n] * heads for n in self.slot_counts]
-        if kept is None:  # the policy declares no counts: read them (and whether columns suffice)
-            per_head = keep.sum(-1).tolist()
-            kept = [max(row, default=0) for row in per_head]
-            self.head_counts = per_head if any(min(row) != max(row) for row in per_head) else None
-            same_columns = self.all_valid and torch.equal(keep, keep[:1, :1].expand_as(keep))
-        else:
-            per_head = [[n] * heads for n in kept]
-            self.head_counts = None
-            same_columns = False  # by_position on a uniform store took the two-range path
-        self.evicted_host = [
-            e + sum(old) - sum(new) for e, old, new in zip(self.evicted_host, before, per_head, strict=True)
-        ]
+        per_head = keep.sum(-1).tolist()
+        self.head_counts = per_head if any(min(row) != max(row) for row in per_head) else None
+        self._count_evicted(before, per_head)
+        self.slot_counts = [max(row, default=0) for row in per_head]
+        return self.all_valid and torch.equal(keep, keep[:1, :1].expand_as(keep))
+
+    def _recount_counts(self, kept: list[int], heads: int) -> None:
+        """Host counts after a compaction keeping `kept[b]` slots in every head of row b."""
+        before = self.head_counts or [[n] * heads for n in self.slot_counts]
+        self.head_counts = None
+        self._count_evicted(before, [[n] * heads for n in kept])
         self.slot_counts = list(kept)
-        return same_columns
+
+    def _count_evicted(self, before: list[list[int]], after: list[list[int]]) -> None:
+        self.evicted_host = [
+            e + sum(old) - sum(new) for e, old, new in zip(self.evicted_host, before, after, strict=True)
+        ]
 
     def _take_ends(self, early: int, size: int) -> None:
         """Compact every (row, head) to its first `early` and last `size - early` slots (none empty):
