@@ -2,10 +2,13 @@
 
     python -m benchmarks --suite real --model models/qwen2.5-coder-0.5b-instruct --out runs/bench-real
     python -m benchmarks.real.runner --worker step --model M --completions 32   # one measurement alone (JSON)
+    python -m benchmarks.real.runner --worker inference --model M              # the decode comparison alone
 
 Each measurement runs in its own process (clean peak RSS: the high-water mark is reset after the
 model is loaded), side by side in one run, and the suite prints ratios with PASS/FAIL:
 - gated `generate` tokens/s / plain `generate` tokens/s, same batch, dtype, sampling (>= 0.8);
+- inference: batch-1 greedy decoding after a 512-token prompt, rlkv's head-mixed cache at s=0.5
+  (the shipped mask, dynamic and static eager) tokens/s / plain transformers' (>= 1.0);
 - one GRPO step of `GateGRPOTrainer` / (plain generate time + one forward+backward of the plain
   model over the same sequences, backward to the inputs) (<= 1.5);
 - peak RSS of that step (<= 4 GiB for 8 completions x 256 tokens in bf16) and how busy the cores
@@ -25,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.common import child_env, module_command
+from benchmarks.common import ROOT, child_env, module_command
 from rlkv.inference import load
 
 GATE_SINK, GATE_LOCAL = 16, 64
@@ -34,6 +37,7 @@ TARGETS = {
     "step": "GRPO step / (plain generate + forward+backward) <= 1.5",
     "rss": "peak RSS of the step <= 4 GiB (8 x 256, bf16)",
     "cpu": "cores busy during the step: CPU s / wall s / cores >= 0.75",
+    "inference": "batch 1, prompt 512, 128 new tokens: rlkv s=0.5 tokens/s / plain >= 1.0, dynamic and static",
 }
 QUESTIONS = [
     "A shop sells pencils at {a} cents each. How much do {b} pencils cost in dollars?",
@@ -243,7 +247,66 @@ def worker_step(args) -> dict:
     )
 
 
-WORKERS = {"generate": worker_generate, "step": worker_step}
+def worker_inference(args) -> dict:
+    """Batch-1 greedy decode rate (tokens/s after the first) of `decode_tokens` after a `prompt_tokens`
+    prompt: plain transformers (DynamicCache, sdpa) against rlkv's head-mixed cache at `sparsity` (the
+    mask's compressed heads sink 16 + local 64), dynamic and static (eager); alternating, best of
+    `repeats` each."""
+    from transformers import DynamicCache
+
+    from rlkv.compat import cache_kwargs
+    from rlkv.inference import CompressionConfig, make_cache
+
+    model, tok = load(args.model, dtype=args.dtype)
+    text = "\n".join(prompts(tok, 64))
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    ids = ids.repeat(1, -(-args.prompt_tokens // ids.shape[1]))[:, : args.prompt_tokens]
+    mask = torch.ones_like(ids)
+    total = args.prompt_tokens + args.decode_tokens
+    config = CompressionConfig(head_mask=args.head_mask, sparsity=args.sparsity, sink=16, window=64)
+
+    def seconds(kind: str, new_tokens: int) -> float:
+        if kind == "plain":
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+        else:
+            cache = make_cache(model, config, static=kind == "static", max_cache_len=total)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                **cache_kwargs(cache),
+            )
+        return time.perf_counter() - start
+
+    kinds = ("plain", "dynamic", "static")
+    for kind in kinds:
+        seconds(kind, 4)  # warm up kernels and allocations
+    # decode rate = (N - 1) / (time of N new tokens - time of 1): the prefill (and first token) cancels
+    full: dict[str, list[float]] = {kind: [] for kind in kinds}
+    first: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for _ in range(args.repeats):
+        for kind in kinds:
+            first[kind].append(seconds(kind, 1))
+            full[kind].append(seconds(kind, args.decode_tokens))
+    decode = {kind: min(full[kind]) - min(first[kind]) for kind in kinds}
+    return dict(
+        prompt_tokens=args.prompt_tokens,
+        decode_tokens=args.decode_tokens,
+        sparsity=args.sparsity,
+        head_mask=args.head_mask,
+        **{f"{kind}_prefill_s": min(first[kind]) for kind in kinds},
+        **{f"{kind}_tok_s": (args.decode_tokens - 1) / decode[kind] for kind in kinds},
+        all_s=dict(full=full, first=first),
+    )
+
+
+WORKERS = {"generate": worker_generate, "step": worker_step, "inference": worker_inference}
 
 
 def run_worker(kind: str, args, **overrides) -> dict:
@@ -257,6 +320,11 @@ def run_worker(kind: str, args, **overrides) -> dict:
         steps=args.steps,
         threads=args.threads,
         activation_checkpointing=args.activation_checkpointing,
+        prompt_tokens=args.prompt_tokens,
+        decode_tokens=args.decode_tokens,
+        sparsity=args.sparsity,
+        head_mask=args.head_mask,
+        repeats=args.repeats,
     )
     opts.update(overrides)
     cmd = [*module_command("benchmarks.real.runner"), "--worker", kind]
@@ -281,11 +349,13 @@ def suite_real(args) -> dict:
             "--suite real needs --model PATH (make model writes models/qwen2.5-coder-0.5b-instruct)"
         )
     gen = run_worker("generate", args)
+    inference = run_worker("inference", args)
     step = run_worker("step", args)
     small = dict(completions=4, new_tokens=64, micro_batch=2, steps=2)
     small_bf16 = run_worker("step", args, dtype="bfloat16", **small)
     small_fp32 = run_worker("step", args, dtype="float32", **small)
     generate_ratio = gen["gated_tok_s"] / gen["plain_tok_s"]
+    inference_ratios = {k: inference[f"{k}_tok_s"] / inference["plain_tok_s"] for k in ("dynamic", "static")}
     step_ratio = step["step_s"] / (gen["plain_generate_s"] + gen["forward_backward_s"])
     return dict(
         model=args.model,
@@ -294,6 +364,8 @@ def suite_real(args) -> dict:
         new_tokens=args.new_tokens,
         micro_batch=args.micro_batch,
         generate=gen,
+        inference=inference,
+        inference_ratios=inference_ratios,
         step=step,
         small_setting=small,
         small_bf16=small_bf16,
@@ -307,6 +379,7 @@ def suite_real(args) -> dict:
                 step=step_ratio <= 1.5,
                 rss=step["step_peak_rss"] <= 4 * 2**30,
                 cpu=step["step_cpu_util"] >= 0.75,
+                inference=min(inference_ratios.values()) >= 1.0,
             )
         ),
         passed=all(verdicts.values()),
@@ -341,6 +414,17 @@ def report_real(r: dict) -> list[str]:
         f"| {TARGETS['rss']} | {s['step_peak_rss'] / 2**30:.2f} GiB | {verdict(r['verdicts']['rss'])} |",
         f"| {TARGETS['cpu']} | {s['step_cpu_util']:.2f} | {verdict(r['verdicts']['cpu'])} |",
     ]
+    if "inference" in r:
+        i, ratios = r["inference"], r["inference_ratios"]
+        lines[6:6] = [
+            f"| greedy decode, batch 1, prompt {i['prompt_tokens']}, {i['decode_tokens']} new: plain / rlkv "
+            f"s={i['sparsity']:g} dynamic / static (eager) | {i['plain_tok_s']:.1f} / {i['dynamic_tok_s']:.1f} / "
+            f"{i['static_tok_s']:.1f} tok/s |"
+        ]
+        lines.append(
+            f"| {TARGETS['inference']} | {ratios['dynamic']:.2f} / {ratios['static']:.2f} | "
+            f"{verdict(r['verdicts']['inference'])} |"
+        )
     return lines
 
 
@@ -363,6 +447,17 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per measurement (0 = every core)"
     )
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="inference: prompt length")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="inference: new tokens")
+    parser.add_argument(
+        "--sparsity", type=float, default=0.5, help="inference: fraction of KV heads compressed"
+    )
+    parser.add_argument(
+        "--head-mask",
+        default=str(ROOT / "data" / "masks" / "qwen2.5-coder-0.5b-instruct"),
+        help="inference: the head mask (default: the shipped Qwen2.5-Coder-0.5B-Instruct mask)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="inference: timed runs per cache (best kept)")
     parser.add_argument(
         "--activation-checkpointing",
         type=int,
