@@ -347,7 +347,10 @@ def test_decode_steps_never_read_the_device(left_padded_batch, case):
         assert any(layer.compacted_at > 0 for layer in cache.layers)  # compaction steps were among them
 
 
-@pytest.mark.parametrize("case", ["streaming", "rkv", "rpc", "h2o", "rkv-ratio", "knorm-ratio-unprotected"])
+@pytest.mark.parametrize(
+    "case",
+    ["streaming", "rkv", "rpc", "h2o", "rkv-ratio", "knorm-ratio-unprotected", "rpc-ratio-unprotected"],
+)
 def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, case):
     """transformers' compiled decode (fullgraph, static shapes) captures one graph and replays it."""
     model = tiny_model("llama")
