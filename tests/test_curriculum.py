@@ -192,6 +192,26 @@ def test_keep_finished_samples_every_eos_completion_correct_or_not(engine, refer
         _config(keep="every")
 
 
+def test_keep_all_samples_truncated_completions_too(engine, reference_run, tmp_path):
+    """keep="all": every completion, cut at max_new_tokens or not (an on-policy distillation set keeps the
+    loops a compressed model runs into); a truncated one counts max_new_tokens tokens."""
+    out = tmp_path / "all"
+    shutil.copytree(reference_run.out_dir, out)
+    records = read_shards(out / "shards")
+    truncated = {i for i, r in records.items() if r["finish_reason"] == "length"}
+    assert truncated, "the fixture should hold completions cut at max_new_tokens"
+    buckets = f"0-20:24,20-{MAX_NEW + 1}:24"  # the top bucket holds the cut ones (MAX_NEW tokens)
+    with pytest.warns(UserWarning, match="shortfall"):
+        result = build_curriculum(
+            engine, _pool(24), out, dataclasses.replace(_config(keep="all"), buckets=buckets)
+        )
+    assert result.stats["throughput"]["problems_generated"] == 0
+    assert result.stats["kept"] == len(records) == len(result.dataset)
+    cut = [row for row in result.dataset if row["solution_tokens"] == MAX_NEW]
+    assert len(cut) >= len(truncated)
+    assert {records[i]["completion"] for i in truncated} <= set(result.dataset["completion"])
+
+
 KILL_SCRIPT = textwrap.dedent(
     """
     import sys, zlib

@@ -53,8 +53,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--keep",
         choices=KEEP_CHOICES,
         default="solved",
-        help="sample quotas from solved problems (the paper's curriculum) or from every finished "
-        "completion, correct or not (a distillation set: the full model's own behaviour is the target)",
+        help="sample quotas from solved problems (the paper's curriculum), from every finished "
+        "completion, correct or not (a distillation set: the full model's own behaviour is the target), or "
+        "from all, cut ones included (an on-policy set of a compressed model, --head-mask, keeps its loops)",
     )
     cur.add_argument("--template", default="auto", help="prompt template: auto, math, code, plain")
     cur.add_argument(

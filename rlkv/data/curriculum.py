@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 TOKENS_PER_K = 1024
 PAPER_BUCKETS = "0-2k:600,2k-4k:600,4k-6k:1000,6k-8k:800"
-KEEP_CHOICES = ("solved", "finished")
+KEEP_CHOICES = ("solved", "finished", "all")
 _BOUND_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kK]?)\s*$")
 
 
@@ -119,8 +119,10 @@ class CurriculumConfig:
     chunk_size: problems per engine call; also the resume granularity (a chunk is redone if cut).
     seed: quota sampling seed.
     keep: which completions the quotas sample from: "solved" (verified correct and finished, the
-        paper's curriculum) or "finished" (every completion that ended with EOS, correct or not: a
-        distillation set, where the full-attention model's own behaviour is the target).
+        paper's curriculum), "finished" (every completion that ended with EOS, correct or not: a
+        distillation set, where the full-attention model's own behaviour is the target) or "all"
+        (cut at max_new_tokens too: an on-policy set of a compressed model keeps its loops; a cut
+        completion counts max_new_tokens tokens, so put a bucket's upper bound above it).
     histogram_bins: number of equal-width bins of the length histogram over [0, max_new_tokens].
     """
 
@@ -330,13 +332,15 @@ def _histogram(lengths: list[int], max_new_tokens: int, bins: int) -> list[int]:
 
 
 def _kept(record: dict[str, Any], keep: str) -> bool:
+    if keep == "all":
+        return True
     return record["finish_reason"] == "eos" and (keep == "finished" or record["correct"])
 
 
 def select_curriculum(
     records: dict[int, dict[str, Any]], buckets: list[Bucket], seed: int, keep: str = "solved"
 ) -> tuple[list[int], list[dict[str, Any]]]:
-    """Sample each bucket's quota from the kept records (seeded: "solved" or "finished", see
+    """Sample each bucket's quota from the kept records (seeded: "solved", "finished" or "all", see
     `CurriculumConfig.keep`); returns pool indices easy to hard and bucket stats."""
     solved = sorted(i for i, r in records.items() if _kept(r, keep))
     rng = random.Random(seed)
