@@ -260,10 +260,12 @@ def worker_inference(args) -> dict:
     model, tok = load(args.model, dtype=args.dtype)
     text = "\n".join(prompts(tok, 64))
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    ids = ids.repeat(1, -(-args.prompt_tokens // ids.shape[1]))[:, : args.prompt_tokens]
+    ids = ids.repeat(1, -(-args.inference_prompt_tokens // ids.shape[1]))[:, : args.inference_prompt_tokens]
     mask = torch.ones_like(ids)
-    total = args.prompt_tokens + args.decode_tokens
-    config = CompressionConfig(head_mask=args.head_mask, sparsity=args.sparsity, sink=16, window=64)
+    total = args.inference_prompt_tokens + args.inference_decode_tokens
+    config = CompressionConfig(
+        head_mask=args.inference_head_mask, sparsity=args.inference_sparsity, sink=16, window=64
+    )
 
     def seconds(kind: str, new_tokens: int) -> float:
         if kind == "plain":
@@ -290,18 +292,18 @@ def worker_inference(args) -> dict:
     # decode rate = (N - 1) / (time of N new tokens - time of 1): the prefill (and first token) cancels
     full: dict[str, list[float]] = {kind: [] for kind in kinds}
     first: dict[str, list[float]] = {kind: [] for kind in kinds}
-    for _ in range(args.repeats):
+    for _ in range(args.inference_repeats):
         for kind in kinds:
             first[kind].append(seconds(kind, 1))
-            full[kind].append(seconds(kind, args.decode_tokens))
+            full[kind].append(seconds(kind, args.inference_decode_tokens))
     decode = {kind: min(full[kind]) - min(first[kind]) for kind in kinds}
     return dict(
-        prompt_tokens=args.prompt_tokens,
-        decode_tokens=args.decode_tokens,
-        sparsity=args.sparsity,
-        head_mask=args.head_mask,
+        prompt_tokens=args.inference_prompt_tokens,
+        decode_tokens=args.inference_decode_tokens,
+        sparsity=args.inference_sparsity,
+        head_mask=args.inference_head_mask,
         **{f"{kind}_prefill_s": min(first[kind]) for kind in kinds},
-        **{f"{kind}_tok_s": (args.decode_tokens - 1) / decode[kind] for kind in kinds},
+        **{f"{kind}_tok_s": (args.inference_decode_tokens - 1) / decode[kind] for kind in kinds},
         all_s=dict(full=full, first=first),
     )
 
@@ -320,11 +322,11 @@ def run_worker(kind: str, args, **overrides) -> dict:
         steps=args.steps,
         threads=args.threads,
         activation_checkpointing=args.activation_checkpointing,
-        prompt_tokens=args.prompt_tokens,
-        decode_tokens=args.decode_tokens,
-        sparsity=args.sparsity,
-        head_mask=args.head_mask,
-        repeats=args.repeats,
+        inference_prompt_tokens=args.inference_prompt_tokens,
+        inference_decode_tokens=args.inference_decode_tokens,
+        inference_sparsity=args.inference_sparsity,
+        inference_head_mask=args.inference_head_mask,
+        inference_repeats=args.inference_repeats,
     )
     opts.update(overrides)
     cmd = [*module_command("benchmarks.real.runner"), "--worker", kind]
@@ -447,17 +449,19 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per measurement (0 = every core)"
     )
-    parser.add_argument("--prompt-tokens", type=int, default=512, help="inference: prompt length")
-    parser.add_argument("--decode-tokens", type=int, default=128, help="inference: new tokens")
+    parser.add_argument("--inference-prompt-tokens", type=int, default=512, help="inference: prompt length")
+    parser.add_argument("--inference-decode-tokens", type=int, default=128, help="inference: new tokens")
     parser.add_argument(
-        "--sparsity", type=float, default=0.5, help="inference: fraction of KV heads compressed"
+        "--inference-sparsity", type=float, default=0.5, help="inference: fraction of KV heads compressed"
     )
     parser.add_argument(
-        "--head-mask",
+        "--inference-head-mask",
         default=str(ROOT / "data" / "masks" / "qwen2.5-coder-0.5b-instruct"),
         help="inference: the head mask (default: the shipped Qwen2.5-Coder-0.5B-Instruct mask)",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="inference: timed runs per cache (best kept)")
+    parser.add_argument(
+        "--inference-repeats", type=int, default=3, help="inference: timed runs per cache (best kept)"
+    )
     parser.add_argument(
         "--activation-checkpointing",
         type=int,
