@@ -17,7 +17,7 @@ from typing import Any
 
 from rlkv.errors import UserInputError
 from rlkv.eval.results import RESULTS_FILE, read_results
-from rlkv.eval.tables import paired_bootstrap
+from rlkv.eval.tables import paired_bootstrap, per_problem
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,7 @@ def cell_outcomes(cell: Cell) -> dict[tuple[str, str], float]:
     if not rows:
         have = sorted({(r["method"], r["sparsity"]) for r in every})
         raise UserInputError(f"{cell.label}: no rows; the folder has (method, sparsity) {have}")
-    outcomes: dict[tuple[str, str], list[float]] = {}
-    for r in rows:
-        outcomes.setdefault((r["benchmark"], r["problem_id"]), []).append(float(r["correct"]))
-    return {k: mean(v) for k, v in outcomes.items()}
+    return per_problem([rows])
 
 
 def compare_cells(a: Cell, b: Cell, resamples: int = 10_000, seed: int = 0) -> list[dict[str, Any]]:

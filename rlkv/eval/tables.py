@@ -100,7 +100,7 @@ def paired_bootstrap(
     return float(d.mean()), float(low), float(high)
 
 
-def _per_problem(cells: list[list[Row]]) -> dict[tuple[str, str], float]:
+def per_problem(cells: list[list[Row]]) -> dict[tuple[str, str], float]:
     """pass@1 per (benchmark, problem id), averaged over samples and over the methods of `cells`
     (a draw group's mean), for the problems every cell has."""
     by_cell = []
@@ -129,11 +129,11 @@ def bootstrap_table(
         if reference not in methods:
             continue
         for s in _sparsities(rows):
-            ref = _per_problem([_cell(rows, reference, s)])
+            ref = per_problem([_cell(rows, reference, s)])
             for name, members in [(m, [m]) for m in methods if m not in ("full", reference)] + list(
                 groups.items()
             ):
-                values = _per_problem([_cell(rows, m, s) for m in members])
+                values = per_problem([_cell(rows, m, s) for m in members])
                 shared = sorted(set(values) & set(ref))
                 if not shared:
                     continue
