@@ -7,6 +7,7 @@ from rlkv.cache.static import StaticHeadMixedCache
 from rlkv.cache.static_budget import StaticCacheError
 from rlkv.head_mask import HeadMask
 from rlkv.inference import CompressionConfig, generate, make_cache
+from rlkv.policies.steering import SteeringVector
 from rlkv.testing import HostSyncCounter, graph_counting_compile, tiny_model, tiny_tokenizer
 
 SINK, WINDOW = 2, 4
@@ -28,6 +29,13 @@ CASES = {
     "snapkv": dict(mask=False, policy="snapkv", budget=10, policy_kwargs=dict(buffer=3)),
     "knorm": dict(mask=False, policy="knorm", budget=10, policy_kwargs=dict(buffer=2)),
     "sink-recent": dict(mask=False, policy="sink-recent", budget=8),
+    # SkipKV: R-KV's schedule; token ids and final hidden states observed in the host bookkeeping
+    "skipkv": dict(
+        sparsity=0.5,
+        policy="skipkv",
+        budget=10,
+        policy_kwargs=dict(buffer=4, tokenizer=tiny_tokenizer(), tau=0.6),
+    ),
     # H2O: accumulated attention in per-slot buffers that follow the slots, one eviction per step
     "h2o": dict(sparsity=0.5, policy="h2o", budget=10),
     # RPC: compactions at 8, 14, 20, ... generated tokens (interval + selector window, then every interval)
@@ -270,16 +278,81 @@ def test_rows_are_independent(left_padded_batch):
         assert torch.equal(alone, batched[row])
 
 
+# sentences that repeat, so SkipKV's redundancy penalty decides evictions (as in tests/test_policy_skipkv.py)
+TRACE = (
+    "let x be 3.\nthen x + 4 = 7.\nWait, check again.\nlet x be 3.\nthen x + 4 = 7.\n\n"
+    "so the answer is 7.\nAlternatively 2 * 3 = 6.\nthen x + 4 = 7.\nlet x be 3.\n"
+)
+
+
+@torch.inference_mode()
+def _teacher_force_kept(model, cache, batch, trace):
+    """Prefill the left-padded batch, feed `trace` [T] to every row one token per direct forward (the 4D
+    mask generate builds for a static cache, the growing 2D mask for a dynamic one); per step, the kept
+    positions of every compressed layer and the logits."""
+    input_ids, attention_mask = batch
+    total = input_ids.shape[1] + len(trace)
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    real = torch.cat([attention_mask, torch.ones(input_ids.shape[0], len(trace), dtype=torch.long)], 1)
+    static = isinstance(cache, StaticHeadMixedCache)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache)
+    kept, logits = [], []
+    for step, token in enumerate(trace):
+        column = input_ids.shape[1] + step
+        mask = (
+            real[:, None, None, :].bool() & (torch.arange(total) <= column)
+            if static
+            else real[:, : column + 1]
+        )
+        out = model(
+            input_ids=torch.full((input_ids.shape[0], 1), token),
+            attention_mask=mask,
+            position_ids=positions[:, -1:] + 1 + step,
+            cache=cache,
+        )
+        logits.append(out.logits[:, -1])
+        layers = [layer.kept_positions() if static else layer.store.positions for layer in cache.layers]
+        kept.append([_position_sets(p) for p in layers if p is not None])
+    return kept, torch.stack(logits)
+
+
+@pytest.mark.cross_path_floats
+def test_skipkv_keeps_the_dynamic_caches_sentences_at_every_step(left_padded_batch):
+    """Teacher-forced over repeating sentences: the static SkipKV keeps the dynamic one's positions after
+    every step (the redundancy penalty deciding: R-KV alone keeps others), with its logits."""
+    model = tiny_model("llama")
+    trace = tiny_tokenizer()(TRACE)["input_ids"]
+    config = _config(model, "skipkv")
+    max_len = left_padded_batch[0].shape[1] + len(trace)
+    expected, expected_logits = _teacher_force_kept(
+        model, make_cache(model, config), left_padded_batch, trace
+    )
+    static = make_cache(model, config, static=True, max_cache_len=max_len)
+    got, logits = _teacher_force_kept(model, static, left_padded_batch, trace)
+    assert got == expected
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
+    assert static.policy.sentence_penalty().amax() > 0  # redundant sentences were found
+    rkv = CompressionConfig(**{**config.__dict__, "policy": "rkv", "policy_kwargs": dict(buffer=4)})
+    rkv_kept, _ = _teacher_force_kept(
+        model, make_cache(model, rkv, static=True, max_cache_len=max_len), left_padded_batch, trace
+    )
+    assert rkv_kept != got
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(policy="skipkv", budget=32, policy_kwargs=dict(tokenizer=tiny_tokenizer())),  # observes tokens
+        # steering decodes each finished sentence's text on the host
+        dict(policy="skipkv", budget=32, policy_kwargs=dict(tokenizer=tiny_tokenizer(), steering="STEER")),
         dict(policy="rpc", policy_kwargs=dict(interval=8, ratio=4, selector_window=2)),  # target 4 < 6
     ],
-    ids=["skipkv", "rpc-target-below-forced"],
+    ids=["skipkv-steering", "rpc-target-below-forced"],
 )
 def test_layouts_without_a_static_form_name_the_fix(kwargs):
     model = tiny_model("llama")
+    if kwargs["policy_kwargs"].get("steering") == "STEER":
+        vector = SteeringVector(vector=torch.ones(model.config.hidden_size), layer=0)
+        kwargs = {**kwargs, "policy_kwargs": {**kwargs["policy_kwargs"], "steering": vector}}
     config = CompressionConfig(head_mask=None, sink=SINK, window=WINDOW, **kwargs)
     with pytest.raises(StaticCacheError, match="static_cache=False"):
         make_cache(model, config, static=True, max_cache_len=64)
@@ -315,6 +388,7 @@ def test_lengths_beyond_max_cache_len_are_refused(left_padded_batch):
         "knorm-ratio-unprotected",
         "rpc-own-target",
         "h2o-unprotected",
+        "skipkv",
     ],
 )
 def test_decode_steps_never_read_the_device(left_padded_batch, case):
@@ -349,7 +423,16 @@ def test_decode_steps_never_read_the_device(left_padded_batch, case):
 
 @pytest.mark.parametrize(
     "case",
-    ["streaming", "rkv", "rpc", "h2o", "rkv-ratio", "knorm-ratio-unprotected", "rpc-ratio-unprotected"],
+    [
+        "streaming",
+        "rkv",
+        "rpc",
+        "h2o",
+        "rkv-ratio",
+        "knorm-ratio-unprotected",
+        "rpc-ratio-unprotected",
+        "skipkv",
+    ],
 )
 def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, case):
     """transformers' compiled decode (fullgraph, static shapes) captures one graph and replays it."""
@@ -393,7 +476,10 @@ def test_generate_static_cache_option(tokenizer):
     )
     assert static == dynamic
     assert [reason for _, reason, _ in static].count("eos") == 2
-    skipkv = CompressionConfig(policy="skipkv", budget=96, policy_kwargs=dict(tokenizer=tokenizer))
+    vector = SteeringVector(vector=torch.ones(model.config.hidden_size), layer=0)
+    skipkv = CompressionConfig(
+        policy="skipkv", budget=96, policy_kwargs=dict(tokenizer=tokenizer, steering=vector)
+    )
     with pytest.raises(StaticCacheError, match="static_cache=False"):
         generate(model, tokenizer, prompts, 4, compression=skipkv, static_cache=True, progress=False)
     # None on CPU: the dynamic cache, so a layout without a static form still generates

@@ -15,7 +15,10 @@ Prefill runs eagerly (one SDPA over the prompt, as the dynamic cache attends bef
 a decode step is device ops only: every index comes from a device counter, never from the host.
 Host bookkeeping (tokens stored, when a compaction is due) runs before each forward, from
 `update` in eager mode or from the hook `install_step_hook` puts on `prepare_inputs_for_generation`
-(transformers' compiled decode never runs `update` in Python). See docs/design.md.
+(transformers' compiled decode never runs `update` in Python). A policy that observes token ids or
+final hidden states (SkipKV) gets them there too, after the due compaction, as the dynamic cache
+compacted within the last forward: the forward's token ids, and the last forward's final-norm hidden
+state, which the model's observer hook copies into a fixed buffer (`stash_hidden`). See docs/design.md.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from rlkv.cache.static_layer import StaticHeadMixedLayer
 from rlkv.cache.static_slots import kept_per_head
 from rlkv.cache.stats import CacheStats
 from rlkv.cache.store import CompressionSettings
-from rlkv.compat import forward_cache
+from rlkv.compat import forward_cache, mark_static_address
 from rlkv.geometry import attention_geometry
 from rlkv.policies.base import CompressionPolicy
 
@@ -90,6 +93,7 @@ class StaticHeadMixedCache(PolicyCache):
             for i in range(geometry.num_hidden_layers)
         ]
         super().__init__(layers=layers)
+        self.hidden_stash: torch.Tensor | None = None  # the last forward's final hidden state [B, 1, hidden]
         policy.reset()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -101,11 +105,58 @@ class StaticHeadMixedCache(PolicyCache):
             )
         return self.layers[layer_idx].update(key_states, value_states)
 
-    def before_forward(self, q_len: int) -> None:
-        """Host bookkeeping for the next forward of `q_len` tokens (called eagerly by the step hook)."""
+    @property
+    def begun(self) -> bool:
+        """Whether the next forward's host bookkeeping already ran (`before_forward`)."""
+        return self.layers[0].begun
+
+    def before_forward(self, q_len: int, token_ids: torch.Tensor | None = None) -> None:
+        """Host bookkeeping for the next forward of `q_len` tokens (eager: the step hook calls it in
+        `generate`, the observer hooks in a direct forward): checks and a due compaction per layer, then,
+        for an observing policy, the last forward's hidden state and this forward's `token_ids` [B, Q]."""
+        start = self.layers[0].host_length
         for layer in self.layers:
             layer.begin(q_len)
             layer.begun = True
+        policy = self.settings.policy
+        if not (policy.observe_tokens or policy.observe_hidden_states):
+            return
+        if not start:
+            policy.reserve(self.max_cache_len - q_len)
+        elif policy.observe_hidden_states and self.hidden_stash is not None:
+            device = self.hidden_stash.device
+            policy.on_hidden_states(self.hidden_stash, torch.arange(start - 1, start, device=device))
+        if policy.observe_tokens:
+            if token_ids is None:
+                raise StaticCacheError(
+                    f"policy {policy.name!r} observes token ids: call the model with input_ids, not inputs_embeds"
+                )
+            policy.on_tokens(token_ids, torch.arange(start, start + q_len, device=token_ids.device))
+
+    def stash_hidden(self, hidden_states: torch.Tensor) -> None:
+        """Keep the last column of a forward's final-norm hidden states [B, Q, hidden] in a fixed buffer
+        (a compiled step: one copy into a static address), observed before the next forward."""
+        last = hidden_states[:, -1:].detach()
+        stash = self.hidden_stash
+        if (
+            stash is None
+            or stash.shape != last.shape
+            or stash.dtype != last.dtype
+            or stash.device != last.device
+        ):
+            if torch.compiler.is_compiling():
+                raise StaticCacheError("the hidden-state buffer was first needed inside a compiled step")
+            with torch.inference_mode(False):
+                self.hidden_stash = stash = torch.empty_like(last)
+            mark_static_address(stash)
+        stash.copy_(last)
+
+    def resident_bytes(self) -> int:
+        """Bytes the cache, its policy and the hidden-state buffer of an observing policy hold."""
+        stash = (
+            0 if self.hidden_stash is None else self.hidden_stash.numel() * self.hidden_stash.element_size()
+        )
+        return super().resident_bytes() + stash
 
     def after_forward(self) -> None:
         """The last forward's tokens are written (a compiled forward never returns to `update` in Python)."""
@@ -160,8 +211,8 @@ def install_step_hook(model: torch.nn.Module) -> None:
         cache = forward_cache(inputs)
         if isinstance(cache, StaticHeadMixedCache):
             tokens = inputs.get("input_ids")
-            tokens = tokens if tokens is not None else inputs["inputs_embeds"]
-            cache.before_forward(tokens.shape[1])
+            q_len = (tokens if tokens is not None else inputs["inputs_embeds"]).shape[1]
+            cache.before_forward(q_len, tokens)
         return inputs
 
     model.prepare_inputs_for_generation = prepare_inputs_for_generation

@@ -5,7 +5,7 @@ A `StaticHeadMixedCache` (rlkv/cache/static.py) lays each layer's compressed hea
 
 - "streaming": a ring of window + 1 slots (no compaction ever runs; the slot a new token
   overwrites holds the position the dynamic cache evicts at that step);
-- "budget" (rkv, snapkv, knorm, sink-recent, h2o, rpc): budget + `slack` slots, where
+- "budget" (rkv, snapkv, knorm, sink-recent, h2o, rpc, skipkv): budget + `slack` slots, where
   `slack` is how many tokens the policy lets accumulate above the budget before it compresses
   (RPC: its interval P, the region also holding the first P + R). A ratio budget r (RLKV's dynamic
   budget, round(r * real tokens) + sink + window per row) sizes the region for the longest row
@@ -22,8 +22,11 @@ A policy that observes attention (H2O) gets each decode step's probabilities ove
 what it accumulates in per-slot buffers of static shape, moved with the slots by the compaction.
 An unprotected prompt scored by attention (H2O) gets the prompt's own attention at the prefill, from an
 explicit softmax over the slots. RPC without a budget follows its own target (k * P / c + R after its
-k-th compaction), sized for the cycles `max_cache_len` allows. Observers of tokens or hidden states
-(SkipKV) have no static form: `StaticCacheError` names `static_cache=False` as the fix.
+k-th compaction), sized for the cycles `max_cache_len` allows. SkipKV observes token ids and final
+hidden states: the cache hands them over in its host bookkeeping before each forward (rlkv/cache/static.py),
+and the policy sizes its sentence state for `max_cache_len` at the prefill (`reserve`). SkipKV with
+steering has no static form (it decodes sentences' text on the host): `StaticCacheError` names
+`static_cache=False` as the fix.
 """
 
 from __future__ import annotations
@@ -50,11 +53,12 @@ BUDGET_SLACK: dict[str, Callable[[CompressionPolicy], int]] = {
     "knorm": lambda policy: int(policy.buffer) + 1,  # compresses when > budget + buffer
     "sink-recent": lambda policy: 1,  # the base rule: compresses when > budget
     "h2o": lambda policy: 1,  # the base rule; its accumulated attention lives in per-slot buffers
+    "skipkv": lambda policy: max(int(policy.buffer), 1),  # R-KV's rule; sentence sums sized at prefill
 }
 
 # Policies that cut only the rows over budget + slack (WindowedBufferPolicy.kept_counts: a row whose
 # buffer is not full keeps every slot); the others cut every row to its budget when any row is due.
-ROWS_DUE = frozenset({"rkv", "snapkv"})
+ROWS_DUE = frozenset({"rkv", "snapkv", "skipkv"})
 
 
 # Policies that compress on a schedule of generated tokens, whatever the region holds: (generated tokens
@@ -181,8 +185,11 @@ def static_form(settings: CompressionSettings, has_compressed: bool, max_cache_l
     policy = settings.policy
     if not has_compressed:
         return StaticForm("full")
-    if policy.observe_tokens or policy.observe_hidden_states:
-        raise _no_static_form(f"policy {policy.name!r} observes tokens or hidden states")
+    if getattr(policy, "steering", None) is not None:
+        raise _no_static_form(
+            f"policy {policy.name!r} with steering (each finished sentence's text is decoded on the host to "
+            "count its keywords)"
+        )
     if policy.name == "streaming":
         return StaticForm("streaming")
     if policy.name not in BUDGET_SLACK and policy.name not in PERIODIC:

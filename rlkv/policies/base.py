@@ -195,6 +195,10 @@ class CompressionPolicy:
         """Per-sequence tensors kept on the policy object (counted in the cache's `resident_bytes`)."""
         return []
 
+    def reserve(self, generated: int) -> None:
+        """At most `generated` tokens follow this request's prompt: size per-token state once (the static
+        cache calls it before the prefill, so no decode step grows a tensor or reads the device)."""
+
     def attach(self, model: torch.nn.Module) -> None:
         """The model this policy's cache serves (from `make_cache`): install model hooks here, idempotently."""
 

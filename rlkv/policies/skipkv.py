@@ -111,6 +111,7 @@ class SkipKVPolicy(RKVPolicy):
 
     # per-sequence state ----------------------------------------------------------------------
     def reset(self) -> None:
+        self.reserved = 0  # generated tokens the state is sized for at once (`reserve`; 0: it grows)
         self.prompt_length: int | None = None
         self.sentence_of: torch.Tensor | None = None  # LongTensor [B, capacity]
         self.token_ids: torch.Tensor | None = None  # LongTensor [B, capacity] (generated tokens)
@@ -144,6 +145,11 @@ class SkipKVPolicy(RKVPolicy):
         ]
         return [t for t in state if t is not None]
 
+    def reserve(self, generated: int) -> None:
+        """Size the sentence bookkeeping for `generated` tokens (sentence ids up to `generated`), so no
+        step grows it and `_fit_sentences` never reads an id back."""
+        self.reserved = int(generated)
+
     def attach(self, model: torch.nn.Module) -> None:
         """Install the steering hook on the model (only when a steering vector was given)."""
         if self.steering is not None:
@@ -158,8 +164,8 @@ class SkipKVPolicy(RKVPolicy):
         if self.prompt_length is None or prompt_chunk:
             self.prompt_length = self.seen
             if self.sentence_of is None:
-                self.sentence_of = torch.zeros(batch, 0, dtype=torch.long, device=device)
-                self.token_ids = torch.zeros(batch, 0, dtype=torch.long, device=device)
+                self.sentence_of = torch.full((batch, self.reserved), -1, dtype=torch.long, device=device)
+                self.token_ids = torch.zeros(batch, self.reserved, dtype=torch.long, device=device)
                 self.open_sentence = torch.zeros(batch, dtype=torch.long, device=device)
                 self.after_delimiter = torch.zeros(batch, dtype=torch.bool, device=device)
                 self.non_execution = torch.zeros(batch, dtype=torch.long, device=device)
@@ -204,8 +210,9 @@ class SkipKVPolicy(RKVPolicy):
         begin = self.seen - q_len + skip - self.prompt_length
         ids = self.sentence_of[:, begin : self.seen - self.prompt_length]  # [B, Q']
         if self.sentence_sum is None:
-            self.sentence_sum = hidden.new_zeros(hidden.shape[0], 0, hidden.shape[-1])
-            self.sentence_count = hidden.new_zeros(hidden.shape[0], 0)
+            sentences = self.reserved + 1 if self.reserved else 0  # ids 0 .. generated tokens
+            self.sentence_sum = hidden.new_zeros(hidden.shape[0], sentences, hidden.shape[-1])
+            self.sentence_count = hidden.new_zeros(hidden.shape[0], sentences)
         self._fit_sentences(ids)
         self.sentence_sum.scatter_add_(1, ids[..., None].expand_as(hidden), hidden)
         self.sentence_count.scatter_add_(1, ids, torch.ones_like(ids, dtype=hidden.dtype))
@@ -236,10 +243,11 @@ class SkipKVPolicy(RKVPolicy):
         key = (self.num_generated, self.hidden_updates)
         if self._penalty_key == key:
             return self._penalty
-        count = self.sentence_count
-        num = count.shape[1]
+        # ids go up to the tokens generated (host-known), whatever capacity the sums were given
+        num = min(self.sentence_count.shape[1], self.num_generated + 1)
+        count = self.sentence_count[:, :num]
         finished = (torch.arange(num, device=count.device) < self.open_sentence[:, None]) & (count > 0)
-        mean = self.sentence_sum / count.clamp(min=1.0)[..., None]
+        mean = self.sentence_sum[:, :num] / count.clamp(min=1.0)[..., None]
         unit = mean / (mean.norm(dim=-1, keepdim=True) + 1e-8)
         sim = unit @ unit.transpose(1, 2)  # [B, S, S]
         later = torch.ones(num, num, dtype=torch.bool, device=count.device).triu(diagonal=1)
