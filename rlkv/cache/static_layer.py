@@ -113,6 +113,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.in_flight = 0  # tokens of a begun forward not yet written: get_seq_length excludes them
         self.compacted_at = -1
         self.schedule: RowSchedule | None = None  # a budget region's compactions (set at prefill)
+        self.region_offsets = [0]  # `region_base` as sent from the host (eager writes read it here)
         # what the cache's layers share: the schedule ("schedule"), made by the layer "owner" at each prefill
         # (every compressed layer holds the same tokens, so one replay of the policy's rule serves all)
         self.shared = shared if shared is not None else {"owner": layer_idx}
@@ -233,6 +234,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         # generated token g then goes to slot early + g + region_base[b]: right after the row's kept run
         offsets = [base + h - generated - self.early for h in self.schedule.held(generated)]
         b["region_base"].copy_(torch.tensor(offsets))  # host ints sent, nothing read
+        self.region_offsets = offsets
         self.compacted_at = length
 
     # CacheLayerMixin -------------------------------------------------------------------------------
@@ -252,8 +254,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 self.pending = (key_states, value_states)
                 return self, self
         b = self.buffers
-        pos = b["length"].clone()
-        b["length"].add_(1)
+        pos = b["length"]  # this token's column; the counter moves on once it is written
         at = pos.view(1)
         if self.full_idx.numel():
             b["full_k"].index_copy_(2, at, pick_heads(key_states, self.full_idx, self.full_slice))
@@ -265,6 +266,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 write_streaming(self, pos, keys, values)
             else:
                 write_budget(self, pos, keys, values)
+        b["length"].add_(1)
         return self, self
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -284,6 +286,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.host_length = self.prompt_width = 0
         self.begun, self.in_flight, self.compacted_at, self.pending = False, 0, -1, None
         self.schedule = None
+        self.region_offsets = [0]
         if self.buffers:
             self.buffers["length"].zero_()
             self.buffers["region_base"].zero_()
@@ -316,21 +319,28 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         if self.pending is not None:
             return self._prefill(module, query, mask, scaling)
         b = self.buffers
-        pos = b["length"] - 1
         outs = []
         if self.full_idx.numel():
+            # a compiled step reads every column (one graph); an eager one only the columns written
+            width = self.max_cache_len if torch.compiler.is_compiling() else self.host_length
             if mask is None:
-                cols = torch.arange(self.max_cache_len, device=query.device)
-                full_mask = ((cols <= pos) & (cols[None, :] >= b["row_start"][:, None]))[:, None, None, :]
+                cols = torch.arange(width, device=query.device)
+                full_mask = ((cols < b["length"]) & (cols[None, :] >= b["row_start"][:, None]))[
+                    :, None, None, :
+                ]
             else:
-                full_mask = mask[:, :, -1:, :]
+                full_mask = mask[:, :, -1:, :width]
             q_full = pick_heads(query, self.full_q, self.full_q_slice)
-            outs.append(_decode_sdpa(q_full, b["full_k"], b["full_v"], full_mask, scaling))
+            keys, values = b["full_k"][:, :, :width], b["full_v"][:, :, :width]
+            outs.append(_decode_sdpa(q_full, keys, values, full_mask, scaling))
         if self.comp_idx.numel():
             q_comp = pick_heads(query, self.comp_q, self.comp_q_slice)
             if self.form.observe:
                 grouped = q_comp.reshape(q_comp.shape[0], -1, self.num_groups, 1, q_comp.shape[-1])
-                b["obs_q"].index_copy_(3, (pos % self.form.observe).view(1), grouped)
+                if torch.compiler.is_compiling():
+                    b["obs_q"].index_copy_(3, ((b["length"] - 1) % self.form.observe).view(1), grouped)
+                else:  # the slot is host-known
+                    b["obs_q"].narrow(3, (self.host_length - 1) % self.form.observe, 1).copy_(grouped)
             policy = self.settings.policy
             if policy.observe_attention:
                 out, probs = _observed_attention(

@@ -28,6 +28,8 @@ class StaticHeadMixedLayer(Protocol):
     form: StaticForm
     early: int  # early-region slots
     prompt_width: int
+    host_length: int  # tokens stored, this forward's included
+    region_offsets: list[int]  # `region_base` as the host sent it (one per row)
     schedule: RowSchedule | None  # a budget region's compactions
 
     def early_needed(self, width: int) -> int: ...
@@ -67,20 +69,36 @@ def write_prompt(layer: StaticHeadMixedLayer, keys: torch.Tensor, values: torch.
     b["comp_pos"].copy_(positions[:, None, :].expand(batch, heads, -1))
 
 
+def _write_slot(
+    b: dict[str, torch.Tensor], at: int, keys: torch.Tensor, values: torch.Tensor, column: int
+) -> None:
+    """Eager decode write of every row's token [B, H_c, 1, D] at the host-known slot `at` (logical `column`)."""
+    b["comp_k"].narrow(2, at, 1).copy_(keys)
+    b["comp_v"].narrow(2, at, 1).copy_(values)
+    b["comp_pos"].narrow(2, at, 1).fill_(column)
+
+
 def write_streaming(
     layer: StaticHeadMixedLayer, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 ) -> None:
     """Decode write: the ring slot pos % (window + 1), and the early slot when the token is a sink token."""
     b = layer.buffers
     batch, heads, _, dim = keys.shape
-    early = (pos - b["row_start"]) < b["early_len"]  # [B]: the token belongs to the row's sink
+    # a row's decode token is a sink token only while pos < row_start + sink <= prompt width + sink: past
+    # that an eager step writes the host-known ring slot alone (a compiled step keeps one graph)
+    if not torch.compiler.is_compiling() and layer.host_length > layer.prompt_width + layer.settings.sink:
+        column = layer.host_length - 1
+        _write_slot(b, layer.early + column % (layer.settings.window + 1), keys, values, column)
+        return
     ring = (layer.early + pos % (layer.settings.window + 1)).view(1)
     b["comp_k"].index_copy_(2, ring, keys)
     b["comp_v"].index_copy_(2, ring, values)
+    if not layer.early:
+        b["comp_pos"].index_copy_(2, ring, pos.to(torch.int32).expand(batch, heads, 1))
+        return
+    early = (pos - b["row_start"]) < b["early_len"]  # [B]: the token belongs to the row's sink
     ring_pos = torch.where(early, -1, pos).to(torch.int32)[:, None, None].expand(batch, heads, 1)
     b["comp_pos"].index_copy_(2, ring, ring_pos)
-    if not layer.early:
-        return
     slot = (b["early_offset"] + pos - b["row_start"]).clamp(0, layer.early - 1)  # [B]
     idx = slot[:, None, None, None].expand(batch, heads, 1, dim)
     for name, new in (("comp_k", keys), ("comp_v", values)):
@@ -96,9 +114,16 @@ def write_budget(
 ) -> None:
     """Decode write: row b's generated token g at region slot g + `region_base[b]`, the device offset
     the last compaction set (the row's kept count - generated then; 0 before any), so it lands right
-    after the row's kept run."""
+    after the row's kept run. An eager step whose rows share one offset writes one host-known slot."""
     b = layer.buffers
     batch, heads, _, dim = keys.shape
+    if not torch.compiler.is_compiling() and len(set(layer.region_offsets)) == 1:
+        column = layer.host_length - 1
+        at = layer.early + column - layer.prompt_width + layer.region_offsets[0]
+        _write_slot(b, at, keys, values, column)
+        for name, fill in layer.slot_fills.items():
+            b[name].narrow(2, at, 1).fill_(fill)
+        return
     slot = (layer.early + pos - b["prompt_len"] + b["region_base"])[:, None, None].expand(batch, heads, 1)
     wide = slot[..., None].expand(batch, heads, 1, dim)
     b["comp_k"].scatter_(2, wide, keys)
