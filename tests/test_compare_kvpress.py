@@ -80,3 +80,26 @@ def test_method_specs_pair_every_kvpress_method_with_rlkv():
         for config in configs.values():
             if config is not None:
                 make_cache(model, config)  # valid for the model
+
+
+def test_verdicts_pass_only_faster_at_no_more_resident_kv():
+    spec = {"methods": compare_kvpress.method_specs([0.5], [128], 16)}
+
+    def row(speed, resident):
+        return {"decode_tokens_per_s": speed, "resident_kv_bytes": resident}
+
+    kv = {
+        "methods": {"full": row(400, 1000), "head s=0.5": row(300, 800), "snapkv budget=128": {"error": "x"}}
+    }
+    rl = {
+        "methods": {
+            "full | full": row(420, 1000),
+            "head s=0.5 | rlkv head-mixed": row(290, 500),
+            "snapkv budget=128 | rlkv snapkv": row(500, 10),
+        }
+    }
+    lines = compare_kvpress.verdicts(spec, kv, rl)
+    assert lines == [
+        "full | full: 1.05x kvpress decode tok/s, 1.00x its resident KV: PASS",
+        "head s=0.5 | rlkv head-mixed: 0.97x kvpress decode tok/s, 0.62x its resident KV: FAIL",
+    ]  # no kvpress row, no verdict

@@ -12,7 +12,8 @@ through `benchmarks/kvpress/worker.py` (imports only torch/transformers/kvpress)
    sparsity; `DecodingPress` with SnapKV and KNorm scorers at each token budget) -> kvpress.json;
 3. runs rlkv here (head-mixed cache with the same mask, streaming sink + recent; snapkv / knorm /
    rkv on every head at the same budget and compression interval) -> rlkv.json;
-4. writes compare.json and compare.md (side by side).
+4. writes compare.json and compare.md (side by side), with one PASS/FAIL line per paired row: rlkv's
+   decode tok/s >= kvpress's at no more resident KV (ratios from this run).
 
 Both sides measure with the worker's helpers: greedy accuracy, resident KV after generation
 (tensor storages reachable from the cache), peak KV during generation (the same walk after every
@@ -246,6 +247,28 @@ def table(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> list[str]:
+    """Issue 50's target per paired row: rlkv's decode tok/s >= kvpress's at no more resident KV, as
+    ratios measured in this run, each line ending PASS or FAIL (none where a side has no row)."""
+    lines = []
+    for method in spec["methods"]:
+        theirs = kv["methods"].get(method["name"], {})
+        if not theirs or "error" in theirs:
+            continue
+        for key, ours in rl["methods"].items():
+            setting, name = key.split(" | ")
+            if setting != method["name"] or "error" in ours:
+                continue
+            speed = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
+            memory = ours["resident_kv_bytes"] / max(theirs["resident_kv_bytes"], 1)
+            ok = speed >= 1.0 and memory <= 1.0
+            lines.append(
+                f"{setting} | {name}: {speed:.2f}x kvpress decode tok/s, {memory:.2f}x its resident KV: "
+                f"{'PASS' if ok else 'FAIL'}"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -335,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         header += (
             f"\nstock DuoAttentionPress on this model: `{kv['stock_duo_error'].splitlines()[0][:200]}`\n"
         )
+    md += "\n\n" + "\n".join(f"- {line}" for line in verdicts(spec, kv, rl))
     (out / "compare.md").write_text(header + "\n" + md + "\n")
     summary = {
         "spec": {k: v for k, v in spec.items() if k not in ("prompts", "prompt_ids")},
