@@ -68,8 +68,8 @@ def test_static_eager_decode_step_stays_within_its_op_budget(policy):
     """The static cache's eager step (CPU's `static_cache=True`) <= 1.32x plain's ops. Measured 2026-11-28:
     streaming 311 (1.26x; 409 before eager steps wrote host-known slots with `narrow` and stopped
     cloning the length counter), R-KV 320 (1.30x; 343 before). What remains beyond the dynamic cache:
-    the device length counter each layer keeps for a compiled step, the compressed heads' validity mask
-    (empty slots exist), and the full heads' views of the columns written."""
+    the device length counter each layer keeps for a compiled step and the compressed heads' validity
+    mask (empty slots exist)."""
     model = tiny_model("llama", num_hidden_layers=4)
     plain = _ops_per_step(model, DynamicCache(config=model.config))
     model.set_attn_implementation(register_attention())

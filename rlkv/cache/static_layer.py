@@ -321,18 +321,15 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         b = self.buffers
         outs = []
         if self.full_idx.numel():
-            # a compiled step reads every column (one graph); an eager one only the columns written
-            width = self.max_cache_len if torch.compiler.is_compiling() else self.host_length
+            # every column, eager or compiled: the same shapes, so a compiled step's floats are the eager one's
             if mask is None:
-                cols = torch.arange(width, device=query.device)
-                full_mask = ((cols < b["length"]) & (cols[None, :] >= b["row_start"][:, None]))[
-                    :, None, None, :
-                ]
+                cols = torch.arange(self.max_cache_len, device=query.device)
+                valid = (cols < b["length"]) & (cols[None, :] >= b["row_start"][:, None])
+                full_mask = valid[:, None, None, :]
             else:
-                full_mask = mask[:, :, -1:, :width]
+                full_mask = mask[:, :, -1:, :]
             q_full = pick_heads(query, self.full_q, self.full_q_slice)
-            keys, values = b["full_k"][:, :, :width], b["full_v"][:, :, :width]
-            outs.append(_decode_sdpa(q_full, keys, values, full_mask, scaling))
+            outs.append(_decode_sdpa(q_full, b["full_k"], b["full_v"], full_mask, scaling))
         if self.comp_idx.numel():
             q_comp = pick_heads(query, self.comp_q, self.comp_q_slice)
             if self.form.observe:
