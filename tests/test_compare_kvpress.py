@@ -100,6 +100,6 @@ def test_verdicts_pass_only_faster_at_no_more_resident_kv():
     }
     lines = compare_kvpress.verdicts(spec, kv, rl)
     assert lines == [
-        "full | full: 1.05x kvpress decode tok/s, 1.00x its resident KV: PASS",
+        "full | full: 1.05x kvpress decode tok/s, 1.00x its resident KV: reference",
         "head s=0.5 | rlkv head-mixed: 0.97x kvpress decode tok/s, 0.62x its resident KV: FAIL",
     ]  # no kvpress row, no verdict

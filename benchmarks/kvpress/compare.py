@@ -262,9 +262,10 @@ def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> li
             speed = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
             memory = ours["resident_kv_bytes"] / max(theirs["resident_kv_bytes"], 1)
             ok = speed >= 1.0 and memory <= 1.0
+            # the full row runs plain transformers on both sides: the run's noise floor, not a target
+            verdict = "reference" if method["kind"] == "full" else ("PASS" if ok else "FAIL")
             lines.append(
-                f"{setting} | {name}: {speed:.2f}x kvpress decode tok/s, {memory:.2f}x its resident KV: "
-                f"{'PASS' if ok else 'FAIL'}"
+                f"{setting} | {name}: {speed:.2f}x kvpress decode tok/s, {memory:.2f}x its resident KV: {verdict}"
             )
     return lines
 
