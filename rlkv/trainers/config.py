@@ -112,6 +112,15 @@ class GateGRPOConfig(GRPOConfig):
             "help": "Distillation: prompt + completion tokens kept per sequence (longer ones are cut)."
         },
     )
+    distill_top_fraction: float = field(
+        default=1.0,
+        metadata={
+            "help": "Distillation: the loss averages KL(full || gated) over this fraction of a batch's completion "
+            "tokens, those with the largest KL (1.0: every token; 0.1: the tenth where the gated model departs "
+            "most from full attention, so a head that matters on few decisive tokens is not outvoted by the "
+            "many easy ones). The logged distill/kl stays the mean over every token."
+        },
+    )
     target_sparsity: float = field(
         default=0.5,
         metadata={
@@ -175,6 +184,9 @@ class GateGRPOConfig(GRPOConfig):
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         _check_range("l1_beta", self.l1_beta, 0.0, math.inf, "a non-negative penalty weight such as 1e-3")
+        _check_range(
+            "distill_top_fraction", self.distill_top_fraction, 1e-9, 1.0, "a fraction in (0, 1], e.g. 0.1"
+        )
         _check_range("reward_threshold", self.reward_threshold, -math.inf, math.inf, "a finite reward level")
         _check_range("gate_init", self.gate_init, 0.0, 1.0, "a value in [0, 1]")
         # the low end of a ranked start only has to sit below gate_init when there is a ranking to spread

@@ -24,7 +24,7 @@ from rlkv.cpu_memory import keep_freed_memory
 from rlkv.data.batches import Solution, TeacherForcedBatch, teacher_forced_batch
 from rlkv.gates.heads import full_alpha
 from rlkv.trainers.config import GateGRPOConfig
-from rlkv.trainers.distill_loss import distill_kl, reference_hidden
+from rlkv.trainers.distill_loss import distill_kl, reference_hidden, top_fraction_mean
 from rlkv.trainers.gate_trainer import (
     GateTrainerMixin,
     gate_callbacks,
@@ -139,15 +139,19 @@ class GateDistillTrainer(GateTrainerMixin, Trainer):
         batch = TeacherForcedBatch(**inputs)
         gated = self.accelerator.unwrap_model(model)
         ref = self._reference_hidden(model, gated, index, batch)
-        kl = distill_kl(model, gated, batch, ref).mean()
+        token_kl = distill_kl(model, gated, batch, ref)
+        kl = token_kl.mean()
         gates = gated.rlkv_gates
         args: GateGRPOConfig = self.args
+        objective = top_fraction_mean(token_kl, args.distill_top_fraction)
         penalty = gate_penalty(
             full_alpha(gates.alpha), gates.below_zero, args.l1_beta, args.penalty_scope, args.target_sparsity
         )
         self._step_metrics["distill/kl"].append(kl.item())
+        if args.distill_top_fraction < 1.0:
+            self._step_metrics["distill/top_fraction_kl"].append(objective.item())
         self._step_metrics["rlkv/l1_penalty"].append(penalty.item())
-        loss = kl + penalty.to(kl.dtype)
+        loss = objective + penalty.to(kl.dtype)
         return (loss, {"kl": kl}) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -9,6 +9,8 @@ with the gates switched off (`rlkv.gates.full_attention`), so no second copy of 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlkv.data.batches import TeacherForcedBatch
@@ -110,3 +112,12 @@ def distill_kl(
     hidden = final_hidden(model, batch)
     head = gated_model.get_output_embeddings()
     return forward_kl(hidden, ref_hidden, head.weight, head.bias)
+
+
+def top_fraction_mean(values: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Mean of the ceil(fraction * N) largest entries of `values` [N] (fraction 1: the plain mean);
+    differentiable through the entries it averages."""
+    if fraction >= 1.0:
+        return values.mean()
+    count = max(1, math.ceil(fraction * values.numel()))
+    return values.topk(count).values.mean()
