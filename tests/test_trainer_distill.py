@@ -16,7 +16,7 @@ from rlkv.gates import attach_gates, full_attention
 from rlkv.testing import tiny_model
 from rlkv.trainers import GateGRPOConfig, GateGRPOTrainer
 from rlkv.trainers.distill import GateDistillTrainer, distill_sequences
-from rlkv.trainers.distill_loss import distill_kl, forward_kl, top_fraction_mean
+from rlkv.trainers.distill_loss import distill_kl, forward_kl, top_fraction_kl
 from rlkv.trainers.gate_trainer import budget_penalty, gate_penalty
 from rlkv.trainers.grpo import FullAttentionReference
 from rlkv.trainers.logprobs import completion_logps
@@ -106,17 +106,18 @@ def test_kl_is_zero_at_gates_one_and_its_gradient_reaches_only_the_gates(family)
 
 
 def test_top_fraction_kl_averages_the_largest_token_kls_and_trains_only_the_gates():
-    """`distill_top_fraction`: the mean of the ceil(f * N) largest per-token KLs (f = 1: the mean), whose
+    """`distill_top_fraction`: the ceil(f * N) largest per-token KLs summed over N (f = 1: the mean), whose
     gradient reaches the gates only; a fraction outside (0, 1] names the field."""
     model = tiny_model("llama")
     gates = attach_gates(model, sink=1, local=2, init=0.4)
     batch = teacher_forced_batch(SEQUENCES)
     kl = distill_kl(model, model, batch)
-    assert top_fraction_mean(kl, 1.0) == kl.mean()
+    assert top_fraction_kl(kl, 1.0) == kl.mean()
     count = math.ceil(0.25 * kl.numel())
-    top = top_fraction_mean(kl, 0.25)
-    torch.testing.assert_close(top, kl.sort(descending=True).values[:count].mean(), rtol=0, atol=0)
-    assert top > kl.mean()
+    top = top_fraction_kl(kl, 0.25)
+    expected = kl.sort(descending=True).values[:count].sum() / kl.numel()
+    torch.testing.assert_close(top, expected, rtol=1e-6, atol=0)
+    assert 0.25 * kl.mean() < top < kl.mean()  # most of the KL sits in the largest quarter
     top.backward()
     assert gates.alpha.grad.abs().sum() > 0
     assert all(p.grad is None for n, p in model.named_parameters() if n != "rlkv_gates.alpha")

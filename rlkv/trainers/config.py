@@ -115,10 +115,11 @@ class GateGRPOConfig(GRPOConfig):
     distill_top_fraction: float = field(
         default=1.0,
         metadata={
-            "help": "Distillation: the loss averages KL(full || gated) over this fraction of a batch's completion "
-            "tokens, those with the largest KL (1.0: every token; 0.1: the tenth where the gated model departs "
-            "most from full attention, so a head that matters on few decisive tokens is not outvoted by the "
-            "many easy ones). The logged distill/kl stays the mean over every token."
+            "help": "Distillation: the loss keeps KL(full || gated) of this fraction of a batch's completion tokens, "
+            "those with the largest KL, summed over all its tokens (1.0: the mean over every token; 0.1: the tenth "
+            "where the gated model departs most from full attention, so a head that matters on few decisive "
+            "tokens is not outvoted by the many easy ones; on the mean's scale, so l1_beta keeps its meaning). "
+            "The logged distill/kl stays the mean over every token."
         },
     )
     target_sparsity: float = field(

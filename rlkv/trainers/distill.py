@@ -24,7 +24,7 @@ from rlkv.cpu_memory import keep_freed_memory
 from rlkv.data.batches import Solution, TeacherForcedBatch, teacher_forced_batch
 from rlkv.gates.heads import full_alpha
 from rlkv.trainers.config import GateGRPOConfig
-from rlkv.trainers.distill_loss import distill_kl, reference_hidden, top_fraction_mean
+from rlkv.trainers.distill_loss import distill_kl, reference_hidden, top_fraction_kl
 from rlkv.trainers.gate_trainer import (
     GateTrainerMixin,
     gate_callbacks,
@@ -143,7 +143,7 @@ class GateDistillTrainer(GateTrainerMixin, Trainer):
         kl = token_kl.mean()
         gates = gated.rlkv_gates
         args: GateGRPOConfig = self.args
-        objective = top_fraction_mean(token_kl, args.distill_top_fraction)
+        objective = top_fraction_kl(token_kl, args.distill_top_fraction)
         penalty = gate_penalty(
             full_alpha(gates.alpha), gates.below_zero, args.l1_beta, args.penalty_scope, args.target_sparsity
         )

@@ -114,10 +114,11 @@ def distill_kl(
     return forward_kl(hidden, ref_hidden, head.weight, head.bias)
 
 
-def top_fraction_mean(values: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Mean of the ceil(fraction * N) largest entries of `values` [N] (fraction 1: the plain mean);
-    differentiable through the entries it averages."""
+def top_fraction_kl(values: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Sum of the ceil(fraction * N) largest entries of `values` [N] over N (fraction 1: the plain mean):
+    the mean with the smallest entries' share dropped, so it stays on the mean's scale (a penalty weight
+    tuned against the mean keeps its meaning); differentiable through the entries it keeps."""
     if fraction >= 1.0:
         return values.mean()
     count = max(1, math.ceil(fraction * values.numel()))
-    return values.topk(count).values.mean()
+    return values.topk(count).values.sum() / values.numel()
