@@ -113,7 +113,9 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.in_flight = 0  # tokens of a begun forward not yet written: get_seq_length excludes them
         self.compacted_at = -1
         self.schedule: RowSchedule | None = None  # a budget region's compactions (set at prefill)
-        self.region_offsets = [0]  # `region_base` as sent from the host (eager writes read it here)
+        self.shared_offset: int | None = (
+            0  # the offset all rows share (eager writes use it), None if they differ
+        )
         # what the cache's layers share: the schedule ("schedule"), made by the layer "owner" at each prefill
         # (every compressed layer holds the same tokens, so one replay of the policy's rule serves all)
         self.shared = shared if shared is not None else {"owner": layer_idx}
@@ -234,7 +236,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         # generated token g then goes to slot early + g + region_base[b]: right after the row's kept run
         offsets = [base + h - generated - self.early for h in self.schedule.held(generated)]
         b["region_base"].copy_(torch.tensor(offsets))  # host ints sent, nothing read
-        self.region_offsets = offsets
+        self.shared_offset = offsets[0] if len(set(offsets)) == 1 else None
         self.compacted_at = length
 
     # CacheLayerMixin -------------------------------------------------------------------------------
@@ -286,7 +288,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.host_length = self.prompt_width = 0
         self.begun, self.in_flight, self.compacted_at, self.pending = False, 0, -1, None
         self.schedule = None
-        self.region_offsets = [0]
+        self.shared_offset = 0
         if self.buffers:
             self.buffers["length"].zero_()
             self.buffers["region_base"].zero_()

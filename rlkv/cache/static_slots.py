@@ -29,7 +29,7 @@ class StaticHeadMixedLayer(Protocol):
     early: int  # early-region slots
     prompt_width: int
     host_length: int  # tokens stored, this forward's included
-    region_offsets: list[int]  # `region_base` as the host sent it (one per row)
+    shared_offset: int | None  # the `region_base` offset every row shares (host int), None when rows differ
     schedule: RowSchedule | None  # a budget region's compactions
 
     def early_needed(self, width: int) -> int: ...
@@ -117,9 +117,9 @@ def write_budget(
     after the row's kept run. An eager step whose rows share one offset writes one host-known slot."""
     b = layer.buffers
     batch, heads, _, dim = keys.shape
-    if not torch.compiler.is_compiling() and len(set(layer.region_offsets)) == 1:
+    if not torch.compiler.is_compiling() and layer.shared_offset is not None:
         column = layer.host_length - 1
-        at = layer.early + column - layer.prompt_width + layer.region_offsets[0]
+        at = layer.early + column - layer.prompt_width + layer.shared_offset
         _write_slot(b, at, keys, values, column)
         for name, fill in layer.slot_fills.items():
             b[name].narrow(2, at, 1).fill_(fill)
