@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from rlkv import HeadMask
 from rlkv.cache import GROWTH_DIVISOR, append_along_tokens
-from rlkv.cache.store import CompressedStore, CompressionSettings
+from rlkv.cache.store import SMALL_STORE_BYTES, CompressedStore, CompressionSettings, grows_in_place
 from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
 from rlkv.policies import get_policy
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.cross_path_floats  # floats compared across code paths 
 
 def test_append_along_tokens_grows_by_a_bounded_fraction_and_keeps_content():
     gen = torch.Generator().manual_seed(0)
-    chunks = [torch.randn(2, 3, n, 4, generator=gen) for n in (300, 1, 1, 5, 1)]
+    chunks = [torch.randn(2, 3, n, 16, generator=gen) for n in (300, 1, 1, 5, 1)]  # 112 KiB: grows
     storage = current = None
     reallocations = 0
     for chunk in chunks:
@@ -52,7 +52,8 @@ def test_append_along_tokens_grows_by_a_bounded_fraction_and_keeps_content():
 def test_long_decode_writes_in_place_counts_capacity_and_matches_dynamic_cache(make_model):
     model, reference = make_model("llama"), make_model("llama")
     mask = HeadMask.random(model, seed=3)
-    prompt = torch.randint(0, model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(1))
+    # 6 rows: a full head's 200 tokens (6 x 200 x 16 dims fp32 = 75 KiB) pass SMALL_STORE_BYTES, so it grows
+    prompt = torch.randint(0, model.config.vocab_size, (6, 200), generator=torch.Generator().manual_seed(1))
     spare = 200 // GROWTH_DIVISOR  # tokens that fit in the capacity left by the prefill
 
     # one full + one streaming head per layer: the full head's history is never copied while it fits
@@ -68,7 +69,7 @@ def test_long_decode_writes_in_place_counts_capacity_and_matches_dynamic_cache(m
         assert layer.full_idx.numel() == 1
         assert layer.keys.data_ptr() == pointer  # no copy of the history
         assert layer.keys.shape[2] == layer.logical_length == 200 + spare
-        assert layer.keys.untyped_storage().nbytes() == (200 + spare) * 16 * 4  # B=1, 1 head, D=16, fp32
+        assert layer.keys.untyped_storage().nbytes() == 6 * (200 + spare) * 16 * 4  # B=6, 1 head, D=16, fp32
 
     # sparsity 0: same logits as a DynamicCache; the capacity is counted
     everything = make_cache(model, CompressionConfig(head_mask=mask, sparsity=0.0))
@@ -121,7 +122,7 @@ def test_blocked_redundancy_equals_the_dense_matrix():
 # --- compaction: whole-row copies when every (row, head) keeps the same count ------------------------
 
 
-def _store_with_spare_capacity(batch: int = 3, heads: int = 2, dim: int = 8) -> CompressedStore:
+def _store_with_spare_capacity(batch: int = 3, heads: int = 2, dim: int = 16) -> CompressedStore:
     """A store of 301 slots whose keys/values/positions and slot buffer are prefix views of storages
     with spare capacity (two different capacities: the buffer was created after the first append)."""
     settings = CompressionSettings(
@@ -328,14 +329,37 @@ def test_streaming_decode_holds_only_kept_tokens(make_model, monkeypatch):
     torch.testing.assert_close(store.keys[0, 0], slot_keys, rtol=0, atol=1e-5)
 
 
-def test_short_store_appends_into_exactly_sized_tensors():
-    """Below GROWTH_DIVISOR tokens an append reserves no spare capacity (a compressed head's sink +
-    window store is copied once per decode step, never held twice over)."""
-    current = torch.randn(2, 3, 80, 4)
+@pytest.mark.parametrize("tokens", [80, 300])
+def test_short_store_appends_into_exactly_sized_tensors(tokens):
+    """Below GROWTH_DIVISOR tokens or SMALL_STORE_BYTES an append reserves no spare capacity (a
+    compressed head's store is copied once per decode step, never held twice over)."""
+    current = torch.randn(2, 3, tokens, 4)
+    assert current.nbytes < SMALL_STORE_BYTES
     new = torch.randn(2, 3, 1, 4)
-    grown = append_along_tokens(None, current, new)
+    grown = append_along_tokens(None, current, new, in_place=grows_in_place(current))
     _assert_exactly_sized(grown)
     assert torch.equal(grown, torch.cat([current, new], dim=2))
+
+
+def test_remembered_queries_are_the_last_window_across_buffer_wraps():
+    """The observation window (`queries`, `query_positions`) equals the last `limit` queries seen and
+    their positions after prompt chunks and decode steps, across the buffer's moves to its front; the
+    buffer holds at most 2 x `limit` queries."""
+    settings = CompressionSettings(get_policy("snapkv"), sink=2, window=4, budget=None, protect_prompt=False)
+    store = CompressedStore(0, torch.arange(2), 3, settings)
+    store.row_start = torch.zeros(2, dtype=torch.long)
+    gen = torch.Generator().manual_seed(0)
+    limit, seen = 5, []
+    for q_len in (7, 3, *[1] * 12, 2, *[1] * 6):  # a prompt in two chunks, decode, a 2-token forward
+        store.append(torch.randn(2, 2, q_len, 8, generator=gen), torch.randn(2, 2, q_len, 8, generator=gen))
+        queries = torch.randn(2, 2, 3, q_len, 8, generator=gen)
+        seen.append(queries)
+        store.remember_queries(queries, limit)
+        expected = torch.cat(seen, dim=3)[:, :, :, -limit:]
+        assert torch.equal(store.queries, expected)
+        first = store.logical_length - expected.shape[3]
+        assert torch.equal(store.query_positions, torch.arange(first, store.logical_length))
+        assert store.queries.untyped_storage().nbytes() <= 2 * limit * expected[:, :, :, :1].nbytes
 
 
 def test_valid_and_forced_keep_follow_every_change_of_the_slots():
@@ -358,7 +382,7 @@ def test_valid_and_forced_keep_follow_every_change_of_the_slots():
     check()
     # the cache sets row_start between a forward's append and its first forced_keep()
     store.row_start = torch.tensor([0, 3, 12])  # rows whose sink ends before / after the prompt
-    store.append(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))
+    store.append(torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16))
     check()
     store.compact(store.forced_keep())
     check()

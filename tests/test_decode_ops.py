@@ -52,8 +52,8 @@ def test_head_mixed_decode_step_stays_within_its_op_budget(policy):
     """<= 1.25x plain's ops per step (issue 50's target). Measured 2026-11-28 on the 4-layer tiny model:
     streaming 294 vs 246 (1.20x; 309 before by-position compactions stopped building a keep mask, 353
     before head slices, one-op merges, no full-range views and the direct one-query mask); R-KV (budget 24,
-    its default buffer of 128, so no compaction falls in the 8 counted steps) 303 (1.23x). A compaction
-    every 128 steps adds ~650 ops, ~5 per step."""
+    its default buffer of 128, so no compaction falls in the 8 counted steps) 292.5 (1.19x; 303 before
+    the query window became a buffer view). A compaction every 128 steps adds ~650 ops, ~5 per step."""
     model = tiny_model("llama", num_hidden_layers=4)
     plain = _ops_per_step(model, DynamicCache(config=model.config))
     model.set_attn_implementation(register_attention())
@@ -65,9 +65,9 @@ def test_head_mixed_decode_step_stays_within_its_op_budget(policy):
 
 @pytest.mark.parametrize("policy", ["streaming", "rkv"])
 def test_static_eager_decode_step_stays_within_its_op_budget(policy):
-    """The static cache's eager step (CPU's `static_cache=True`) <= 1.32x plain's ops. Measured 2026-11-28:
-    streaming 311 (1.26x; 409 before eager steps wrote host-known slots with `narrow` and stopped
-    cloning the length counter), R-KV 320 (1.30x; 343 before). What remains beyond the dynamic cache:
+    """The static cache's eager step (CPU's `static_cache=True`) <= 1.28x plain's ops. Measured 2026-11-28:
+    streaming 302 (1.23x; 409 before eager steps wrote host-known slots with `narrow` and stopped
+    cloning the length counter), R-KV 311 (1.26x; 343 before). What remains beyond the dynamic cache:
     the device length counter each layer keeps for a compiled step and the compressed heads' validity
     mask (empty slots exist)."""
     model = tiny_model("llama", num_hidden_layers=4)
@@ -79,4 +79,4 @@ def test_static_eager_decode_step_stays_within_its_op_budget(policy):
         model.config, LAYOUT, get_policy(policy), sink=4, window=8, max_cache_len=length, **sizes
     )
     mixed = _ops_per_step(model, cache)
-    assert mixed <= 1.32 * plain, (mixed, plain)
+    assert mixed <= 1.28 * plain, (mixed, plain)

@@ -23,6 +23,7 @@ from rlkv.cache.store import (
     CompressedStore,
     CompressionSettings,
     append_along_tokens,
+    grows_in_place,
     storage_bytes,
     token_prefix,
 )
@@ -87,8 +88,9 @@ class HeadMixedLayer(CacheLayerMixin):
             if first:
                 self._key_storage = self._value_storage = self.keys = self.values = None
             # keys/values are prefix views of storages with spare capacity: no O(T) copy per step
-            self._key_storage = append_along_tokens(self._key_storage, self.keys, k_full)
-            self._value_storage = append_along_tokens(self._value_storage, self.values, v_full)
+            in_place = grows_in_place(self.keys)
+            self._key_storage = append_along_tokens(self._key_storage, self.keys, k_full, in_place)
+            self._value_storage = append_along_tokens(self._value_storage, self.values, v_full, in_place)
             length = self.logical_length + key_states.shape[2]
             self.keys = token_prefix(self._key_storage, length)
             self.values = token_prefix(self._value_storage, length)

@@ -38,27 +38,39 @@ def position_dtype(end: int) -> torch.dtype:
 
 
 # Storage grows along the token axis by 1/GROWTH_DIVISOR of what it holds: at most 1/128 (0.8%) of
-# the bytes are spare capacity (none below 128 tokens), and each token is copied O(1) times amortised
-# instead of the whole history once per decode step.
+# the bytes are spare capacity, and each token is copied O(1) times amortised instead of the whole
+# history once per decode step.
 GROWTH_DIVISOR = 128
+# Below this many bytes of keys a store grows by one `torch.cat` per append, exactly sized: one op that
+# copies 64 KiB costs less than the two ops of a write into spare capacity (and the reallocation every
+# few steps of a store just past 128 tokens); measured 2026-11-28, single thread: 144 tokens x 2 heads
+# x 64 dims fp32 (72 KiB) cat 2.9 us vs write 8.5 us, 512 tokens (256 KiB) 12.4 vs 6.5 us.
+SMALL_STORE_BYTES = 64 * 1024
+
+
+def grows_in_place(keys: torch.Tensor | None) -> bool:
+    """Whether a store whose keys are `keys` appends into spare capacity (else by one `torch.cat`): from
+    `SMALL_STORE_BYTES` on, decided from the keys so every tensor of the store grows alike."""
+    return keys is None or keys.nbytes >= SMALL_STORE_BYTES
 
 
 def append_along_tokens(
-    capacity: torch.Tensor | None, current: torch.Tensor | None, new: torch.Tensor
+    capacity: torch.Tensor | None, current: torch.Tensor | None, new: torch.Tensor, in_place: bool = True
 ) -> torch.Tensor:
     """Append `new` [B, H, Q, ...] after `current` [B, H, T, ...] along dim 2; returns the storage that holds both.
 
     `capacity` is the storage `current` is a prefix view of (or None: `current` is exactly sized).
     When it has no room, a new storage of `(T + Q) * (1 + 1/GROWTH_DIVISOR)` tokens (rounded down)
     is allocated and `current` copied in once. Callers attend to / expose the prefix view
-    `result[:, :, :T + Q]`; `resident_bytes()` counts the whole storage.
+    `result[:, :, :T + Q]`; `resident_bytes()` counts the whole storage. Under 128 tokens, or with
+    `in_place` False (`grows_in_place`), `current` grows by one exactly sized `torch.cat` instead.
     """
     used = 0 if current is None else current.shape[2]
     needed = used + new.shape[2]
+    if current is not None and (needed < GROWTH_DIVISOR or not in_place):
+        return torch.cat([current, new], dim=2)  # short stores (compressed heads): one op, no spare
     if capacity is None or needed > capacity.shape[2]:
         spare = needed // GROWTH_DIVISOR
-        if current is not None and not spare:  # short stores (compressed heads): one copy op, no spare
-            return torch.cat([current, new], dim=2)
         capacity = new.new_empty((*new.shape[:2], needed + spare, *new.shape[3:]))
         if used:
             capacity[:, :, :used] = current
@@ -113,7 +125,9 @@ class CompressedStore:
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.queries: torch.Tensor | None = None
-        self.query_positions: torch.Tensor | None = None
+        self._query_positions: torch.Tensor | None = None
+        self._query_buffer: torch.Tensor | None = None  # what `queries` is a view of
+        self._query_end = 0  # slots of the buffer written
         self.row_start: torch.Tensor | None = None  # LongTensor[B]: first real column of each row
         self.evicted: torch.Tensor | None = None
         self.logical_length = 0
@@ -258,12 +272,13 @@ class CompressedStore:
             ).expand(batch, heads, q_len)
         if self.keys is None:
             self.evicted = torch.zeros(batch, dtype=torch.long, device=keys.device)
-        self.keys = self._append("keys", self.keys, keys)
-        self.values = self._append("values", self.values, values)
-        self.positions = self._append("positions", self.positions, new_pos)
+        in_place = grows_in_place(self.keys)
+        self.keys = self._append("keys", self.keys, keys, in_place)
+        self.values = self._append("values", self.values, values, in_place)
+        self.positions = self._append("positions", self.positions, new_pos, in_place)
         for name, (buf, fill) in self._slot_buffers.items():
             pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
-            self._slot_buffers[name] = (self._append(f"slot:{name}", buf, pad), fill)
+            self._slot_buffers[name] = (self._append(f"slot:{name}", buf, pad, in_place), fill)
         self.logical_length += q_len
         self.slot_counts = [n + q_len for n in self.slot_counts] if self.slot_counts else [q_len] * batch
         if self.head_counts is not None:
@@ -272,8 +287,10 @@ class CompressedStore:
             self.evicted_host = [0] * batch
         self._slots_changed()
 
-    def _append(self, name: str, current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-        storage = append_along_tokens(self._capacity.get(name), current, new)
+    def _append(
+        self, name: str, current: torch.Tensor | None, new: torch.Tensor, in_place: bool
+    ) -> torch.Tensor:
+        storage = append_along_tokens(self._capacity.get(name), current, new, in_place)
         self._capacity[name] = storage
         return token_prefix(storage, new.shape[2] + (0 if current is None else current.shape[2]))
 
@@ -308,16 +325,38 @@ class CompressedStore:
             self.compact(self.valid(), list(self.slot_counts))
 
     def remember_queries(self, queries: torch.Tensor, limit: int) -> None:
-        """Keep the last `limit` queries [B, H_c, G, Q, D] (and their positions) across steps."""
-        q_len = queries.shape[3]
-        pos = torch.arange(self.logical_length - q_len, self.logical_length, device=queries.device)
-        if self.queries is not None:
-            queries = torch.cat([self.queries, queries], dim=3)
-            pos = torch.cat([self.query_positions, pos])
-        if queries.shape[3] > limit:
-            # clone: a slice would keep the whole concatenated buffer alive
-            queries, pos = queries[:, :, :, -limit:].clone(), pos[-limit:].clone()
-        self.queries, self.query_positions = queries, pos
+        """Keep the last `limit` queries [B, H_c, G, Q, D] across steps (`queries`, oldest first).
+
+        They are written into a buffer of 2 * `limit` query slots and `queries` is a view of the last
+        `limit` written: a decode step is one write, and the window moves back to the buffer's front
+        once every `limit` steps (a slice that `cat` and `clone` would rebuild every step)."""
+        new = queries if queries.shape[3] <= limit else queries[:, :, :, -limit:]
+        buffer, held = self._query_buffer, 0 if self.queries is None else self.queries.shape[3]
+        count = new.shape[3]
+        keep = min(held, limit - count)  # older queries still inside the window
+        if buffer is None or buffer.shape[:3] != new.shape[:3] or self._query_end + count > buffer.shape[3]:
+            fresh = new.new_empty((*new.shape[:3], 2 * limit, new.shape[4]))
+            if keep:
+                fresh[:, :, :, :keep] = self.queries[:, :, :, held - keep :]
+            self._query_buffer, self._query_end = fresh, keep
+        end = self._query_end + count
+        self._query_buffer[:, :, :, self._query_end : end] = new
+        self.queries = self._query_buffer[:, :, :, end - keep - count : end]
+        self._query_end = end
+
+    @property
+    def query_positions(self) -> torch.Tensor | None:
+        """LongTensor[N]: the logical positions of `queries`, the last N columns seen (the window is
+        contiguous: every forward's queries are remembered); built when read, at a compaction."""
+        if self._query_positions is not None or self.queries is None:
+            return self._query_positions
+        count = self.queries.shape[3]
+        return torch.arange(self.logical_length - count, self.logical_length, device=self.queries.device)
+
+    @query_positions.setter
+    def query_positions(self, value: torch.Tensor | None) -> None:
+        # a store view that a static cache fills (rlkv/cache/static_budget.py) holds them explicitly
+        self._query_positions = value
 
     def compact_ends(self, kept: list[int]) -> None:
         """Keep each row's early region (sink, protected prompt) and its newest slots, `kept` per (row,
@@ -454,5 +493,5 @@ class CompressedStore:
         """Every tensor the store holds (for resident-byte accounting)."""
         extra = [buf for buf, _ in self._slot_buffers.values()]
         extra += [t for t in self.state.values() if isinstance(t, torch.Tensor)]
-        kv = [self.keys, self.values, self.positions, self.queries, self.query_positions, *extra]
+        kv = [self.keys, self.values, self.positions, self.queries, self._query_positions, *extra]
         return [*kv, self.row_start, self.evicted]
