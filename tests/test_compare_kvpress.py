@@ -18,7 +18,7 @@ from benchmarks.kvpress import compare as compare_kvpress  # noqa: E402
 from rlkv import HeadMask  # noqa: E402
 from rlkv.compat import cache_kwargs  # noqa: E402
 from rlkv.inference import CompressionConfig, make_cache  # noqa: E402
-from rlkv.testing import tiny_model  # noqa: E402
+from rlkv.testing import tiny_model, tiny_tokenizer  # noqa: E402
 
 worker = compare_kvpress.load_worker()
 
@@ -82,24 +82,46 @@ def test_method_specs_pair_every_kvpress_method_with_rlkv():
                 make_cache(model, config)  # valid for the model
 
 
-def test_verdicts_pass_only_faster_at_no_more_resident_kv():
+def test_verdicts_pass_only_faster_at_no_more_mean_or_peak_kv():
     spec = {"methods": compare_kvpress.method_specs([0.5], [128], 16)}
 
-    def row(speed, resident):
-        return {"decode_tokens_per_s": speed, "resident_kv_bytes": resident}
+    def row(speed, mean, peak):
+        return {"decode_tokens_per_s": speed, "mean_kv_bytes": mean, "peak_kv_bytes": peak}
 
     kv = {
-        "methods": {"full": row(400, 1000), "head s=0.5": row(300, 800), "snapkv budget=128": {"error": "x"}}
+        "methods": {
+            "full": row(400, 1000, 1000),
+            "head s=0.5": row(300, 800, 800),
+            "snapkv budget=128": row(400, 300, 600),
+            "knorm budget=128": {"error": "x"},
+        }
     }
     rl = {
         "methods": {
-            "full | full": row(420, 1000),
-            "head s=0.5 | rlkv head-mixed": row(290, 500),
-            "snapkv budget=128 | rlkv snapkv": row(500, 10),
+            "full | full": row(420, 1000, 1000),
+            "head s=0.5 | rlkv head-mixed": row(290, 500, 500),
+            "snapkv budget=128 | rlkv snapkv": row(410, 280, 320),
+            "snapkv budget=128 | rlkv rkv": row(410, 280, 700),
+            "knorm budget=128 | rlkv knorm": row(500, 10, 10),
         }
     }
     lines = compare_kvpress.verdicts(spec, kv, rl)
     assert lines == [
-        "full | full: 1.05x kvpress decode tok/s, 1.00x its resident KV: reference",
-        "head s=0.5 | rlkv head-mixed: 0.97x kvpress decode tok/s, 0.62x its resident KV: FAIL",
+        "full | full: 1.05x kvpress decode tok/s, 1.00x its mean KV, 1.00x its peak KV: reference",
+        "head s=0.5 | rlkv head-mixed: 0.97x kvpress decode tok/s, 0.62x its mean KV, 0.62x its peak KV: FAIL",
+        "snapkv budget=128 | rlkv snapkv: 1.02x kvpress decode tok/s, 0.93x its mean KV, 0.53x its peak KV: PASS",
+        "snapkv budget=128 | rlkv rkv: 1.02x kvpress decode tok/s, 0.93x its mean KV, 1.17x its peak KV: FAIL",
     ]  # no kvpress row, no verdict
+
+
+def test_probe_averages_the_cache_bytes_over_the_forwards():
+    """Plain generation holds 40 + i tokens after forward i (the prefill, then 5 decode steps for 6
+    new tokens): mean = 42.5 tokens' bytes, peak = 45."""
+    model = tiny_model("llama")
+    ids = torch.randint(5, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    tokenizer = tiny_tokenizer()
+    row = worker.run_method(model, tokenizer, [ids[0].tolist()], ["1"], 6, worker._NullContext())
+    config = model.config
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    assert row["peak_kv_bytes"] == 45 * per_token
+    assert row["mean_kv_bytes"] == 42.5 * per_token

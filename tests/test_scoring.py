@@ -26,6 +26,7 @@ def make_store(keys, positions, queries, query_positions, row_start, prompt_leng
     settings = CompressionSettings(FullPolicy(), sink=0, window=0, budget=None, protect_prompt=True)
     store = CompressedStore(0, torch.arange(keys.shape[1]), groups, settings)
     store.keys, store.values, store.positions = keys, keys.clone(), positions
+    store.all_valid = bool((positions >= 0).all())  # the host flag the cache keeps
     store.queries, store.query_positions = queries, query_positions
     store.row_start = row_start
     store.prompt_length, store.logical_length = prompt_length, logical_length
@@ -150,3 +151,33 @@ def test_bad_pooling_arguments_are_rejected():
         pool_along_keys(torch.rand(1, 1, 4), 4, "max", torch.ones(1, 1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="mode"):
         pool_along_keys(torch.rand(1, 1, 4), 3, "min", torch.ones(1, 1, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("kernel", [1, 7])
+def test_host_flags_skip_only_masks_that_are_all_true(kernel):
+    """A store with no empty slot and no padded row (`all_valid`, `row_start_host` all 0) scores the
+    same through the fast path (pooling in place, plain mean over queries) as through the masked one."""
+    from rlkv.policies.snapkv import SnapKVPolicy
+
+    g = torch.Generator().manual_seed(4)
+    slots, obs, logical = 16, 4, 30
+    positions = torch.arange(logical - slots, logical).expand(2, 2, slots).clone()
+    store = make_store(
+        torch.randn(2, 2, slots, 8, generator=g),
+        positions,
+        torch.randn(2, 2, 3, obs, 8, generator=g),
+        torch.arange(logical - obs, logical),
+        torch.zeros(2, dtype=torch.long),
+        5,
+        logical,
+        3,
+    )
+    policy = SnapKVPolicy(window=obs, kernel=kernel)
+    store.row_start_host = [0, 0]
+    assert store.all_valid
+    fast = (observation_attention(store, kernel=kernel), policy.scores(store))
+    store.all_valid, store.row_start_host = False, None
+    slow = (observation_attention(store, kernel=kernel), policy.scores(store))
+    for a, b in zip(fast, slow, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # the same terms, summed in another order
+        assert (a[..., -obs:] == 0).all() and (a[..., :-obs] > 0).all()

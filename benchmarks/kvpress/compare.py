@@ -212,8 +212,8 @@ def _kib(x: float) -> str:
 def table(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> str:
     """Markdown side-by-side table (one row per kvpress method and per rlkv method paired with it)."""
     lines = [
-        "| setting | side | method | acc % | resident KV KiB | peak KV KiB | VmHWM MiB | decode tok/s | same tokens as own full |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| setting | side | method | acc % | resident KV KiB | mean KV KiB | peak KV KiB | VmHWM MiB | decode tok/s | same tokens as own full |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     full_kv = kv["methods"].get("full", {}).get("outputs")
     full_rl = rl["methods"].get("full | full", {}).get("outputs")
@@ -225,10 +225,10 @@ def table(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> str:
 
     def row(setting, side, name, r, ref):
         if "error" in r:
-            return f"| {setting} | {side} | {name} | error: {r['error'][:120]} | | | | | |"
+            return f"| {setting} | {side} | {name} | error: {r['error'][:120]} | | | | | | |"
         return (
             f"| {setting} | {side} | {name} | {r['accuracy']:.1f} | {_kib(r['resident_kv_bytes'])} | "
-            f"{_kib(r['peak_kv_bytes'])} | {_mib(r['vm_hwm_bytes'])} | {r['decode_tokens_per_s']:.0f} | "
+            f"{_kib(r['mean_kv_bytes'])} | {_kib(r['peak_kv_bytes'])} | {_mib(r['vm_hwm_bytes'])} | {r['decode_tokens_per_s']:.0f} | "
             f"{same(r.get('outputs'), ref)} |"
         )
 
@@ -248,8 +248,14 @@ def table(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> str:
 
 
 def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> list[str]:
-    """Issue 50's target per paired row: rlkv's decode tok/s >= kvpress's at no more resident KV, as
-    ratios measured in this run, each line ending PASS or FAIL (none where a side has no row)."""
+    """Issue 50's target per paired row: rlkv's decode tok/s >= kvpress's while holding no more KV, as
+    ratios measured in this run, each line ending PASS or FAIL (none where a side has no row).
+
+    KV held is the cache's bytes averaged over each generation's forwards and its peak: both sides
+    compress on a cycle (every `interval` tokens), so the bytes left after the last token depend on
+    where generation stops in that cycle (rlkv at budget + 15 of its 16-token buffer, kvpress just
+    compressed, at 48 new tokens), while the mean and the peak are what generation holds.
+    """
     lines = []
     for method in spec["methods"]:
         theirs = kv["methods"].get(method["name"], {})
@@ -260,12 +266,14 @@ def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> li
             if setting != method["name"] or "error" in ours:
                 continue
             speed = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
-            memory = ours["resident_kv_bytes"] / max(theirs["resident_kv_bytes"], 1)
-            ok = speed >= 1.0 and memory <= 1.0
+            mean = ours["mean_kv_bytes"] / max(theirs["mean_kv_bytes"], 1)
+            peak = ours["peak_kv_bytes"] / max(theirs["peak_kv_bytes"], 1)
+            ok = speed >= 1.0 and mean <= 1.0 and peak <= 1.0
             # the full row runs plain transformers on both sides: the run's noise floor, not a target
             verdict = "reference" if method["kind"] == "full" else ("PASS" if ok else "FAIL")
             lines.append(
-                f"{setting} | {name}: {speed:.2f}x kvpress decode tok/s, {memory:.2f}x its resident KV: {verdict}"
+                f"{setting} | {name}: {speed:.2f}x kvpress decode tok/s, {mean:.2f}x its mean KV, "
+                f"{peak:.2f}x its peak KV: {verdict}"
             )
     return lines
 

@@ -84,7 +84,7 @@ class GenerationProbe:
     def __init__(self, model: torch.nn.Module) -> None:
         self.times: list[float] = []
         self.walk_seconds: list[float] = []
-        self.peak_kv = 0
+        self.kv_bytes: list[int] = []  # the cache's bytes after every forward
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output) -> None:
@@ -92,9 +92,19 @@ class GenerationProbe:
         # transformers 5.24 renamed past_key_values to cache (arguments and outputs); kvpress pins < 5.3
         cache = kwargs.get("cache") or kwargs.get("past_key_values") or _output_cache(output)
         if cache is not None:
-            self.peak_kv = max(self.peak_kv, tensor_storage_bytes(cache))
+            self.kv_bytes.append(tensor_storage_bytes(cache))
         self.times.append(end)
         self.walk_seconds.append(time.perf_counter() - end)
+
+    @property
+    def peak_kv(self) -> int:
+        return max(self.kv_bytes, default=0)
+
+    @property
+    def mean_kv(self) -> float:
+        """The cache's bytes averaged over the forwards: what generation holds over time (a snapshot at
+        its end depends on where it falls in a compression cycle)."""
+        return sum(self.kv_bytes) / max(len(self.kv_bytes), 1)
 
     def decode_seconds(self) -> tuple[int, float]:
         """(decode steps, seconds) from the end of the prefill forward to the end of the last step."""
@@ -137,11 +147,12 @@ def run_method(
     `make_cache_kwargs()`, if given, returns the keyword argument that hands `generate` a fresh cache
     (the rlkv side: `rlkv.compat.cache_kwargs(make_cache(...))`, named for the installed transformers).
 
-    Returns accuracy, mean resident KV after generation, mean peak KV during generation, VmHWM
+    Returns accuracy, mean resident KV after generation, mean peak KV during generation, KV averaged
+    over each generation's forwards (mean over prompts), VmHWM
     (reset before the method; max over its prompts), decode tokens/s and the generated token ids.
     """
     reset_ok = reset_vm_hwm()
-    correct, resident, peaks, steps, seconds, outputs = 0, [], [], 0, 0.0, []
+    correct, resident, peaks, means, steps, seconds, outputs = 0, [], [], [], 0, 0.0, []
     with context:
         for ids, answer in zip(prompts, answers):
             input_ids = torch.tensor([ids])
@@ -163,6 +174,7 @@ def run_method(
             correct += boxed_answer(text) == str(answer)
             resident.append(tensor_storage_bytes(_output_cache(out)))
             peaks.append(probe.peak_kv)
+            means.append(probe.mean_kv)
             n, s = probe.decode_seconds()
             steps, seconds = steps + n, seconds + s
             outputs.append(new)
@@ -171,6 +183,7 @@ def run_method(
         "accuracy": 100.0 * correct / n,
         "resident_kv_bytes": sum(resident) / n,
         "peak_kv_bytes": sum(peaks) / n,
+        "mean_kv_bytes": sum(means) / n,
         "vm_hwm_bytes": vm_hwm_bytes(),
         "vm_hwm_reset": reset_ok,
         "decode_tokens_per_s": steps / seconds if seconds > 0 else 0.0,

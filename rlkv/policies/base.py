@@ -72,6 +72,9 @@ policies depend on the protocol only, so nothing under rlkv/policies imports the
   `protected_counts()`, `evictable_counts()`, `forced_counts()`, `budget_counts()` (None: no
   budget). The cache keeps them without reading the device (once per prompt forward it reads
   where rows start), so a policy can decide and size a compression from them alone.
+  `row_start_host` (list[int], or None where only the device knows: the static cache's view) and
+  `all_valid` (bool: no slot is empty; False where unknown) let a policy skip masks it knows are
+  all True (`rlkv.policies.scoring.real_queries`, `window_is_suffix`).
 - `state` dict: per-layer scratch space for the policy, cleared at each new sequence.
 - `slot_buffer(name, fill=0.0, dtype=torch.float32)` -> Tensor[B, H_c, K]: a per-slot value the
   cache keeps aligned with the slots (new slots get `fill`, evictions gather it). Update it in
@@ -153,6 +156,8 @@ class PolicyStore(Protocol):
     state: dict[str, Any]
 
     slot_counts: list[int]
+    row_start_host: list[int] | None
+    all_valid: bool
 
     @property
     def num_generated(self) -> int: ...

@@ -68,11 +68,12 @@ def observation_key_mask(
     observation query), as R-KV and SnapKV do before their softmax.
     """
     qpos = query_positions.to(key_positions.device)
-    allowed = key_valid[:, :, None, :] & (key_positions[:, :, None, :] <= qpos[None, None, :, None])
-    allowed = allowed & query_valid[:, None, :, None].to(allowed.device)
     if exclude_window and qpos.numel() > 0:
-        allowed = allowed & (key_positions < qpos.min())[:, :, None, :]
-    return allowed
+        # a key before the oldest observation query is before every one of them: causal already
+        keys = (key_valid & (key_positions < qpos.min()))[:, :, None, :]
+    else:
+        keys = key_valid[:, :, None, :] & (key_positions[:, :, None, :] <= qpos[None, None, :, None])
+    return keys & query_valid[:, None, :, None].to(keys.device)
 
 
 def observation_logits(
@@ -106,13 +107,8 @@ def pool_query_groups(logits: torch.Tensor, mode: Literal["max", "mean"] = "max"
 
 def masked_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax along `dim` over the finite entries; -inf entries get 0, an all -inf line gives all 0."""
-    logits = logits.float()
-    finite = torch.isfinite(logits)
-    maximum = logits.masked_fill(~finite, NEG_INF).amax(dim=dim, keepdim=True)
-    maximum = torch.where(torch.isfinite(maximum), maximum, torch.zeros_like(maximum))
-    exp = torch.exp(logits - maximum).masked_fill(~finite, 0.0)
-    total = exp.sum(dim=dim, keepdim=True)
-    return exp / torch.where(total > 0, total, torch.ones_like(total))
+    # torch's softmax gives -inf entries exactly 0 and an all -inf line NaN, which becomes 0
+    return torch.softmax(logits.float(), dim=dim).nan_to_num(0.0)
 
 
 def _compaction_order(valid: torch.Tensor) -> torch.Tensor:
@@ -126,6 +122,7 @@ def pool_along_keys(
     mode: Literal["max", "avg"],
     valid: torch.Tensor,
     count_include_pad: bool = True,
+    valid_prefix: bool = False,
 ) -> torch.Tensor:
     """1-D pooling along the key (last) axis, same length, centred window of `kernel` slots.
 
@@ -135,7 +132,9 @@ def pool_along_keys(
     `F.max_pool1d` / `F.avg_pool1d` with `padding=kernel // 2` over the retained tokens only.
     `max` ignores positions beyond the ends; `avg` divides by `kernel` when `count_include_pad`
     (torch's default, RPC's code) else by the number of real tokens in the window. Empty slots
-    come back as 0. `kernel` must be odd.
+    come back as 0. `kernel` must be odd. `valid_prefix`: the caller knows the valid slots of every
+    line come first (a store with no empty slot, minus its newest observation window), so they are
+    pooled in place, without sorting them to the front and back.
     """
     if kernel < 1 or kernel % 2 == 0:
         raise ValueError(f"pooling kernel={kernel}: must be a positive odd number")
@@ -143,9 +142,12 @@ def pool_along_keys(
         return scores.masked_fill(~_broadcast_valid(valid, scores), 0.0)
     lead = scores.shape[:-1]
     valid_b = _broadcast_valid(valid, scores)
-    order = _compaction_order(valid_b)
-    compact = scores.float().gather(-1, order)
-    compact_valid = valid_b.gather(-1, order)
+    if valid_prefix:
+        order, compact, compact_valid = None, scores.float(), valid_b
+    else:
+        order = _compaction_order(valid_b)
+        compact = scores.float().gather(-1, order)
+        compact_valid = valid_b.gather(-1, order)
     flat = compact.reshape(-1, 1, scores.shape[-1])
     flat_valid = compact_valid.reshape(-1, 1, scores.shape[-1])
     half = kernel // 2
@@ -161,7 +163,7 @@ def pool_along_keys(
     else:
         raise ValueError(f"pool_along_keys mode={mode!r}: use 'max' or 'avg'")
     pooled = pooled.reshape(*lead, -1).masked_fill(~compact_valid, 0.0)
-    return torch.empty_like(pooled).scatter_(-1, order, pooled)
+    return pooled if order is None else torch.empty_like(pooled).scatter_(-1, order, pooled)
 
 
 def _broadcast_valid(valid: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -171,11 +173,27 @@ def _broadcast_valid(valid: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return valid.expand(scores.shape)
 
 
-def mean_over_queries(scores: torch.Tensor, query_valid: torch.Tensor) -> torch.Tensor:
-    """Mean over the real observation queries: [B, H, N, K] -> [B, H, K]; query_valid BoolTensor [B, N]."""
+def mean_over_queries(scores: torch.Tensor, query_valid: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the real observation queries: [B, H, N, K] -> [B, H, K]; query_valid BoolTensor [B, N]
+    (None: every query is real, see `real_queries`)."""
+    if query_valid is None:
+        return scores.float().mean(dim=2)
     weight = query_valid.to(scores.device, torch.float32)[:, None, :, None]
     count = weight.sum(dim=2).clamp(min=1.0)
     return (scores.float() * weight).sum(dim=2) / count
+
+
+def real_queries(store: PolicyStore) -> torch.Tensor | None:
+    """`store.query_valid()`, or None when the host knows every row starts at column 0 (no padding:
+    every observation query is real)."""
+    starts = store.row_start_host
+    return None if starts is not None and not any(starts) else store.query_valid()
+
+
+def window_is_suffix(store: PolicyStore) -> bool:
+    """Host flag: the store has no empty slot, so its valid slots outside the observation window come
+    first (slots are in position order, the window is the newest): `pool_along_keys(valid_prefix=)`."""
+    return store.all_valid
 
 
 def observation_attention(
@@ -195,15 +213,16 @@ def observation_attention(
     probs = masked_softmax(pool_query_groups(logits, group_pool))
     if kernel > 1:
         domain = store.valid() & ~observation_window(store) if exclude_window else store.valid()
-        probs = pool_along_keys(probs, kernel, key_pool, domain)
-    return mean_over_queries(probs, store.query_valid())
+        probs = pool_along_keys(probs, kernel, key_pool, domain, valid_prefix=window_is_suffix(store))
+    return mean_over_queries(probs, real_queries(store))
 
 
 def observation_window(store: PolicyStore) -> torch.Tensor:
     """BoolTensor [B, H, K]: valid slots whose position is one of the cached observation queries'."""
-    if store.query_positions is None or store.query_positions.numel() == 0:
+    query_positions = store.query_positions  # built when read (rlkv/cache/store.py): read it once
+    if query_positions is None or query_positions.numel() == 0:
         return torch.zeros_like(store.valid())
-    return store.valid() & (store.positions >= store.query_positions.min())
+    return store.valid() & (store.positions >= query_positions.min())
 
 
 class WindowedBufferPolicy(CompressionPolicy):
@@ -243,4 +262,8 @@ class WindowedBufferPolicy(CompressionPolicy):
     def select(self, store: PolicyStore) -> torch.Tensor:
         scores = self.scores(store).masked_fill(observation_window(store), float("inf"))
         keep = keep_top_scores(store, scores)
+        # every (row, head) compresses, known from host counts (not on the static cache's view, whose
+        # row starts only the device knows): no mask to mix
+        if store.row_start_host is not None and all(self.due_rows(store)):
+            return keep
         return torch.where(self.due(store)[..., None], keep, store.valid())

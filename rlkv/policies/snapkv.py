@@ -34,6 +34,8 @@ from rlkv.policies.scoring import (
     observation_window,
     pool_along_keys,
     pool_query_groups,
+    real_queries,
+    window_is_suffix,
 )
 
 
@@ -82,5 +84,7 @@ class SnapKVPolicy(WindowedBufferPolicy):
         else:
             probs = masked_softmax(logits).mean(dim=2)
         domain = store.valid() & ~observation_window(store)
-        pooled = pool_along_keys(probs, self.kernel, self.pooling, domain)
-        return mean_over_queries(pooled, store.query_valid())
+        pooled = pool_along_keys(
+            probs, self.kernel, self.pooling, domain, valid_prefix=window_is_suffix(store)
+        )
+        return mean_over_queries(pooled, real_queries(store))
