@@ -330,19 +330,19 @@ class CompressedStore:
         They are written into a buffer of 2 * `limit` query slots and `queries` is a view of the last
         `limit` written: a decode step is one write, and the window moves back to the buffer's front
         once every `limit` steps (a slice that `cat` and `clone` would rebuild every step)."""
-        new = queries if queries.shape[3] <= limit else queries[:, :, :, -limit:]
+        count = min(queries.shape[3], limit)
+        new = queries if queries.shape[3] == count else queries.narrow(3, queries.shape[3] - count, count)
         buffer, held = self._query_buffer, 0 if self.queries is None else self.queries.shape[3]
-        count = new.shape[3]
         keep = min(held, limit - count)  # older queries still inside the window
         if buffer is None or buffer.shape[:3] != new.shape[:3] or self._query_end + count > buffer.shape[3]:
-            fresh = new.new_empty((*new.shape[:3], 2 * limit, new.shape[4]))
+            buffer = new.new_empty((*new.shape[:3], 2 * limit, new.shape[4]))
             if keep:
-                fresh[:, :, :, :keep] = self.queries[:, :, :, held - keep :]
-            self._query_buffer, self._query_end = fresh, keep
-        end = self._query_end + count
-        self._query_buffer[:, :, :, self._query_end : end] = new
-        self.queries = self._query_buffer[:, :, :, end - keep - count : end]
-        self._query_end = end
+                buffer.narrow(3, 0, keep).copy_(self.queries.narrow(3, held - keep, keep))
+            self._query_buffer, self._query_end = buffer, keep
+        start = self._query_end
+        buffer.narrow(3, start, count).copy_(new)  # narrow: one op, cheaper than slicing a 5-d tensor
+        self.queries = buffer.narrow(3, start - keep, keep + count)
+        self._query_end = start + count
 
     @property
     def query_positions(self) -> torch.Tensor | None:
