@@ -234,8 +234,9 @@ def find_max_batch(probe: Callable[[int], dict], max_batch: int = 4096, guess: i
     )
 
 
-def kv_geometry(args) -> tuple[int, int, int, int]:
-    """(layers, KV heads, head_dim, bytes per element) of the suite's model, without loading weights."""
+def kv_geometry(args) -> tuple[int, int, int, int, int]:
+    """(layers, KV heads, head_dim, bytes per element, query heads per KV head) of the suite's model,
+    without loading weights."""
     from transformers import AutoConfig, LlamaConfig
 
     from benchmarks.gpu.profile import GEOMETRIES, geometry_config
@@ -256,32 +257,34 @@ def kv_geometry(args) -> tuple[int, int, int, int]:
         config = AutoConfig.from_pretrained(spec)
     g = attention_geometry(config)
     elem = torch.empty(0, dtype=resolve_dtype(args.dtype, args.device)).element_size()
-    return g.num_hidden_layers, g.num_key_value_heads, g.head_dim, elem
+    return g.num_hidden_layers, g.num_key_value_heads, g.head_dim, elem, g.num_groups
 
 
-def row_kv_estimate(args, method: Method, geometry: tuple[int, int, int, int]) -> int:
+def row_kv_estimate(args, method: Method, geometry: tuple[int, int, int, int, int]) -> int:
     """Rough KV bytes of one row at the end of a probe: the search's starting point, never its answer.
 
     Full heads hold prompt + generated tokens; compressed heads (int32 position per slot) hold the
     protected prompt (when the suite protects it) plus the window (streaming) or the budget and one
-    policy buffer.
+    policy buffer, and the buffer of observation queries a policy keeps (2 x its window per query head).
     """
 
     from rlkv.inference import CompressionConfig
-    from rlkv.policies import get_policy_class
+    from rlkv.policies import get_policy
 
-    layers, kv_heads, dim, elem = geometry
+    layers, kv_heads, dim, elem, groups = geometry
     heads, tokens, per_slot = layers * kv_heads, args.prompt_tokens + args.serve_tokens, 2 * dim * elem
     if method.policy is None:
         return heads * tokens * per_slot
     compressed = heads if method.sparsity is None else round(method.sparsity * heads)
+    policy = get_policy(method.policy, **(method.policy_kwargs or {}))
     if method.policy == "streaming":
         kept = CompressionConfig.window
     else:
-        kept = (method.budget or args.serve_budget) + getattr(get_policy_class(method.policy), "buffer", 0)
+        kept = (method.budget or args.serve_budget) + getattr(policy, "buffer", 0)
     protected = args.prompt_tokens if protect_prompt(args.serve_model_spec) else 0
     kept = min(tokens, protected + kept)
-    return (heads - compressed) * tokens * per_slot + compressed * kept * (per_slot + 4)
+    queries = groups * 2 * policy.observe_queries * dim * elem
+    return (heads - compressed) * tokens * per_slot + compressed * (kept * (per_slot + 4) + queries)
 
 
 # --------------------------------------------------------------------------------- recorded probes
