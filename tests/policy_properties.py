@@ -172,8 +172,8 @@ def expected_resident_bytes(cache: HeadMixedCache) -> int:
         total += batch * 8  # eviction counter per row
         total += batch * heads * slots * (2 * dim * store.keys.element_size() + 4)  # K, V, int32 pos
         total += batch * heads * slots * 4 * len(store._slot_buffers)
-        if store.queries is not None:  # a buffer of 2 x observe_queries (rlkv/cache/store.py)
-            num_q = 2 * layer.settings.policy.observe_queries
+        if store.queries is not None:  # a ring of observe_queries slots (rlkv/cache/store.py)
+            num_q = layer.settings.policy.observe_queries
             total += batch * heads * layer.num_groups * num_q * dim * store.queries.element_size()
     return total
 

@@ -341,16 +341,16 @@ def test_short_store_appends_into_exactly_sized_tensors(tokens):
     assert torch.equal(grown, torch.cat([current, new], dim=2))
 
 
-def test_remembered_queries_are_the_last_window_across_buffer_wraps():
-    """The observation window (`queries`, `query_positions`) equals the last `limit` queries seen and
-    their positions after prompt chunks and decode steps, across the buffer's moves to its front; the
-    buffer holds at most 2 x `limit` queries."""
+def test_remembered_queries_are_the_last_window_across_ring_wraps():
+    """The observation window (`queries`, `query_positions`) equals the last `limit` queries seen, oldest
+    first, and their positions after prompt chunks and decode steps, across the ring's wraps (a 2-token
+    forward split over its end included); the ring holds exactly `limit` queries."""
     settings = CompressionSettings(get_policy("snapkv"), sink=2, window=4, budget=None, protect_prompt=False)
     store = CompressedStore(0, torch.arange(2), 3, settings)
     store.row_start = torch.zeros(2, dtype=torch.long)
     gen = torch.Generator().manual_seed(0)
     limit, seen = 5, []
-    for q_len in (7, 3, *[1] * 12, 2, *[1] * 6):  # a prompt in two chunks, decode, a 2-token forward
+    for q_len in (7, 3, *[1] * 12, 2, *[1] * 7, 2):  # prompt chunks, decode, 2-token forwards (the last split)
         store.append(torch.randn(2, 2, q_len, 8, generator=gen), torch.randn(2, 2, q_len, 8, generator=gen))
         queries = torch.randn(2, 2, 3, q_len, 8, generator=gen)
         seen.append(queries)
@@ -359,7 +359,7 @@ def test_remembered_queries_are_the_last_window_across_buffer_wraps():
         assert torch.equal(store.queries, expected)
         first = store.logical_length - expected.shape[3]
         assert torch.equal(store.query_positions, torch.arange(first, store.logical_length))
-        assert store.queries.untyped_storage().nbytes() <= 2 * limit * expected[:, :, :, :1].nbytes
+        assert store._query_ring.untyped_storage().nbytes() == limit * expected[:, :, :, :1].nbytes
 
 
 def test_valid_and_forced_keep_follow_every_change_of_the_slots():

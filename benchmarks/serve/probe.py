@@ -265,7 +265,7 @@ def row_kv_estimate(args, method: Method, geometry: tuple[int, int, int, int, in
 
     Full heads hold prompt + generated tokens; compressed heads (int32 position per slot) hold the
     protected prompt (when the suite protects it) plus the window (streaming) or the budget and one
-    policy buffer, and the buffer of observation queries a policy keeps (2 x its window per query head).
+    policy buffer, and the ring of observation queries a policy keeps (its window per query head).
     """
 
     from rlkv.inference import CompressionConfig
@@ -283,7 +283,7 @@ def row_kv_estimate(args, method: Method, geometry: tuple[int, int, int, int, in
         kept = (method.budget or args.serve_budget) + getattr(policy, "buffer", 0)
     protected = args.prompt_tokens if protect_prompt(args.serve_model_spec) else 0
     kept = min(tokens, protected + kept)
-    queries = groups * 2 * policy.observe_queries * dim * elem
+    queries = groups * policy.observe_queries * dim * elem
     return (heads - compressed) * tokens * per_slot + compressed * (kept * (per_slot + 4) + queries)
 
 

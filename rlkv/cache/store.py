@@ -124,10 +124,13 @@ class CompressedStore:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
-        self.queries: torch.Tensor | None = None
+        # the observation window: a ring of `limit` query slots (`remember_queries`), or tensors set
+        # explicitly (a static cache's view); `queries` / `query_positions` read either, oldest first
+        self._query_ring: torch.Tensor | None = None
+        self._ring_next = 0  # the ring slot the next query goes to (the oldest, once full)
+        self._ring_count = 0  # queries held
+        self._queries: torch.Tensor | None = None
         self._query_positions: torch.Tensor | None = None
-        self._query_buffer: torch.Tensor | None = None  # what `queries` is a view of
-        self._query_end = 0  # slots of the buffer written
         self.row_start: torch.Tensor | None = None  # LongTensor[B]: first real column of each row
         self.evicted: torch.Tensor | None = None
         self.logical_length = 0
@@ -325,37 +328,53 @@ class CompressedStore:
             self.compact(self.valid(), list(self.slot_counts))
 
     def remember_queries(self, queries: torch.Tensor, limit: int) -> None:
-        """Keep the last `limit` queries [B, H_c, G, Q, D] across steps (`queries`, oldest first).
+        """Keep the last `limit` queries [B, H_c, G, Q, D] across steps (read back by `queries`).
 
-        They are written into a buffer of 2 * `limit` query slots and `queries` is a view of the last
-        `limit` written: a decode step is one write, and the window moves back to the buffer's front
-        once every `limit` steps (a slice that `cat` and `clone` would rebuild every step)."""
+        They go into a ring of `limit` slots: a decode step is one write, with no copy of the window
+        and no spare memory; `queries` puts them in order when a compaction reads them."""
         count = min(queries.shape[3], limit)
         new = queries if queries.shape[3] == count else queries.narrow(3, queries.shape[3] - count, count)
-        buffer, held = self._query_buffer, 0 if self.queries is None else self.queries.shape[3]
-        keep = min(held, limit - count)  # older queries still inside the window
-        if buffer is None or buffer.shape[:3] != new.shape[:3] or self._query_end + count > buffer.shape[3]:
-            buffer = new.new_empty((*new.shape[:3], 2 * limit, new.shape[4]))
-            if keep:
-                buffer.narrow(3, 0, keep).copy_(self.queries.narrow(3, held - keep, keep))
-            self._query_buffer, self._query_end = buffer, keep
-        start = self._query_end
-        buffer.narrow(3, start, count).copy_(new)  # narrow: one op, cheaper than slicing a 5-d tensor
-        self.queries = buffer.narrow(3, start - keep, keep + count)
-        self._query_end = start + count
+        ring = self._query_ring
+        if ring is None or ring.shape[:3] != new.shape[:3] or ring.shape[3] != limit:
+            ring = new.new_empty((*new.shape[:3], limit, new.shape[4]))
+            self._query_ring, self._ring_next, self._ring_count = ring, 0, 0
+        start = self._ring_next
+        first = min(count, limit - start)  # up to the ring's end, then from its front
+        ring.narrow(3, start, first).copy_(new.narrow(3, 0, first) if first < count else new)
+        if first < count:
+            ring.narrow(3, 0, count - first).copy_(new.narrow(3, first, count - first))
+        self._ring_next = (start + count) % limit
+        self._ring_count = min(self._ring_count + count, limit)
+
+    @property
+    def queries(self) -> torch.Tensor | None:
+        """The observation window [B, H_c, G, N, D], oldest first (None: none kept)."""
+        ring, count = self._query_ring, self._ring_count
+        if self._queries is not None or ring is None:
+            return self._queries
+        if count < ring.shape[3]:  # not wrapped yet: slots 0..count-1 in order
+            return ring.narrow(3, 0, count)
+        oldest = self._ring_next
+        if oldest == 0:
+            return ring
+        return torch.cat([ring.narrow(3, oldest, count - oldest), ring.narrow(3, 0, oldest)], dim=3)
+
+    @queries.setter
+    def queries(self, value: torch.Tensor | None) -> None:
+        # a store view that a static cache fills (rlkv/cache/static_budget.py) holds them explicitly
+        self._queries = value
 
     @property
     def query_positions(self) -> torch.Tensor | None:
         """LongTensor[N]: the logical positions of `queries`, the last N columns seen (the window is
         contiguous: every forward's queries are remembered); built when read, at a compaction."""
-        if self._query_positions is not None or self.queries is None:
+        if self._query_positions is not None or self._query_ring is None:
             return self._query_positions
-        count = self.queries.shape[3]
-        return torch.arange(self.logical_length - count, self.logical_length, device=self.queries.device)
+        count = self._ring_count
+        return torch.arange(self.logical_length - count, self.logical_length, device=self._query_ring.device)
 
     @query_positions.setter
     def query_positions(self, value: torch.Tensor | None) -> None:
-        # a store view that a static cache fills (rlkv/cache/static_budget.py) holds them explicitly
         self._query_positions = value
 
     def compact_ends(self, kept: list[int]) -> None:
@@ -493,5 +512,13 @@ class CompressedStore:
         """Every tensor the store holds (for resident-byte accounting)."""
         extra = [buf for buf, _ in self._slot_buffers.values()]
         extra += [t for t in self.state.values() if isinstance(t, torch.Tensor)]
-        kv = [self.keys, self.values, self.positions, self.queries, self._query_positions, *extra]
+        kv = [
+            self.keys,
+            self.values,
+            self.positions,
+            self._query_ring,
+            self._queries,
+            self._query_positions,
+            *extra,
+        ]
         return [*kv, self.row_start, self.evicted]

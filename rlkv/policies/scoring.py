@@ -83,9 +83,10 @@ def observation_logits(
 
     Disallowed pairs (see `observation_key_mask`) are -inf. Needs `observe_queries > 0`.
     """
-    if store.queries is None:
+    queries = store.queries  # put in order when read (rlkv/cache/store.py): read it once
+    if queries is None:
         raise ValueError("observation_logits needs cached queries: set the policy's observe_queries > 0")
-    logits = raw_logits(store.queries, store.keys, scaling)
+    logits = raw_logits(queries, store.keys, scaling)
     allowed = observation_key_mask(
         store.positions, store.valid(), store.query_positions, store.query_valid(), exclude_window
     )
