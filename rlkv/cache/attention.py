@@ -70,12 +70,11 @@ def attend(
         if any(padding):
             store.mark_padding(new_valid, padding)
 
-    full_q, comp_q = layer.full_q, layer.comp_q
     full_out = None
-    if full_q.numel():
-        q_full = pick_heads(query, full_q, layer.full_q_slice)
+    if layer.has_full:
+        q_full = pick_heads(query, layer.full_q, layer.full_q_slice)
         full_out = _sdpa(layer, module, q_full, layer.keys, layer.values, attention_mask, scaling)
-    q_comp = query if full_out is None else pick_heads(query, comp_q, layer.comp_q_slice)
+    q_comp = query if full_out is None else pick_heads(query, layer.comp_q, layer.comp_q_slice)
     policy = layer.settings.policy
     _remember_queries(layer, q_comp, policy)
     if policy.observe_attention:

@@ -26,8 +26,10 @@ def decode_splits(keys: torch.Tensor, values: torch.Tensor, threads: int | None 
     with at least MIN_SPLIT_TOKENS keys per part; only on CPU, and only for layouts whose (row, head)
     pairs are equally spaced in memory (so S views of them need no copy).
     """
-    threads = threads or torch.get_num_threads()
     batch, heads, length, _ = keys.shape
+    if length < 2 * MIN_SPLIT_TOKENS:  # no part could keep its minimum: decided before anything costlier
+        return 1
+    threads = threads or torch.get_num_threads()
     if keys.device.type != "cpu" or threads < 2 or cpu_flash_attention_with_lse() is None:
         return 1
     if not all(t.stride(0) == heads * t.stride(1) for t in (keys, values)):

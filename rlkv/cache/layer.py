@@ -52,6 +52,7 @@ class HeadMixedLayer(CacheLayerMixin):
         self.settings = settings
         self.full_idx, self.full_slice = head_split(full_heads)
         self.comp_idx, self.comp_slice = head_split(~full_heads)
+        self.has_full = bool(full_heads.any())  # host flags: a decode step asks, and reads no tensor
         self.full_q, self.full_q_slice = head_split(full_heads, self.num_groups)
         self.comp_q, self.comp_q_slice = head_split(~full_heads, self.num_groups)
         self.store = (
@@ -82,7 +83,7 @@ class HeadMixedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first = self.logical_length == 0
-        if self.full_idx.numel():
+        if self.has_full:
             k_full = pick_heads(key_states, self.full_idx, self.full_slice)
             v_full = pick_heads(value_states, self.full_idx, self.full_slice)
             if first:

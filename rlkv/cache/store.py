@@ -275,13 +275,24 @@ class CompressedStore:
             ).expand(batch, heads, q_len)
         if self.keys is None:
             self.evicted = torch.zeros(batch, dtype=torch.long, device=keys.device)
-        in_place = grows_in_place(self.keys)
-        self.keys = self._append("keys", self.keys, keys, in_place)
-        self.values = self._append("values", self.values, values, in_place)
-        self.positions = self._append("positions", self.positions, new_pos, in_place)
-        for name, (buf, fill) in self._slot_buffers.items():
-            pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
-            self._slot_buffers[name] = (self._append(f"slot:{name}", buf, pad, in_place), fill)
+        if self.keys is not None and not grows_in_place(self.keys):
+            # a small store (most compressed heads): one exactly sized `cat` per tensor, straight here
+            # (no storage behind them to remember): the hot path of a decode step
+            if self._capacity:
+                self._capacity.clear()
+            self.keys = torch.cat([self.keys, keys], dim=2)
+            self.values = torch.cat([self.values, values], dim=2)
+            self.positions = torch.cat([self.positions, new_pos], dim=2)
+            for name, (buf, fill) in self._slot_buffers.items():
+                pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
+                self._slot_buffers[name] = (torch.cat([buf, pad], dim=2), fill)
+        else:
+            self.keys = self._append("keys", self.keys, keys)
+            self.values = self._append("values", self.values, values)
+            self.positions = self._append("positions", self.positions, new_pos)
+            for name, (buf, fill) in self._slot_buffers.items():
+                pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
+                self._slot_buffers[name] = (self._append(f"slot:{name}", buf, pad), fill)
         self.logical_length += q_len
         self.slot_counts = [n + q_len for n in self.slot_counts] if self.slot_counts else [q_len] * batch
         if self.head_counts is not None:
@@ -290,10 +301,8 @@ class CompressedStore:
             self.evicted_host = [0] * batch
         self._slots_changed()
 
-    def _append(
-        self, name: str, current: torch.Tensor | None, new: torch.Tensor, in_place: bool
-    ) -> torch.Tensor:
-        storage = append_along_tokens(self._capacity.get(name), current, new, in_place)
+    def _append(self, name: str, current: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        storage = append_along_tokens(self._capacity.get(name), current, new)
         self._capacity[name] = storage
         return token_prefix(storage, new.shape[2] + (0 if current is None else current.shape[2]))
 
