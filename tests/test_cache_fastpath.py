@@ -350,7 +350,14 @@ def test_remembered_queries_are_the_last_window_across_ring_wraps():
     store.row_start = torch.zeros(2, dtype=torch.long)
     gen = torch.Generator().manual_seed(0)
     limit, seen = 5, []
-    for q_len in (7, 3, *[1] * 12, 2, *[1] * 7, 2):  # prompt chunks, decode, 2-token forwards (the last split)
+    for q_len in (
+        7,
+        3,
+        *[1] * 12,
+        2,
+        *[1] * 7,
+        2,
+    ):  # prompt chunks, decode, 2-token forwards (the last split)
         store.append(torch.randn(2, 2, q_len, 8, generator=gen), torch.randn(2, 2, q_len, 8, generator=gen))
         queries = torch.randn(2, 2, 3, q_len, 8, generator=gen)
         seen.append(queries)
