@@ -366,7 +366,7 @@ def test_remembered_queries_are_the_last_window_across_ring_wraps():
         assert torch.equal(store.queries, expected)
         first = store.logical_length - expected.shape[3]
         assert torch.equal(store.query_positions, torch.arange(first, store.logical_length))
-        assert store._query_ring.untyped_storage().nbytes() == limit * expected[:, :, :, :1].nbytes
+        assert store.query_ring.ring.untyped_storage().nbytes() == limit * expected[:, :, :, :1].nbytes
 
 
 def test_valid_and_forced_keep_follow_every_change_of_the_slots():

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rlkv.cache.query_ring import QueryRing
 from rlkv.policies.base import CompressionPolicy
 
 
@@ -124,11 +125,8 @@ class CompressedStore:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
-        # the observation window: a ring of `limit` query slots (`remember_queries`), or tensors set
-        # explicitly (a static cache's view); `queries` / `query_positions` read either, oldest first
-        self._query_ring: torch.Tensor | None = None
-        self._ring_next = 0  # the ring slot the next query goes to (the oldest, once full)
-        self._ring_count = 0  # queries held
+        # observation queries: a ring (`remember_queries`), or set explicitly (a static cache's view)
+        self.query_ring = QueryRing()
         self._queries: torch.Tensor | None = None
         self._query_positions: torch.Tensor | None = None
         self.row_start: torch.Tensor | None = None  # LongTensor[B]: first real column of each row
@@ -337,36 +335,13 @@ class CompressedStore:
             self.compact(self.valid(), list(self.slot_counts))
 
     def remember_queries(self, queries: torch.Tensor, limit: int) -> None:
-        """Keep the last `limit` queries [B, H_c, G, Q, D] across steps (read back by `queries`).
-
-        They go into a ring of `limit` slots: a decode step is one write, with no copy of the window
-        and no spare memory; `queries` puts them in order when a compaction reads them."""
-        count = min(queries.shape[3], limit)
-        new = queries if queries.shape[3] == count else queries.narrow(3, queries.shape[3] - count, count)
-        ring = self._query_ring
-        if ring is None or ring.shape[:3] != new.shape[:3] or ring.shape[3] != limit:
-            ring = new.new_empty((*new.shape[:3], limit, new.shape[4]))
-            self._query_ring, self._ring_next, self._ring_count = ring, 0, 0
-        start = self._ring_next
-        first = min(count, limit - start)  # up to the ring's end, then from its front
-        ring.narrow(3, start, first).copy_(new.narrow(3, 0, first) if first < count else new)
-        if first < count:
-            ring.narrow(3, 0, count - first).copy_(new.narrow(3, first, count - first))
-        self._ring_next = (start + count) % limit
-        self._ring_count = min(self._ring_count + count, limit)
+        """Keep the last `limit` queries [B, H_c, G, Q, D] across steps (`QueryRing`: one write per step)."""
+        self.query_ring.remember(queries, limit)
 
     @property
     def queries(self) -> torch.Tensor | None:
-        """The observation window [B, H_c, G, N, D], oldest first (None: none kept)."""
-        ring, count = self._query_ring, self._ring_count
-        if self._queries is not None or ring is None:
-            return self._queries
-        if count < ring.shape[3]:  # not wrapped yet: slots 0..count-1 in order
-            return ring.narrow(3, 0, count)
-        oldest = self._ring_next
-        if oldest == 0:
-            return ring
-        return torch.cat([ring.narrow(3, oldest, count - oldest), ring.narrow(3, 0, oldest)], dim=3)
+        """The observation window [B, H_c, G, N, D], oldest first (None: none kept); put in order when read."""
+        return self._queries if self._queries is not None else self.query_ring.ordered()
 
     @queries.setter
     def queries(self, value: torch.Tensor | None) -> None:
@@ -377,10 +352,9 @@ class CompressedStore:
     def query_positions(self) -> torch.Tensor | None:
         """LongTensor[N]: the logical positions of `queries`, the last N columns seen (the window is
         contiguous: every forward's queries are remembered); built when read, at a compaction."""
-        if self._query_positions is not None or self._query_ring is None:
+        if self._query_positions is not None:
             return self._query_positions
-        count = self._ring_count
-        return torch.arange(self.logical_length - count, self.logical_length, device=self._query_ring.device)
+        return self.query_ring.positions(self.logical_length)
 
     @query_positions.setter
     def query_positions(self, value: torch.Tensor | None) -> None:
@@ -521,13 +495,6 @@ class CompressedStore:
         """Every tensor the store holds (for resident-byte accounting)."""
         extra = [buf for buf, _ in self._slot_buffers.values()]
         extra += [t for t in self.state.values() if isinstance(t, torch.Tensor)]
-        kv = [
-            self.keys,
-            self.values,
-            self.positions,
-            self._query_ring,
-            self._queries,
-            self._query_positions,
-            *extra,
-        ]
+        window = [self.query_ring.ring, self._queries, self._query_positions]
+        kv = [self.keys, self.values, self.positions, *window, *extra]
         return [*kv, self.row_start, self.evicted]

@@ -1,0 +1,53 @@
+"""`QueryRing`: the last N observation queries of a layer's compressed heads, kept across decode steps.
+
+A ring of exactly N slots: a decode step is one write, with no copy of the window and no spare
+memory; the queries are put in order (oldest first) only when a compaction reads them. Policies that
+observe queries (SnapKV, R-KV, RPC) read them through `CompressedStore.queries` (rlkv/cache/store.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class QueryRing:
+    """Ring of `limit` query slots [B, H_c, G, limit, D]; `count` of them hold queries."""
+
+    def __init__(self) -> None:
+        self.ring: torch.Tensor | None = None
+        self.next = 0  # the slot the next query goes to (the oldest, once full)
+        self.count = 0
+
+    def remember(self, queries: torch.Tensor, limit: int) -> None:
+        """Keep the last `limit` of everything remembered so far, `queries` [B, H_c, G, Q, D] the newest."""
+        count = min(queries.shape[3], limit)
+        new = queries if queries.shape[3] == count else queries.narrow(3, queries.shape[3] - count, count)
+        ring = self.ring
+        if ring is None or ring.shape[:3] != new.shape[:3] or ring.shape[3] != limit:
+            ring = self.ring = new.new_empty((*new.shape[:3], limit, new.shape[4]))
+            self.next = self.count = 0
+        start = self.next
+        first = min(count, limit - start)  # up to the ring's end, then from its front
+        ring.narrow(3, start, first).copy_(new.narrow(3, 0, first) if first < count else new)
+        if first < count:
+            ring.narrow(3, 0, count - first).copy_(new.narrow(3, first, count - first))
+        self.next = (start + count) % limit
+        self.count = min(self.count + count, limit)
+
+    def ordered(self) -> torch.Tensor | None:
+        """The remembered queries [B, H_c, G, count, D], oldest first (None: none yet)."""
+        ring, count = self.ring, self.count
+        if ring is None:
+            return None
+        if count < ring.shape[3]:  # not wrapped yet: slots 0..count-1 in order
+            return ring.narrow(3, 0, count)
+        if self.next == 0:
+            return ring
+        return torch.cat([ring.narrow(3, self.next, count - self.next), ring.narrow(3, 0, self.next)], dim=3)
+
+    def positions(self, logical_length: int) -> torch.Tensor | None:
+        """LongTensor[count]: their logical positions, the last `count` columns of `logical_length` seen
+        (every forward's queries are remembered, so the window is contiguous)."""
+        if self.ring is None:
+            return None
+        return torch.arange(logical_length - self.count, logical_length, device=self.ring.device)
