@@ -66,8 +66,8 @@ def test_head_mixed_decode_step_stays_within_its_op_budget(policy):
 @pytest.mark.parametrize("policy", ["streaming", "rkv"])
 def test_static_eager_decode_step_stays_within_its_op_budget(policy):
     """The static cache's eager step (CPU's `static_cache=True`) <= 1.28x plain's ops. Measured 2026-11-28:
-    streaming 302 (1.23x; 409 before eager steps wrote host-known slots with `narrow` and stopped
-    cloning the length counter), R-KV 311 (1.26x; 343 before). What remains beyond the dynamic cache:
+    streaming 301 (1.22x; 409 before eager steps wrote host-known slots with `narrow` and stopped
+    cloning the length counter), R-KV 310 (1.26x; 343 before). What remains beyond the dynamic cache:
     the device length counter each layer keeps for a compiled step and the compressed heads' validity
     mask (empty slots exist)."""
     model = tiny_model("llama", num_hidden_layers=4)

@@ -257,8 +257,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 return self, self
         b = self.buffers
         pos = b["length"]  # this token's column; the counter moves on once it is written
-        at = pos.view(1)
         if self.full_idx.numel():
+            at = pos.view(1)
             b["full_k"].index_copy_(2, at, pick_heads(key_states, self.full_idx, self.full_slice))
             b["full_v"].index_copy_(2, at, pick_heads(value_states, self.full_idx, self.full_slice))
         if self.comp_idx.numel():
