@@ -1,10 +1,10 @@
 """Token storage of a `HeadMixedCache`: growth along the token axis and the compressed-head store.
 
-`append_along_tokens` grows a tensor by at most 1/GROWTH_DIVISOR spare tokens, so a decode step
-copies no history (a store under `SMALL_STORE_BYTES` is copied by one cheaper `cat`); `CompressedStore` holds one layer's compressed KV heads (keys, values, the
-logical position of every slot) and is what a compression policy reads (the `PolicyStore`
-protocol of `rlkv.policies.base`). Eviction gathers into new, exactly sized tensors, so freed
-entries leave memory; `storage_bytes` reads what tensors really hold. See docs/design.md.
+`append_along_tokens` grows a tensor by at most 1/GROWTH_DIVISOR spare tokens, so a decode step copies
+no history (a store under `SMALL_STORE_BYTES` is copied by one cheaper `cat`); `CompressedStore` holds
+one layer's compressed KV heads (keys, values, the logical position of every slot) and is what a policy
+reads (the `PolicyStore` protocol of `rlkv.policies.base`). Eviction gathers into new, exactly sized
+tensors, so freed entries leave memory; `storage_bytes` reads what tensors really hold. See docs/design.md.
 
 No host sync in a decode step: the store keeps each row's slot count, first real column and
 evictions as Python ints (read from the device once per prompt forward), the policy decides from
