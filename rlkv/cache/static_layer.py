@@ -113,9 +113,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.in_flight = 0  # tokens of a begun forward not yet written: get_seq_length excludes them
         self.compacted_at = -1
         self.schedule: RowSchedule | None = None  # a budget region's compactions (set at prefill)
-        self.shared_offset: int | None = (
-            0  # the offset all rows share (eager writes use it), None if they differ
-        )
+        # the `region_base` offset every row shares (eager writes use it), None when rows differ
+        self.shared_offset: int | None = 0
         # what the cache's layers share: the schedule ("schedule"), made by the layer "owner" at each prefill
         # (every compressed layer holds the same tokens, so one replay of the policy's rule serves all)
         self.shared = shared if shared is not None else {"owner": layer_idx}

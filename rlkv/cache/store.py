@@ -278,12 +278,12 @@ class CompressedStore:
             # (no storage behind them to remember): the hot path of a decode step
             if self._capacity:
                 self._capacity.clear()
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
-            self.positions = torch.cat([self.positions, new_pos], dim=2)
+            self.keys = append_along_tokens(None, self.keys, keys, in_place=False)
+            self.values = append_along_tokens(None, self.values, values, in_place=False)
+            self.positions = append_along_tokens(None, self.positions, new_pos, in_place=False)
             for name, (buf, fill) in self._slot_buffers.items():
                 pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
-                self._slot_buffers[name] = (torch.cat([buf, pad], dim=2), fill)
+                self._slot_buffers[name] = (append_along_tokens(None, buf, pad, in_place=False), fill)
         else:
             self.keys = self._append("keys", self.keys, keys)
             self.values = self._append("values", self.values, values)

@@ -212,6 +212,19 @@ def observation_attention(
     """
     logits = observation_logits(store, exclude_window=exclude_window)
     probs = masked_softmax(pool_query_groups(logits, group_pool))
+    return pooled_importance(store, probs, kernel, key_pool, exclude_window)
+
+
+def pooled_importance(
+    store: PolicyStore,
+    probs: torch.Tensor,
+    kernel: int,
+    key_pool: Literal["max", "avg"],
+    exclude_window: bool = True,
+) -> torch.Tensor:
+    """Observation probabilities [B, H, N, K] pooled along the keys (`kernel`, `key_pool`) over the
+    valid slots (outside the observation window when excluded), then averaged over the real
+    observation queries: FloatTensor [B, H, K]. The masks the host knows are all True are skipped."""
     if kernel > 1:
         domain = store.valid() & ~observation_window(store) if exclude_window else store.valid()
         probs = pool_along_keys(probs, kernel, key_pool, domain, valid_prefix=window_is_suffix(store))

@@ -29,13 +29,9 @@ from rlkv.policies.scoring import (
     check_buffer,
     check_window_and_kernel,
     masked_softmax,
-    mean_over_queries,
     observation_logits,
-    observation_window,
-    pool_along_keys,
     pool_query_groups,
-    real_queries,
-    window_is_suffix,
+    pooled_importance,
 )
 
 
@@ -83,8 +79,4 @@ class SnapKVPolicy(WindowedBufferPolicy):
             probs = masked_softmax(pool_query_groups(logits, "max"))
         else:
             probs = masked_softmax(logits).mean(dim=2)
-        domain = store.valid() & ~observation_window(store)
-        pooled = pool_along_keys(
-            probs, self.kernel, self.pooling, domain, valid_prefix=window_is_suffix(store)
-        )
-        return mean_over_queries(pooled, real_queries(store))
+        return pooled_importance(store, probs, self.kernel, self.pooling)
