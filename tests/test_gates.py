@@ -169,6 +169,31 @@ def test_gradient_reaches_only_gates(left_padded_batch):
     assert all(p.grad is None for n, p in model.named_parameters() if n != "rlkv_gates.alpha")
 
 
+def test_hard_forward_runs_the_deployed_layout_with_the_gradient_at_that_layout(left_padded_batch):
+    """`hard_keep`: the loss is exactly that of the top-k gates at 1 and the rest at 0 (ties by
+    below_zero, as the exported mask ranks them), and each gate's gradient is the soft forward's
+    gradient at that 0/1 layout (straight-through), for heads inside and outside the cut alike."""
+    ids, mask = left_padded_batch
+    model = tiny_model("qwen2")  # 2 layers x 2 KV heads
+    gates = rlkv.attach_gates(model, sink=SINK, local=LOCAL)
+    gates.alpha.data = torch.tensor([[0.2, 0.6], [0.6, 0.1]])
+    gates.below_zero.copy_(torch.tensor([[0.0, -1.0], [0.0, 0.0]]))  # the tie at 0.6: 1.0 ranks first
+    gates.hard_keep = 1
+    model.train()
+    hard_loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    hard_loss.backward()
+    hard_grad = gates.alpha.grad.clone()
+    assert (hard_grad != 0).all()
+
+    layout = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
+    gates.hard_keep, gates.alpha.grad = None, None
+    gates.alpha.data = layout.clone()
+    soft_loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    soft_loss.backward()
+    assert torch.equal(hard_loss, soft_loss)  # same kernels, same shapes, same gate values
+    assert torch.allclose(hard_grad, gates.alpha.grad, rtol=1e-6, atol=1e-9)
+
+
 def test_clamp_and_detach_restore_stock_model(left_padded_batch):
     ids, mask = left_padded_batch
     model = tiny_model("llama")

@@ -13,6 +13,7 @@ from datasets import Dataset
 from rlkv.data import load_problems
 from rlkv.data.batches import teacher_forced_batch
 from rlkv.gates import attach_gates, full_attention
+from rlkv.head_mask import HeadMask
 from rlkv.testing import tiny_model
 from rlkv.trainers import GateGRPOConfig, GateGRPOTrainer
 from rlkv.trainers.distill import GateDistillTrainer, distill_sequences
@@ -186,6 +187,40 @@ def test_distillation_loss_falls_on_the_demo_task(tmp_path):
         )
 
 
+def test_hard_forward_distillation_trains_the_deployed_layout_on_the_demo_task(tmp_path):
+    """gate_forward='hard': the trainer runs the mask at target_sparsity in every forward (2 of the demo
+    model's 8 heads full at s = 0.75) and the KL of that layout falls as the gates re-rank from the
+    worst start there is (every gate tied, so the layout is layer 0's two heads)."""
+    model, tokenizer, sequences = demo_sequences(8)
+    gates = attach_gates(model, sink=16, local=64, init=0.25)
+    batch = teacher_forced_batch(sequences)
+    gates.hard_keep = 2
+    with torch.no_grad():
+        before = distill_kl(model, model, batch).mean().item()
+    gates.hard_keep = None
+    args = distill_config(
+        tmp_path,
+        gate_sink=16,
+        gate_local=64,
+        gate_forward="hard",
+        target_sparsity=0.75,
+        optim="sgd",
+        per_device_train_batch_size=8,
+        max_steps=8,
+        learning_rate=0.05,
+        l1_beta=0.5,
+        penalty_scope="budget",
+    )
+    trainer = GateDistillTrainer(model, args, sequences, processing_class=tokenizer)
+    assert gates.hard_keep == 2
+    trainer.train()
+    with torch.no_grad():
+        after = distill_kl(model, model, batch).mean().item()
+    assert after < 0.5 * before, (before, after)
+    full = HeadMask.from_gates(gates, model).full_heads(0.75)
+    assert not full[0].any()  # layer 0's heads, the start, were swapped out
+
+
 def test_distill_sequences_need_completions_and_cut_long_ones(tokenizer):
     rows = Dataset.from_dict({"prompt": ["1 + 2 =", "x"], "completion": ["3. 2 * 3 = 6.", ""]})
     sequences = distill_sequences(rows, tokenizer, max_length=6)
@@ -257,7 +292,6 @@ def test_bad_objective_settings_name_the_field(tmp_path, overrides, match):
 def test_recipe_objectives_distill_and_distill_then_grpo(tmp_path):
     """`rlkv train --objective distill+grpo`: the distillation stage's run in output_dir/distill, then GRPO
     from exactly its gates (GRPO's learning rate 0 here, so the final gates are the distilled ones)."""
-    from rlkv.head_mask import HeadMask
     from rlkv.trainers.checkpoints import load_gate_checkpoint
     from rlkv.trainers.script import main
 

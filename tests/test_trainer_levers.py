@@ -106,6 +106,7 @@ def test_with_outside_target_the_penalty_never_moves_the_kept_heads(tmp_path, to
     "overrides,match",
     [
         ({"penalty_scope": "topk"}, "penalty_scope='topk' is invalid"),
+        ({"gate_forward": "ste"}, "gate_forward='ste' is invalid"),
         (
             {"gate_init": 0.4, "gate_init_low": 0.6, "gate_init_from": "m.json"},
             "gate_init_low=0.6 is invalid",

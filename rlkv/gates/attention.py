@@ -244,7 +244,7 @@ def mixed_attention_forward(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if gates is None or gates.bypassed:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    alpha = gates.alpha[module.layer_idx].clamp(0.0, 1.0)  # [H_kv]
+    alpha = gates.forward_alpha(module.layer_idx)  # [H_kv]
     needs_grad = torch.is_grad_enabled() and (
         alpha.requires_grad or query.requires_grad or key.requires_grad or value.requires_grad
     )
@@ -256,7 +256,9 @@ def mixed_attention_forward(
     single = query.shape[2] == 1
     cached = single or key.shape[2] > query.shape[2]
     if cached and not needs_grad and not (dropout > 0 and module.training):
-        if single and stock_layers(gates)[module.layer_idx]:  # exactly the stock attention, and as fast
+        if (
+            single and gates.hard_keep is None and stock_layers(gates)[module.layer_idx]
+        ):  # exactly the stock attention, and as fast
             return sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout, scaling, **kwargs
             )

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from rlkv.errors import UserError
 from rlkv.gates import attention as mixed_attention
 from rlkv.geometry import attention_geometry, text_config
+from rlkv.head_mask.ranking import rank_heads
 
 
 class UnsupportedModelError(ValueError, UserError):
@@ -46,6 +47,9 @@ class HeadGates(nn.Module):
     below_zero: FloatTensor[L, H_kv] buffer, <= 0: what `clamp_` cut off below 0, summed over
     its calls (how hard and how long the optimizer pushed each gate under 0). The clamp makes
     every such gate exactly 0.0; this ranks them (`HeadMask.tie_break`: nearer 0 = more important).
+    hard_keep: None (default) or a head count k: the forward runs the deployed mask instead of the
+    soft mix, the top k gates (ties by `below_zero`, as the exported mask ranks them) at 1 and the
+    rest at 0, with the gradient of the soft gates (straight-through; see `forward_alpha`).
     """
 
     def __init__(
@@ -62,6 +66,22 @@ class HeadGates(nn.Module):
         # not in the model's state_dict: gate checkpoints save it themselves (gates.safetensors)
         self.register_buffer("below_zero", torch.zeros(num_layers, num_kv_heads), persistent=False)
         self.bypassed = False  # True inside `full_attention`: the model runs its stock attention
+        self.hard_keep: int | None = None
+
+    def forward_alpha(self, layer: int) -> torch.Tensor:
+        """The gates layer `layer`'s forward mixes with, FloatTensor[H_kv] in [0, 1], differentiable in `alpha`.
+
+        Soft (`hard_keep` None): alpha clamped to [0, 1]. Hard: the layer's row of the 0/1 layout of
+        the mask that keeps the `hard_keep` top gates full, plus `alpha - alpha.detach()`, so the loss
+        is that of the layout a deployment would use while each gate gets the gradient of moving its
+        head toward full (or local) attention from there. No host read.
+        """
+        if self.hard_keep is None:
+            return self.alpha[layer].clamp(0.0, 1.0)
+        soft = full_alpha(self.alpha).clamp(0.0, 1.0)
+        chosen = rank_heads(soft.detach(), self.below_zero.to(soft.device))[: self.hard_keep]
+        hard = torch.zeros(soft.numel(), dtype=soft.dtype, device=soft.device).index_fill_(0, chosen, 1.0)
+        return (hard.view_as(soft) + (soft - soft.detach()))[layer]
 
     @torch.no_grad()
     def clamp_(self) -> HeadGates:
@@ -72,7 +92,8 @@ class HeadGates(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"layers={self.alpha.shape[0]}, kv_heads={self.alpha.shape[1]}, sink={self.sink}, local={self.local}"
+        hard = "" if self.hard_keep is None else f", hard_keep={self.hard_keep}"
+        return f"layers={self.alpha.shape[0]}, kv_heads={self.alpha.shape[1]}, sink={self.sink}, local={self.local}{hard}"
 
 
 def _contiguous_input(module: nn.Module, args: tuple) -> tuple | None:

@@ -89,6 +89,15 @@ class GateGRPOConfig(GRPOConfig):
             "full heads), so at the budget the objective alone decides which heads rise and which fall."
         },
     )
+    gate_forward: str = field(
+        default="soft",
+        metadata={
+            "help": "What the training forward runs: 'soft' (RLKV, DuoAttention: each head mixes full and sink+local "
+            "attention by its gate); 'hard' (the mask at target_sparsity: the top round((1 - target_sparsity) * L * H) "
+            "gates at 1, the rest at 0, with the soft gates' gradient, straight-through), so the loss is that of "
+            "the layout a deployment uses and the gradient says which swap at its cut would help."
+        },
+    )
     objective: str = field(
         default="grpo",
         metadata={
@@ -198,6 +207,10 @@ class GateGRPOConfig(GRPOConfig):
                 f"penalty_scope={self.penalty_scope!r} is invalid: use one of {', '.join(map(repr, PENALTY_SCOPES))}"
             )
         _check_range("target_sparsity", self.target_sparsity, 0.0, 1.0, "a fraction of heads in [0, 1]")
+        if self.gate_forward not in GATE_FORWARDS:
+            raise ValueError(
+                f"gate_forward={self.gate_forward!r} is invalid: use one of {', '.join(map(repr, GATE_FORWARDS))}"
+            )
         if self.objective not in OBJECTIVES:
             raise ValueError(
                 f"objective={self.objective!r} is invalid: use one of {', '.join(map(repr, OBJECTIVES))}"
@@ -222,6 +235,7 @@ class GateGRPOConfig(GRPOConfig):
 
 PENALTY_SCOPES = ("all", "outside_target", "budget")
 OBJECTIVES = ("grpo", "distill", "distill+grpo")
+GATE_FORWARDS = ("soft", "hard")
 
 
 def _requested_sharding_engine() -> str | None:

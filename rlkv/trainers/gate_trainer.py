@@ -109,6 +109,8 @@ def gates_for(model: Any, args: Any) -> Any:
             f"model already has rlkv gates with sink/local {gates.sink}/{gates.local} but args say "
             f"gate_sink/gate_local {args.gate_sink}/{args.gate_local}; make them agree"
         )
+    if args.gate_forward == "hard":
+        gates.hard_keep = round((1.0 - args.target_sparsity) * gates.alpha.numel())
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     if trainable != ["rlkv_gates.alpha"]:
         raise ValueError(f"only rlkv_gates.alpha may be trainable, found trainable parameters {trainable}")
