@@ -65,9 +65,10 @@ def test_head_mixed_decode_step_stays_within_its_op_budget(policy):
 
 @pytest.mark.parametrize("policy", ["streaming", "rkv"])
 def test_static_eager_decode_step_stays_within_its_op_budget(policy):
-    """The static cache's eager step (CPU's `static_cache=True`) <= 1.28x plain's ops. Measured 2026-11-28:
-    streaming 301 (1.22x; 409 before eager steps wrote host-known slots with `narrow` and stopped
-    cloning the length counter), R-KV 310 (1.26x; 343 before). What remains beyond the dynamic cache:
+    """The static cache's eager step (CPU's `static_cache=True`) <= 1.25x plain's ops, as the dynamic one.
+    Measured 2026-11-28: streaming 298 (1.21x; 409 before eager steps wrote host-known slots with
+    `narrow` and stopped cloning the length counter), R-KV 307 (1.248x; 343 before, 310 before the full
+    heads took a decode step's one-row mask as it is instead of slicing it). What remains beyond the dynamic cache:
     the device length counter each layer keeps for a compiled step and the compressed heads' validity
     mask (empty slots exist)."""
     model = tiny_model("llama", num_hidden_layers=4)
@@ -79,4 +80,4 @@ def test_static_eager_decode_step_stays_within_its_op_budget(policy):
         model.config, LAYOUT, get_policy(policy), sink=4, window=8, max_cache_len=length, **sizes
     )
     mixed = _ops_per_step(model, cache)
-    assert mixed <= 1.28 * plain, (mixed, plain)
+    assert mixed <= 1.25 * plain, (mixed, plain)

@@ -327,8 +327,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 cols = torch.arange(self.max_cache_len, device=query.device)
                 valid = (cols < b["length"]) & (cols[None, :] >= b["row_start"][:, None])
                 full_mask = valid[:, None, None, :]
-            else:
-                full_mask = mask[:, :, -1:, :]
+            else:  # a decode step's mask is one query row already; slicing it would add an op per layer
+                full_mask = mask if mask.shape[2] == 1 else mask[:, :, -1:, :]
             q_full = pick_heads(query, self.full_q, self.full_q_slice)
             outs.append(_decode_sdpa(q_full, b["full_k"], b["full_v"], full_mask, scaling))
         if self.comp_idx.numel():
