@@ -17,7 +17,8 @@ from transformers import DynamicCache
 
 from rlkv import HeadMask
 from rlkv.cache import GROWTH_DIVISOR, append_along_tokens
-from rlkv.cache.store import SMALL_STORE_BYTES, CompressedStore, CompressionSettings, grows_in_place
+from rlkv.cache.growth import SMALL_STORE_BYTES, grows_in_place
+from rlkv.cache.store import CompressedStore, CompressionSettings
 from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
 from rlkv.policies import get_policy

@@ -1,7 +1,7 @@
 """The head-mixed compressed KV cache (docs/design.md, "Cache layout").
 
-- `store`: token-axis growth (`append_along_tokens`), `storage_bytes`, the per-layer
-  `CompressedStore` a policy reads;
+- `growth`: token-axis growth (`append_along_tokens`);
+- `store`: `storage_bytes`, the per-layer `CompressedStore` a policy reads;
 - `layer`: `HeadMixedLayer` (full heads + a store per layer) and `HeadMixedCache`;
 - `attention`: the "rlkv_cache" attention function over a layer's split storage, and its registration;
 - `stats`: `CacheStats`, the one shape of cache statistics;
@@ -13,18 +13,13 @@ Importing the package registers the attention function with transformers.
 """
 
 from rlkv.cache.attention import ATTENTION_NAME, register_attention
+from rlkv.cache.growth import GROWTH_DIVISOR, append_along_tokens
 from rlkv.cache.hooks import install_observers, observing, uninstall_observers
 from rlkv.cache.layer import HeadMixedCache, HeadMixedLayer, StaleCacheError
 from rlkv.cache.static import StaticHeadMixedCache
 from rlkv.cache.static_budget import StaticCacheError
 from rlkv.cache.stats import CacheStats
-from rlkv.cache.store import (
-    GROWTH_DIVISOR,
-    CompressedStore,
-    CompressionSettings,
-    append_along_tokens,
-    storage_bytes,
-)
+from rlkv.cache.store import CompressedStore, CompressionSettings, storage_bytes
 
 __all__ = [
     "ATTENTION_NAME",

@@ -45,6 +45,10 @@ class QueryRing:
             return ring
         return torch.cat([ring.narrow(3, self.next, count - self.next), ring.narrow(3, 0, self.next)], dim=3)
 
+    def oldest(self, logical_length: int) -> int | None:
+        """The oldest remembered query's logical position, of `logical_length` columns seen (None: none)."""
+        return None if self.ring is None else logical_length - self.count
+
     def positions(self, logical_length: int) -> torch.Tensor | None:
         """LongTensor[count]: their logical positions, the last `count` columns of `logical_length` seen
         (every forward's queries are remembered, so the window is contiguous)."""

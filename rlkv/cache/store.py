@@ -1,7 +1,6 @@
-"""Token storage of a `HeadMixedCache`: growth along the token axis and the compressed-head store.
+"""The compressed-head store of a `HeadMixedCache` (its tensors grow by rlkv/cache/growth.py).
 
-`append_along_tokens` grows a tensor by at most 1/GROWTH_DIVISOR spare tokens, so a decode step copies
-no history (a store under `SMALL_STORE_BYTES` is copied by one cheaper `cat`); `CompressedStore` holds
+`CompressedStore` holds
 one layer's compressed KV heads (keys, values, the logical position of every slot) and is what a policy
 reads (the `PolicyStore` protocol of `rlkv.policies.base`). Eviction gathers into new, exactly sized
 tensors, so freed entries leave memory; `storage_bytes` reads what tensors really hold. See docs/design.md.
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlkv.cache.growth import append_along_tokens, grows_in_place, token_prefix
 from rlkv.cache.query_ring import QueryRing
 from rlkv.policies.base import CompressionPolicy
 
@@ -36,52 +36,6 @@ def storage_bytes(tensors: list[torch.Tensor | None]) -> int:
 def position_dtype(end: int) -> torch.dtype:
     """The dtype of stored logical positions up to `end` (exclusive): int32 while they fit, else int64."""
     return torch.int32 if end <= 2**31 else torch.int64
-
-
-# Storage grows along the token axis by 1/GROWTH_DIVISOR of what it holds: at most 1/128 (0.8%) of
-# the bytes are spare capacity, and each token is copied O(1) times amortised instead of the whole
-# history once per decode step.
-GROWTH_DIVISOR = 128
-# Below this many bytes of keys a store grows by one `torch.cat` per append, exactly sized: one op that
-# copies 64 KiB costs less than the two ops of a write into spare capacity (and the reallocation every
-# few steps of a store just past 128 tokens); measured 2026-11-28, single thread: 144 tokens x 2 heads
-# x 64 dims fp32 (72 KiB) cat 2.9 us vs write 8.5 us, 512 tokens (256 KiB) 12.4 vs 6.5 us.
-SMALL_STORE_BYTES = 64 * 1024
-
-
-def grows_in_place(keys: torch.Tensor | None) -> bool:
-    """Whether a store whose keys are `keys` appends into spare capacity (else by one `torch.cat`): from
-    `SMALL_STORE_BYTES` on, decided from the keys so every tensor of the store grows alike."""
-    return keys is None or keys.nbytes >= SMALL_STORE_BYTES
-
-
-def append_along_tokens(
-    capacity: torch.Tensor | None, current: torch.Tensor | None, new: torch.Tensor, in_place: bool = True
-) -> torch.Tensor:
-    """Append `new` [B, H, Q, ...] after `current` [B, H, T, ...] along dim 2; returns the storage that holds both.
-
-    `capacity` is the storage `current` is a prefix view of (or None: `current` is exactly sized).
-    When it has no room, a new storage of `(T + Q) * (1 + 1/GROWTH_DIVISOR)` tokens (rounded down)
-    is allocated and `current` copied in once. Callers attend to / expose the prefix view
-    `result[:, :, :T + Q]`; `resident_bytes()` counts the whole storage. Under 128 tokens, or with
-    `in_place` False (`grows_in_place`), `current` grows by one exactly sized `torch.cat` instead.
-    """
-    used = 0 if current is None else current.shape[2]
-    needed = used + new.shape[2]
-    if current is not None and (needed < GROWTH_DIVISOR or not in_place):
-        return torch.cat([current, new], dim=2)  # short stores (compressed heads): one op, no spare
-    if capacity is None or needed > capacity.shape[2]:
-        spare = needed // GROWTH_DIVISOR
-        capacity = new.new_empty((*new.shape[:2], needed + spare, *new.shape[3:]))
-        if used:
-            capacity[:, :, :used] = current
-    capacity[:, :, used:needed] = new
-    return capacity
-
-
-def token_prefix(storage: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens (dim 2) of `storage`: the storage itself when that is all of it (no view op)."""
-    return storage if storage.shape[2] == length else storage[:, :, :length]
 
 
 class CompressionSettings:
@@ -352,9 +306,13 @@ class CompressedStore:
     def query_positions(self) -> torch.Tensor | None:
         """LongTensor[N]: the logical positions of `queries`, the last N columns seen (the window is
         contiguous: every forward's queries are remembered); built when read, at a compaction."""
-        if self._query_positions is not None:
-            return self._query_positions
-        return self.query_ring.positions(self.logical_length)
+        given = self._query_positions
+        return given if given is not None else self.query_ring.positions(self.logical_length)
+
+    @property
+    def oldest_query_position(self) -> int | None:
+        """Host int: the logical position of the oldest remembered query (None: none, or a static view's)."""
+        return self.query_ring.oldest(self.logical_length) if self._query_positions is None else None
 
     @query_positions.setter
     def query_positions(self, value: torch.Tensor | None) -> None:

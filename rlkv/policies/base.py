@@ -74,7 +74,8 @@ policies depend on the protocol only, so nothing under rlkv/policies imports the
   where rows start), so a policy can decide and size a compression from them alone.
   `row_start_host` (list[int], or None where only the device knows: the static cache's view) and
   `all_valid` (bool: no slot is empty; False where unknown) let a policy skip masks it knows are
-  all True (`rlkv.policies.scoring.real_queries`, `window_is_suffix`).
+  all True (`rlkv.policies.scoring.real_queries`, `window_start`); `oldest_query_position` (int,
+  or None where only the device knows) is the oldest remembered query's position.
 - `state` dict: per-layer scratch space for the policy, cleared at each new sequence.
 - `slot_buffer(name, fill=0.0, dtype=torch.float32)` -> Tensor[B, H_c, K]: a per-slot value the
   cache keeps aligned with the slots (new slots get `fill`, evictions gather it). Update it in
@@ -263,6 +264,19 @@ def top_scores_counts(store: PolicyStore, budget: list[int] | None = None) -> li
     return kept
 
 
+def _host_extra(store: PolicyStore, budget: torch.Tensor | int | None) -> int | None:
+    """The evictable slots beyond the forced set that `keep_top_scores` keeps in every (row, head), when
+    the host knows it is one count and the store has no empty slot (else None)."""
+    if not store.all_valid or isinstance(budget, torch.Tensor):
+        return None
+    if budget is None and store.budget_counts() is None:
+        return None  # keep_top_scores' error
+    rows = None if budget is None else [int(budget)] * len(store.slot_counts)
+    kept = top_scores_counts(store, rows)
+    extra = {k - f for k, f in zip(kept, store.forced_counts(), strict=True)}
+    return extra.pop() if len(extra) == 1 else None
+
+
 def keep_top_scores(
     store: PolicyStore, scores: torch.Tensor, budget: torch.Tensor | int | None = None
 ) -> torch.Tensor:
@@ -273,9 +287,17 @@ def keep_top_scores(
     int, or None for `store.budget`. Ties break towards the older position.
     """
     forced = store.forced_keep()
-    evictable = store.evictable()
     if scores.dim() == 2:
         scores = scores[:, None, :].expand_as(forced)
+    finite = scores.float().nan_to_num(nan=-_FLOAT_MAX, posinf=_FLOAT_MAX, neginf=-_FLOAT_MAX)
+    extra = _host_extra(store, budget)
+    if extra is not None:
+        # no empty slot, every (row, head) keeps `extra` candidates: the candidates are the slots not
+        # forced (the protected prompt lies inside the forced set), no count or rank tensor to build
+        ranked = finite.masked_fill(forced, float("-inf"))
+        top = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :extra]
+        return forced | torch.zeros_like(forced).scatter_(-1, top, True)
+    evictable = store.evictable()
     if budget is None:
         budget = store.budget
     if budget is None:
@@ -289,7 +311,6 @@ def keep_top_scores(
     candidate = evictable & ~forced
     # every candidate ranks above every other slot (an infinite or NaN score included), so the kept
     # count is exactly `top_scores_counts`
-    finite = scores.float().nan_to_num(nan=-_FLOAT_MAX, posinf=_FLOAT_MAX, neginf=-_FLOAT_MAX)
     ranked = finite.masked_fill(~candidate, float("-inf"))
     # stable sort on the slot order keeps older positions first among equal scores
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices

@@ -87,6 +87,9 @@ def observation_logits(
     if queries is None:
         raise ValueError("observation_logits needs cached queries: set the policy's observe_queries > 0")
     logits = raw_logits(queries, store.keys, scaling)
+    start = window_start(store) if exclude_window and real_queries(store) is None else None
+    if start is not None:  # no empty slot, no padded row: the allowed keys are those before the window
+        return logits.masked_fill((store.positions >= start)[:, :, None, None, :], NEG_INF)
     allowed = observation_key_mask(
         store.positions, store.valid(), store.query_positions, store.query_valid(), exclude_window
     )
@@ -191,10 +194,11 @@ def real_queries(store: PolicyStore) -> torch.Tensor | None:
     return None if starts is not None and not any(starts) else store.query_valid()
 
 
-def window_is_suffix(store: PolicyStore) -> bool:
-    """Host flag: the store has no empty slot, so its valid slots outside the observation window come
-    first (slots are in position order, the window is the newest): `pool_along_keys(valid_prefix=)`."""
-    return store.all_valid
+def window_start(store: PolicyStore) -> int | None:
+    """Host int: the oldest observation query's position when the store has no empty slot (so the
+    observation window's slots are exactly those at or past it, and every other slot is valid), else
+    None (build the masks). Read from host counts: no tensor op."""
+    return store.oldest_query_position if store.all_valid else None
 
 
 def observation_attention(
@@ -226,13 +230,20 @@ def pooled_importance(
     valid slots (outside the observation window when excluded), then averaged over the real
     observation queries: FloatTensor [B, H, K]. The masks the host knows are all True are skipped."""
     if kernel > 1:
-        domain = store.valid() & ~observation_window(store) if exclude_window else store.valid()
-        probs = pool_along_keys(probs, kernel, key_pool, domain, valid_prefix=window_is_suffix(store))
+        start = window_start(store) if exclude_window else None
+        if start is not None:  # no empty slot: the domain is the slots before the window
+            domain = store.positions < start
+        else:
+            domain = store.valid() & ~observation_window(store) if exclude_window else store.valid()
+        probs = pool_along_keys(probs, kernel, key_pool, domain, valid_prefix=store.all_valid)
     return mean_over_queries(probs, real_queries(store))
 
 
 def observation_window(store: PolicyStore) -> torch.Tensor:
     """BoolTensor [B, H, K]: valid slots whose position is one of the cached observation queries'."""
+    start = window_start(store)
+    if start is not None:
+        return store.positions >= start
     query_positions = store.query_positions  # built when read (rlkv/cache/store.py): read it once
     if query_positions is None or query_positions.numel() == 0:
         return torch.zeros_like(store.valid())

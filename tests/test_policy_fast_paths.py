@@ -1,0 +1,71 @@
+"""The host-flag fast paths of scoring (no empty slot, no padded row) keep exactly what the masked paths keep.
+
+`rlkv.policies.scoring.window_start` (the observation window read from host counts) and
+`rlkv.policies.base._host_extra` (one kept count per (row, head), no rank tensor) switch the fast
+paths on; with both returning None every compression builds the general masks. Greedy decoding of
+an unpadded batch must keep the same positions in every layer at every step, and generate the same tokens.
+"""
+
+import pytest
+import torch
+
+from rlkv.cache import HeadMixedCache, register_attention
+from rlkv.compat import cache_kwargs
+from rlkv.policies import base, get_policy, scoring
+from rlkv.testing import tiny_model
+
+LAYOUT = torch.tensor([[False, False], [True, False], [False, True]])  # 3 layers x 2 KV heads
+POLICIES = [
+    ("snapkv", dict(window=4, kernel=3, buffer=4)),
+    ("rkv", dict(window=4, buffer=4)),
+    ("knorm", dict(buffer=4)),
+    ("h2o", {}),
+    ("rpc", dict(interval=6, selector_window=3)),
+]  # sink-recent and streaming select by position without scores (`compact_ends`)
+
+
+def _decode(model, policy: str, kwargs: dict) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """Kept positions of every compressed store after each forward, and the greedy tokens."""
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    cache = HeadMixedCache(
+        model.config, LAYOUT, get_policy(policy, **kwargs), sink=2, window=3, budget=10, protect_prompt=False
+    )
+    kept, tokens = [], []
+    with torch.no_grad():
+        out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True)
+        for step in range(20):
+            tok = out.logits[:, -1:].argmax(-1)
+            tokens.append(tok)
+            kept.append([layer.store.positions.clone() for layer in cache.layers if layer.store is not None])
+            position = torch.full((2, 1), ids.shape[1] + step)
+            out = model(input_ids=tok, **cache_kwargs(cache), use_cache=True, position_ids=position)
+    return kept, torch.cat(tokens, dim=1)
+
+
+@pytest.mark.parametrize("policy,kwargs", POLICIES, ids=[p for p, _ in POLICIES])
+def test_fast_paths_keep_what_the_masked_paths_keep(policy, kwargs, monkeypatch):
+    model = tiny_model("llama", num_hidden_layers=3)
+    model.set_attn_implementation(register_attention())
+    taken = []
+    fast_window, fast_extra = scoring.window_start, base._host_extra
+
+    def counted(function):
+        def wrapper(*args):
+            result = function(*args)
+            taken.append(result is not None)
+            return result
+
+        return wrapper
+
+    monkeypatch.setattr(scoring, "window_start", counted(fast_window))
+    monkeypatch.setattr(base, "_host_extra", counted(fast_extra))
+    fast_kept, fast_tokens = _decode(model, policy, kwargs)
+    assert any(taken), "no fast path was taken: the test no longer covers it"
+
+    monkeypatch.setattr(scoring, "window_start", lambda store: None)
+    monkeypatch.setattr(base, "_host_extra", lambda store, budget: None)
+    slow_kept, slow_tokens = _decode(model, policy, kwargs)
+    assert torch.equal(fast_tokens, slow_tokens)
+    for step, (fast, slow) in enumerate(zip(fast_kept, slow_kept, strict=True)):
+        for layer, (a, b) in enumerate(zip(fast, slow, strict=True)):
+            assert torch.equal(a, b), (step, layer)
