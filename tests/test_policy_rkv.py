@@ -101,6 +101,11 @@ def test_redundancy_matches_reference_with_recent_exemption(chunk):
     r = key_redundancy(keys, valid, 0.5, 1, chunk)[0, 0]
     assert r[9] < r[1] and r[9] < r[4]
     assert (got[1, 1, [2, 3]] == 0).all()
+    # no empty slot: `valid=None` builds no mask and gives the same scores as an all-True mask
+    every = torch.ones_like(valid)
+    for exempt in (0, 1, 2):
+        masked = key_redundancy(keys, every, 0.5, exempt, chunk)
+        torch.testing.assert_close(key_redundancy(keys, None, 0.5, exempt, chunk), masked, atol=0, rtol=0)
 
 
 def test_scores_and_selection_match_the_paper(qwen2, left_padded_batch):

@@ -36,7 +36,7 @@ from rlkv.policies.scoring import (
 
 def key_redundancy(
     keys: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     threshold: float = 0.5,
     recent_exempt: int = 1,
     chunk: int = 256,
@@ -44,7 +44,7 @@ def key_redundancy(
     """R-KV's redundancy score of every slot: FloatTensor [B, H, K], softmax over the valid slots.
 
     keys: [B, H, K, D]; valid: BoolTensor [B, H, K] (empty and padding slots take no part and
-    score 0). Valid slots are in increasing position order (the store's invariant), so the most
+    score 0), or None when every slot is valid (no mask built). Valid slots are in increasing position order (the store's invariant), so the most
     recent similar keys are the last ones in slot order.
     S[i, j] = cos(k_i, k_j) with S[i, i] = 0; for each row i the `recent_exempt` most recent keys j
     with S[i, j] > threshold (>= 0) get S[i, j] = 0; R_j = softmax_j(mean_i S[i, j]) over valid i, j.
@@ -58,8 +58,10 @@ def key_redundancy(
         raise ValueError(
             f"threshold={threshold} must be >= 0 (cosine similarity above which keys are similar)"
         )
-    normed = keys.float() / (keys.float().norm(dim=-1, keepdim=True) + 1e-8)
-    normed = normed * valid[..., None]  # empty slots: zero vectors, so S = 0 on their rows and columns
+    keys = keys.float()
+    normed = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+    if valid is not None:
+        normed = normed * valid[..., None]  # empty slots: zero vectors, so S = 0 on their rows and columns
     slots = keys.shape[2]
     # sum_i S[i, j] = k_j . sum_i k_i - k_j . k_j: the column sums need no K x K matrix
     column_sum = (normed * normed.sum(dim=2, keepdim=True)).sum(-1) - (normed * normed).sum(-1)
@@ -68,6 +70,8 @@ def key_redundancy(
         column_sum -= _most_recent_similar(normed, threshold, chunk)
     elif exempt > 1:
         column_sum -= _recent_similar(normed, threshold, exempt, chunk)
+    if valid is None:
+        return torch.softmax(column_sum / max(slots, 1), dim=-1)
     count = valid.sum(dim=-1, keepdim=True).clamp(min=1)
     mean = (column_sum / count).masked_fill(~valid, float("-inf"))
     return masked_softmax(mean)
@@ -182,7 +186,7 @@ class RKVPolicy(WindowedBufferPolicy):
         """R: FloatTensor [B, H_c, K], a softmax over each (row, head)'s valid slots."""
         return key_redundancy(
             store.keys,
-            store.valid(),
+            None if store.all_valid else store.valid(),
             self.threshold,
             self.recent_exempt,
             self.redundancy_chunk,
