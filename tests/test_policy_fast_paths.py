@@ -24,11 +24,19 @@ POLICIES = [
 ]  # sink-recent and streaming select by position without scores (`compact_ends`)
 
 
-def _decode(model, policy: str, kwargs: dict) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+def _decode(
+    model, policy: str, kwargs: dict, budget, protect: bool
+) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
     """Kept positions of every compressed store after each forward, and the greedy tokens."""
     ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(1))
     cache = HeadMixedCache(
-        model.config, LAYOUT, get_policy(policy, **kwargs), sink=2, window=3, budget=10, protect_prompt=False
+        model.config,
+        LAYOUT,
+        get_policy(policy, **kwargs),
+        sink=2,
+        window=3,
+        budget=budget,
+        protect_prompt=protect,
     )
     kept, tokens = [], []
     with torch.no_grad():
@@ -42,8 +50,9 @@ def _decode(model, policy: str, kwargs: dict) -> tuple[list[list[torch.Tensor]],
     return kept, torch.cat(tokens, dim=1)
 
 
+@pytest.mark.parametrize("budget,protect", [(10, False), (0.1, True)], ids=["int-budget", "ratio-protected"])
 @pytest.mark.parametrize("policy,kwargs", POLICIES, ids=[p for p, _ in POLICIES])
-def test_fast_paths_keep_what_the_masked_paths_keep(policy, kwargs, monkeypatch):
+def test_fast_paths_keep_what_the_masked_paths_keep(policy, kwargs, budget, protect, monkeypatch):
     model = tiny_model("llama", num_hidden_layers=3)
     model.set_attn_implementation(register_attention())
     taken = []
@@ -59,12 +68,12 @@ def test_fast_paths_keep_what_the_masked_paths_keep(policy, kwargs, monkeypatch)
 
     monkeypatch.setattr(scoring, "window_start", counted(fast_window))
     monkeypatch.setattr(base, "_host_extra", counted(fast_extra))
-    fast_kept, fast_tokens = _decode(model, policy, kwargs)
+    fast_kept, fast_tokens = _decode(model, policy, kwargs, budget, protect)
     assert any(taken), "no fast path was taken: the test no longer covers it"
 
     monkeypatch.setattr(scoring, "window_start", lambda store: None)
     monkeypatch.setattr(base, "_host_extra", lambda store, budget: None)
-    slow_kept, slow_tokens = _decode(model, policy, kwargs)
+    slow_kept, slow_tokens = _decode(model, policy, kwargs, budget, protect)
     assert torch.equal(fast_tokens, slow_tokens)
     for step, (fast, slow) in enumerate(zip(fast_kept, slow_kept, strict=True)):
         for layer, (a, b) in enumerate(zip(fast, slow, strict=True)):
