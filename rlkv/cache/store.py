@@ -1,9 +1,9 @@
 """The compressed-head store of a `HeadMixedCache` (its tensors grow by rlkv/cache/growth.py).
 
-`CompressedStore` holds
-one layer's compressed KV heads (keys, values, the logical position of every slot) and is what a policy
-reads (the `PolicyStore` protocol of `rlkv.policies.base`). Eviction gathers into new, exactly sized
-tensors, so freed entries leave memory; `storage_bytes` reads what tensors really hold. See docs/design.md.
+`CompressedStore` holds one layer's compressed KV heads (keys, values, the logical position of every
+slot) and is what a policy reads (the `PolicyStore` protocol of `rlkv.policies.base`). Eviction gathers
+into new, exactly sized tensors, so freed entries leave memory; `storage_bytes` reads what tensors really
+hold. See docs/design.md.
 
 No host sync in a decode step: the store keeps each row's slot count, first real column and
 evictions as Python ints (read from the device once per prompt forward), the policy decides from
@@ -309,14 +309,14 @@ class CompressedStore:
         given = self._query_positions
         return given if given is not None else self.query_ring.positions(self.logical_length)
 
+    @query_positions.setter
+    def query_positions(self, value: torch.Tensor | None) -> None:
+        self._query_positions = value
+
     @property
     def oldest_query_position(self) -> int | None:
         """Host int: the logical position of the oldest remembered query (None: none, or a static view's)."""
         return self.query_ring.oldest(self.logical_length) if self._query_positions is None else None
-
-    @query_positions.setter
-    def query_positions(self, value: torch.Tensor | None) -> None:
-        self._query_positions = value
 
     def compact_ends(self, kept: list[int]) -> None:
         """Keep each row's early region (sink, protected prompt) and its newest slots, `kept` per (row,

@@ -44,8 +44,8 @@ def key_redundancy(
     """R-KV's redundancy score of every slot: FloatTensor [B, H, K], softmax over the valid slots.
 
     keys: [B, H, K, D]; valid: BoolTensor [B, H, K] (empty and padding slots take no part and
-    score 0), or None when every slot is valid (no mask built). Valid slots are in increasing position order (the store's invariant), so the most
-    recent similar keys are the last ones in slot order.
+    score 0), or None when every slot is valid (no mask built). Valid slots are in increasing position
+    order (the store's invariant), so the most recent similar keys are the last ones in slot order.
     S[i, j] = cos(k_i, k_j) with S[i, i] = 0; for each row i the `recent_exempt` most recent keys j
     with S[i, j] > threshold (>= 0) get S[i, j] = 0; R_j = softmax_j(mean_i S[i, j]) over valid i, j.
     The column sums of S come from the sum of the normalised keys (O(K * D)); only the exemption
