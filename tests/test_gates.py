@@ -194,6 +194,34 @@ def test_hard_forward_runs_the_deployed_layout_with_the_gradient_at_that_layout(
     assert torch.allclose(hard_grad, gates.alpha.grad, rtol=1e-6, atol=1e-9)
 
 
+def test_hard_forward_rollouts_decode_with_the_deployed_layout(left_padded_batch):
+    """GRPO's rollouts under `hard_keep` come from the deployed 0/1 layout: `generate` gives exactly the
+    tokens and logits of the soft gates set to that layout (the same kernels on the same shapes)."""
+    ids, mask = left_padded_batch
+    model = tiny_model("qwen2")
+    gates = rlkv.attach_gates(model, sink=SINK, local=LOCAL)
+
+    def rollout():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        return out.sequences, torch.stack(out.logits, 1)
+
+    gates.alpha.data = torch.tensor([[0.3, 0.9], [0.6, 0.2]])
+    gates.hard_keep = 2
+    hard = rollout()
+    gates.hard_keep = None
+    gates.alpha.data = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+    soft = rollout()
+    assert torch.equal(hard[0], soft[0]) and torch.equal(hard[1], soft[1])
+
+
 def test_clamp_and_detach_restore_stock_model(left_padded_batch):
     ids, mask = left_padded_batch
     model = tiny_model("llama")
