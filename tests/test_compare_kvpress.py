@@ -150,3 +150,48 @@ def test_median_of_rounds_keeps_the_median_run_and_every_rounds_speed():
         "decode_tokens_per_s_rounds": [10, 14, 11],
     }
     assert merged["methods"]["b"] == {"error": "boom"}  # a failure in any round is reported, not hidden
+
+
+def test_rlkv_round_runs_in_its_own_process_and_matches_plain_greedy(tmp_path):
+    """The rlkv side's round (`--rlkv-round`, what `compare` runs in a fresh interpreter each round)
+    reads spec.json and writes every paired row; its full row is plain greedy decoding."""
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    HeadMask.random(model, seed=1).save_pretrained(tmp_path / "mask")
+    prompts = torch.randint(5, 300, (2, 30), generator=torch.Generator().manual_seed(0)).tolist()
+    spec = {
+        "model": str(tmp_path / "model"),
+        "prompt_ids": prompts,
+        "answers": ["1", "2"],
+        "max_new_tokens": 5,
+        "sink": 4,
+        "recent": 8,
+        "methods": compare_kvpress.method_specs([0.5], [16], 4),
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    target = tmp_path / "rlkv-round0.json"
+    args = ["--out", str(tmp_path), "--mask", str(tmp_path / "mask"), "--rlkv-round", str(target)]
+    assert compare_kvpress.main(args) == 0
+    rows = json.loads(target.read_text())["methods"]
+    assert sorted(rows) == [
+        "full | full",
+        "head s=0.5 | rlkv head-mixed",
+        "knorm budget=16 | rlkv knorm",
+        "snapkv budget=16 | rlkv rkv",
+        "snapkv budget=16 | rlkv snapkv",
+    ]
+    plain = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        plain.append(out[0, 30:].tolist())
+    assert rows["full | full"]["outputs"] == plain
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
+    assert not list(tmp_path.glob("*.partial"))

@@ -12,9 +12,10 @@ through `benchmarks/kvpress/worker.py` (imports only torch/transformers/kvpress)
    sparsity; `DecodingPress` with SnapKV and KNorm scorers at each token budget);
 3. runs rlkv here (head-mixed cache with the same mask, streaming sink + recent; snapkv / knorm /
    rkv on every head at the same budget and compression interval);
-   steps 2 and 3 alternate `--rounds` times (5): each method keeps its median round (decode tok/s of
-   one pass moved by up to 10% run to run on a 2-core machine; the rest is deterministic) ->
-   kvpress.json, rlkv.json;
+   steps 2 and 3 alternate `--rounds` times (5), each side in a fresh interpreter every round (the
+   rlkv side through `--rlkv-round`, so neither side runs in a process the other's setup has used):
+   each method keeps its median round (decode tok/s of one pass moved by up to 10% run to run on a
+   2-core machine; the rest is deterministic) -> kvpress.json, rlkv.json;
 4. writes compare.json and compare.md (side by side), with one PASS/FAIL line per paired row: rlkv's
    decode tok/s >= kvpress's at no more mean and peak KV (ratios from this run).
 
@@ -224,6 +225,32 @@ def run_kvpress(args: argparse.Namespace, out: Path, round_index: int) -> dict[s
         return {"error": str(e), "methods": {}}
 
 
+def run_rlkv_process(args: argparse.Namespace, out: Path, round_index: int) -> dict[str, Any]:
+    """One run of the rlkv side in a fresh interpreter (as the kvpress side runs) over `out`/spec.json."""
+    target = out / f"rlkv-round{round_index}.json"
+    command = [sys.executable, "-m", "benchmarks.kvpress.compare", "--out", str(out), "--mask", args.mask]
+    proc = subprocess.run(
+        [*command, "--rlkv-round", str(target)], cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+    sys.stderr.write(proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"rlkv side exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(target.read_text())
+
+
+def rlkv_round(out: Path, mask_path: str, target: Path) -> None:
+    """The rlkv side's body in its own process: `run_rlkv` over `out`/spec.json, written atomically to `target`."""
+    from transformers import AutoConfig
+
+    from rlkv import HeadMask
+
+    spec = json.loads((out / "spec.json").read_text())
+    mask = HeadMask.from_pretrained(mask_path, AutoConfig.from_pretrained(spec["model"]))
+    partial = target.with_suffix(".partial")
+    partial.write_text(json.dumps(run_rlkv(spec, mask, load_worker())))
+    partial.replace(target)
+
+
 def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One side's result from its rounds: per method, the round with the median decode tok/s (the
     upper one of an even count; the rest is deterministic), every round's tok/s under
@@ -347,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=5, help="runs of both sides, alternating; decode tok/s is the median"
     )
+    parser.add_argument("--rlkv-round", help=argparse.SUPPRESS)  # internal: one rlkv round, to this file
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds={args.rounds} must be >= 1")
@@ -361,8 +389,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     out = Path(args.out).resolve()
+    if args.rlkv_round:
+        rlkv_round(out, args.mask, Path(args.rlkv_round))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
-    worker = load_worker()
     mask = HeadMask.from_pretrained(args.mask, AutoConfig.from_pretrained(args.model))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     texts, ids, answers = build_prompts(tokenizer, args.num_problems, args.seed)
@@ -388,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         kv_rounds.append(run_kvpress(args, out, round_index))
         kv_seconds += time.perf_counter() - started
-        rl_rounds.append(run_rlkv(spec, mask, worker))
+        rl_rounds.append(run_rlkv_process(args, out, round_index))
     kv, rl = median_of_rounds(kv_rounds), median_of_rounds(rl_rounds)
     (out / "kvpress.json").write_text(json.dumps(kv))
     (out / "rlkv.json").write_text(json.dumps(rl))
