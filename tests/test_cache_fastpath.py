@@ -394,3 +394,28 @@ def test_valid_and_forced_keep_follow_every_change_of_the_slots():
     check()
     store.compact(store.forced_keep())
     check()
+
+
+def test_small_store_writes_decode_positions_when_read_and_holds_no_bytes_for_them():
+    """A small store's decode appends write no positions until `positions` is read: then they are the
+    logical positions T..T+n-1 in every (row, head), as an eager write would give (after prompt chunks,
+    single steps and a 3-token forward), and meanwhile `tensors()` hold only the written ones."""
+    settings = CompressionSettings(get_policy("knorm"), sink=2, window=4, budget=None, protect_prompt=False)
+    store = CompressedStore(0, torch.arange(2), 3, settings)
+    store.row_start = torch.zeros(2, dtype=torch.long)
+    gen = torch.Generator().manual_seed(0)
+    expected = []
+    for q_len in (5, 1, 1, 3, 1):
+        start = store.logical_length
+        store.append(torch.randn(2, 2, q_len, 8, generator=gen), torch.randn(2, 2, q_len, 8, generator=gen))
+        expected += range(start, start + q_len)
+    assert store._positions.shape[2] == 5  # the prompt's, written at once (the first append)
+    held = sum(t.untyped_storage().nbytes() for t in store.tensors() if t is not None)
+    positions = store.positions
+    assert positions.dtype == torch.int32
+    assert torch.equal(positions, torch.tensor(expected, dtype=torch.int32).expand(2, 2, len(expected)))
+    after = sum(t.untyped_storage().nbytes() for t in store.tensors() if t is not None)
+    assert after - held == 2 * 2 * 6 * 4  # 6 deferred slots' int32 positions, now written
+    store.append(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
+    store.positions = store.positions[:, :, 2:]  # a compaction's assignment drops what is pending
+    assert store.positions[0, 0].tolist() == expected[2:] + [len(expected)]

@@ -78,7 +78,10 @@ class CompressedStore:
         """Drop every tensor and all per-sequence state."""
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        # the newest slots appended by the small-store path have positions logical_length - n ..
+        # logical_length - 1 in every (row, head): kept as this count and written when `positions` is read
+        self._pending_positions = 0
         # observation queries: a ring (`remember_queries`), or set explicitly (a static cache's view)
         self.query_ring = QueryRing()
         self._queries: torch.Tensor | None = None
@@ -105,6 +108,27 @@ class CompressedStore:
         self.uniform = False
 
     # what policies read ------------------------------------------------------------------
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """IntTensor[B, H_c, K]: the logical position of every slot (-1: empty); the slots appended since
+        the last read are written now (a decode step that reads none, at batch 1, costs no op for them)."""
+        if self._pending_positions:
+            pending, end = self._pending_positions, self.logical_length
+            known = self._positions
+            shape = (*known.shape[:2], pending)
+            if pending == 1:
+                tail = torch.full(shape, end - 1, dtype=known.dtype, device=known.device)
+            else:
+                tail = torch.arange(end - pending, end, dtype=known.dtype, device=known.device).expand(shape)
+            self._pending_positions = 0
+            self._positions = torch.cat([known, tail], dim=2)
+        return self._positions
+
+    @positions.setter
+    def positions(self, value: torch.Tensor | None) -> None:
+        self._pending_positions = 0
+        self._positions = value
+
     @property
     def num_generated(self) -> int:
         return self.logical_length - self.prompt_length
@@ -216,29 +240,30 @@ class CompressedStore:
         (int32 while positions fit, int64 beyond 2**31 tokens: `position_dtype`)."""
         batch, heads, q_len, _ = keys.shape
         dtype = position_dtype(self.logical_length + q_len)
-        if self.positions is not None and self.positions.dtype != dtype:  # past 2**31 tokens: widen once
+        if self._positions is not None and self._positions.dtype != dtype:  # past 2**31 tokens: widen once
             self.positions = self.positions.to(dtype)
             self._capacity.pop("positions", None)
-        if q_len == 1:  # a decode step: one op
-            new_pos = torch.full((batch, heads, 1), self.logical_length, device=keys.device, dtype=dtype)
-        else:
-            new_pos = torch.arange(
-                self.logical_length, self.logical_length + q_len, device=keys.device, dtype=dtype
-            ).expand(batch, heads, q_len)
         if self.keys is None:
             self.evicted = torch.zeros(batch, dtype=torch.long, device=keys.device)
         if self.keys is not None and not grows_in_place(self.keys):
             # a small store (most compressed heads): one exactly sized `cat` per tensor, straight here
-            # (no storage behind them to remember): the hot path of a decode step
+            # (no storage behind them to remember), positions when read: the hot path of a decode step
             if self._capacity:
                 self._capacity.clear()
             self.keys = append_along_tokens(None, self.keys, keys, in_place=False)
             self.values = append_along_tokens(None, self.values, values, in_place=False)
-            self.positions = append_along_tokens(None, self.positions, new_pos, in_place=False)
+            self._pending_positions += q_len
             for name, (buf, fill) in self._slot_buffers.items():
                 pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
                 self._slot_buffers[name] = (append_along_tokens(None, buf, pad, in_place=False), fill)
         else:
+            start = self.logical_length
+            if q_len == 1:  # a decode step: one op
+                new_pos = torch.full((batch, heads, 1), start, device=keys.device, dtype=dtype)
+            else:
+                new_pos = torch.arange(start, start + q_len, device=keys.device, dtype=dtype).expand(
+                    batch, heads, q_len
+                )
             self.keys = self._append("keys", self.keys, keys)
             self.values = self._append("values", self.values, values)
             self.positions = self._append("positions", self.positions, new_pos)
@@ -454,5 +479,5 @@ class CompressedStore:
         extra = [buf for buf, _ in self._slot_buffers.values()]
         extra += [t for t in self.state.values() if isinstance(t, torch.Tensor)]
         window = [self.query_ring.ring, self._queries, self._query_positions]
-        kv = [self.keys, self.values, self.positions, *window, *extra]
+        kv = [self.keys, self.values, self._positions, *window, *extra]  # pending positions hold no bytes
         return [*kv, self.row_start, self.evicted]
