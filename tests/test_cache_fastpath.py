@@ -18,7 +18,8 @@ from transformers import DynamicCache
 from rlkv import HeadMask
 from rlkv.cache import GROWTH_DIVISOR, append_along_tokens
 from rlkv.cache.growth import SMALL_STORE_BYTES, grows_in_place
-from rlkv.cache.store import CompressedStore, CompressionSettings
+from rlkv.cache.settings import CompressionSettings
+from rlkv.cache.store import CompressedStore
 from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
 from rlkv.policies import get_policy
@@ -199,10 +200,15 @@ def test_compact_keeps_slots_in_order_in_exactly_sized_new_tensors(layout, monke
 
 
 def _fast_path_spy(monkeypatch) -> list[tuple[str, int]]:
-    """Records the compactions that took a fast path: ("columns" | "rows", slots kept per (row, head))."""
+    """Records the compactions that took a fast path: ("columns" | "rows" | "slots", slots kept per
+    (row, head))."""
     calls: list[tuple[str, int]] = []
     take_slots, take_columns = CompressedStore._take_slots, CompressedStore._take_columns
-    take_ends = CompressedStore._take_ends
+    take_ends, compact_slots = CompressedStore._take_ends, CompressedStore.compact_slots
+
+    def slots_spy(self, slots):
+        calls.append(("slots", slots.shape[-1]))  # the kept slots as indices (`select_top_scores`)
+        return compact_slots(self, slots)
 
     def rows_spy(self, keep, size):
         calls.append(("rows", size))
@@ -217,6 +223,7 @@ def _fast_path_spy(monkeypatch) -> list[tuple[str, int]]:
         return take_ends(self, early, size)
 
     monkeypatch.setattr(CompressedStore, "_take_ends", ends_spy)
+    monkeypatch.setattr(CompressedStore, "compact_slots", slots_spy)
     monkeypatch.setattr(CompressedStore, "_take_slots", rows_spy)
     monkeypatch.setattr(CompressedStore, "_take_columns", columns_spy)
     return calls
@@ -257,6 +264,12 @@ def _greedy_logits(model, policy_name, tokenizer, batch, new_tokens, **cache_kwa
     return generate_with_logits(model, policy, *batch, new_tokens, **cache_kwargs)
 
 
+def _compact_slots_slot_by_slot(self: CompressedStore, slots: torch.Tensor) -> None:
+    """Reference of `compact_slots`: the mask of the given slots, compacted slot by slot."""
+    keep = torch.zeros_like(self.positions, dtype=torch.bool).scatter_(-1, slots, True)
+    _compact_slot_by_slot(self, keep, [slots.shape[-1]] * slots.shape[0])
+
+
 def _compact_ends_slot_by_slot(self: CompressedStore, kept: list[int]) -> None:
     """Reference of `compact_ends`: the mask of each row's early region and newest slots, compacted slot by slot."""
     early = self._early_ends()[0] - self.row_starts()[0]
@@ -290,6 +303,7 @@ def test_every_policy_generates_as_with_slot_by_slot_compaction(
             )
             patch.setattr(CompressedStore, "compact", _compact_slot_by_slot)
             patch.setattr(CompressedStore, "compact_ends", _compact_ends_slot_by_slot)
+            patch.setattr(CompressedStore, "compact_slots", _compact_slots_slot_by_slot)
             ref_tokens, ref_logits, _ = _greedy_logits(
                 model, name, tokenizer, batch, entry.evicting_tokens, **settings
             )

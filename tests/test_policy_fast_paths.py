@@ -1,15 +1,17 @@
 """The host-flag fast paths of scoring (no empty slot, no padded row) keep exactly what the masked paths keep.
 
 `rlkv.policies.scoring.window_start` (the observation window read from host counts) and
-`rlkv.policies.base._host_extra` (one kept count per (row, head), no rank tensor) switch the fast
-paths on; with both returning None every compression builds the general masks. Greedy decoding of
+`rlkv.policies.base._host_extra` (one kept count per (row, head), no rank tensor; with the forced set
+at the ends of every (row, head), `select_top_scores` returns the kept slots themselves and the store
+copies them by index) switch the fast paths on; with both returning None every compression builds
+the general masks. Greedy decoding of
 an unpadded batch must keep the same positions in every layer at every step, and generate the same tokens.
 """
 
 import pytest
 import torch
 
-from rlkv.cache import HeadMixedCache, register_attention
+from rlkv.cache import CompressedStore, HeadMixedCache, register_attention
 from rlkv.compat import cache_kwargs
 from rlkv.policies import base, get_policy, scoring
 from rlkv.testing import tiny_model
@@ -68,8 +70,18 @@ def test_fast_paths_keep_what_the_masked_paths_keep(policy, kwargs, budget, prot
 
     monkeypatch.setattr(scoring, "window_start", counted(fast_window))
     monkeypatch.setattr(base, "_host_extra", counted(fast_extra))
+    by_slots = []
+    compact_slots = CompressedStore.compact_slots
+
+    def slots_spy(store, slots):
+        by_slots.append(slots.shape)
+        compact_slots(store, slots)
+
+    monkeypatch.setattr(CompressedStore, "compact_slots", slots_spy)
     fast_kept, fast_tokens = _decode(model, policy, kwargs, budget, protect)
     assert any(taken), "no fast path was taken: the test no longer covers it"
+    if policy != "rpc":  # RPC selects per layer (its mask, not slots)
+        assert by_slots, "no compaction by slot indices (`select_top_scores`): the test no longer covers it"
 
     monkeypatch.setattr(scoring, "window_start", lambda store: None)
     monkeypatch.setattr(base, "_host_extra", lambda store, budget: None)

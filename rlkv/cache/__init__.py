@@ -16,10 +16,11 @@ from rlkv.cache.attention import ATTENTION_NAME, register_attention
 from rlkv.cache.growth import GROWTH_DIVISOR, append_along_tokens
 from rlkv.cache.hooks import install_observers, observing, uninstall_observers
 from rlkv.cache.layer import HeadMixedCache, HeadMixedLayer, StaleCacheError
+from rlkv.cache.settings import CompressionSettings
 from rlkv.cache.static import StaticHeadMixedCache
 from rlkv.cache.static_budget import StaticCacheError
 from rlkv.cache.stats import CacheStats
-from rlkv.cache.store import CompressedStore, CompressionSettings, storage_bytes
+from rlkv.cache.store import CompressedStore, storage_bytes
 
 __all__ = [
     "ATTENTION_NAME",

@@ -223,6 +223,9 @@ def _after_attention(layer: HeadMixedLayer) -> None:
             store.compact_ends(kept)
             return
         keep = policy.select(store)
+        if keep.dtype == torch.long:  # the kept slots themselves (`select_top_scores`)
+            store.compact_slots(keep)
+            return
         if keep.dim() == 2:
             keep = keep[:, None, :].expand_as(store.positions)
         store.compact(keep | store.forced_keep(), kept)  # compact keeps valid slots only

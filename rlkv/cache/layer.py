@@ -19,8 +19,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from rlkv.cache.growth import append_along_tokens, grows_in_place, token_prefix
 from rlkv.cache.head_split import head_split, pick_heads
+from rlkv.cache.settings import CompressionSettings
 from rlkv.cache.stats import CacheStats, head_mixed_counts, head_mixed_stats
-from rlkv.cache.store import CompressedStore, CompressionSettings, storage_bytes
+from rlkv.cache.store import CompressedStore, storage_bytes
 from rlkv.geometry import attention_geometry
 from rlkv.policies.base import CompressionPolicy
 

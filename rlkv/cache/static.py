@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from rlkv.cache.layer import PolicyCache, full_head_layout
+from rlkv.cache.settings import CompressionSettings
 from rlkv.cache.static_budget import StaticCacheError, static_form
 from rlkv.cache.static_layer import StaticHeadMixedLayer
 from rlkv.cache.static_slots import kept_per_head
 from rlkv.cache.stats import CacheStats
-from rlkv.cache.store import CompressionSettings
 from rlkv.compat import forward_cache, mark_static_address
 from rlkv.geometry import attention_geometry
 from rlkv.policies.base import CompressionPolicy

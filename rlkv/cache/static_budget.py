@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rlkv.cache.store import CompressedStore, CompressionSettings
+from rlkv.cache.settings import CompressionSettings
+from rlkv.cache.store import CompressedStore
 from rlkv.errors import UserError
 from rlkv.policies.base import CompressionPolicy
 

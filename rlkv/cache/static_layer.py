@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rlkv.cache.attention import EAGER_CHUNK_ELEMENTS, SELF_ATTENDING_LAYERS
 from rlkv.cache.head_split import head_split, merge_heads, pick_heads
+from rlkv.cache.settings import CompressionSettings
 from rlkv.cache.static_budget import (
     RowSchedule,
     StaticCacheError,
@@ -26,7 +27,6 @@ from rlkv.cache.static_budget import (
     policy_view,
 )
 from rlkv.cache.static_slots import write_budget, write_prompt, write_streaming
-from rlkv.cache.store import CompressionSettings
 from rlkv.compat import mark_static_address
 
 

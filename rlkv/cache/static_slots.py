@@ -14,8 +14,8 @@ from typing import Protocol
 
 import torch
 
+from rlkv.cache.settings import CompressionSettings
 from rlkv.cache.static_budget import RowSchedule, StaticForm
-from rlkv.cache.store import CompressionSettings
 
 
 class StaticHeadMixedLayer(Protocol):

@@ -14,13 +14,14 @@ the keep mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from rlkv.cache.growth import append_along_tokens, grows_in_place, token_prefix
 from rlkv.cache.query_ring import QueryRing
-from rlkv.policies.base import CompressionPolicy
+from rlkv.cache.settings import CompressionSettings
 
 
 def storage_bytes(tensors: list[torch.Tensor | None]) -> int:
@@ -36,24 +37,6 @@ def storage_bytes(tensors: list[torch.Tensor | None]) -> int:
 def position_dtype(end: int) -> torch.dtype:
     """The dtype of stored logical positions up to `end` (exclusive): int32 while they fit, else int64."""
     return torch.int32 if end <= 2**31 else torch.int64
-
-
-class CompressionSettings:
-    """What every layer of one cache shares: the policy and the budget definition."""
-
-    def __init__(
-        self,
-        policy: CompressionPolicy,
-        sink: int,
-        window: int,
-        budget: int | float | None,
-        protect_prompt: bool,
-    ) -> None:
-        self.policy = policy
-        self.sink = int(sink)
-        self.window = int(window)
-        self.budget = budget if budget is not None else policy.default_budget
-        self.protect_prompt = bool(protect_prompt)
 
 
 class CompressedStore:
@@ -164,6 +147,17 @@ class CompressedStore:
             min(max(start + self.sink, self.prompt_length) if protect else start + self.sink, end)
             for start in self.row_starts()
         ]
+
+    def forced_ends(self) -> tuple[int, int] | None:
+        """(e, w), host ints: the forced set is the first e and the last w slots of every (row, head),
+        when the store has no empty slot and its rows start alike (positions ascend in each (row, head),
+        and no forced column was ever evicted); None otherwise, or when the two ranges meet."""
+        starts = self.row_start_host
+        if not self.all_valid or self.head_counts is not None or starts is None or len(set(starts)) != 1:
+            return None
+        end = self.logical_length
+        early, late = self._early_ends()[0] - starts[0], end - max(end - self.window, starts[0])
+        return (early, late) if early + late <= self.slot_counts[0] else None
 
     def forced_counts(self) -> list[int]:
         """Slots of `forced_keep()` per (row, head), per row, from host ints.
@@ -443,24 +437,40 @@ class CompressedStore:
         """Compact when every (row, head) keeps `size` slots: [row * head, slot] indices, in order."""
         # [N, 2] (row * head, slot) in order; N is known, so no host read of the mask
         kept = torch.nonzero_static(keep.flatten(0, 1), size=keep.shape[0] * keep.shape[1] * size)
-        rows: dict[int, torch.Tensor] = {}  # flat row indices per storage length (shared by most tensors)
-        self.keys = self._select_rows("keys", self.keys, kept, size, rows)
-        self.values = self._select_rows("values", self.values, kept, size, rows)
-        self.positions = self._select_rows("positions", self.positions, kept, size, rows)
-        for name, (buf, fill) in self._slot_buffers.items():
-            self._slot_buffers[name] = (self._select_rows(f"slot:{name}", buf, kept, size, rows), fill)
+        self._select_rows(size, lambda stride: kept[:, 0] * stride + kept[:, 1])
 
-    def _select_rows(
-        self, name: str, current: torch.Tensor, kept: torch.Tensor, size: int, rows: dict[int, torch.Tensor]
-    ) -> torch.Tensor:
-        """The slots `kept` ([N, 2]: row * head, slot) of `current` [B, H_c, K, ...] as a new [B, H_c, size, ...]."""
-        # read the storage `current` is a prefix view of (its rows are `capacity` slots apart), not a copy
-        storage = self._capacity.get(name, current).contiguous()
-        stride = storage.shape[2]
-        if stride not in rows:
-            rows[stride] = kept[:, 0] * stride + kept[:, 1]
-        taken = storage.flatten(0, 2).index_select(0, rows[stride])
-        return taken.view(*current.shape[:2], size, *current.shape[3:])
+    def compact_slots(self, slots: torch.Tensor) -> None:
+        """Keep the slots `slots` (LongTensor[B, H_c, n], ascending in every (row, head)) of a store with
+        no empty slot, in exactly sized new tensors (`rlkv.policies.base.top_slots` gives them: no keep
+        mask to build or read)."""
+        batch, heads, size = slots.shape
+        self.evicted += heads * (self.positions.shape[2] - size)
+        self._recount_counts([size] * batch, heads)
+        first = torch.arange(batch * heads, device=slots.device)[:, None]
+        flat = slots.reshape(batch * heads, size)
+        self._select_rows(size, lambda stride: (first * stride + flat).view(-1))
+        self.uniform = False
+        self._capacity.clear()
+        self._slots_changed()
+
+    def _select_rows(self, size: int, row_index: Callable[[int], torch.Tensor]) -> None:
+        """Copy `size` slots per (row, head) of every tensor by flat row index: `row_index(stride)` gives
+        the LongTensor[B * H_c * size] of (row * head) * stride + slot for storages `stride` slots long."""
+        rows: dict[int, torch.Tensor] = {}  # per storage length (shared by most tensors)
+
+        def take(name: str, current: torch.Tensor) -> torch.Tensor:
+            # read the storage `current` is a prefix view of (rows `capacity` slots apart), not a copy
+            storage = self._capacity.get(name, current).contiguous()
+            stride = storage.shape[2]
+            if stride not in rows:
+                rows[stride] = row_index(stride)
+            taken = storage.flatten(0, 2).index_select(0, rows[stride])
+            return taken.view(*current.shape[:2], size, *current.shape[3:])
+
+        self.keys, self.values = take("keys", self.keys), take("values", self.values)
+        self.positions = take("positions", self.positions)
+        for name, (buf, fill) in self._slot_buffers.items():
+            self._slot_buffers[name] = (take(f"slot:{name}", buf), fill)
 
     def _gather_padded(self, keep: torch.Tensor, size: int) -> None:
         """Compact when (row, head) counts differ: `size` slots each, the missing ones empty (-1)."""

@@ -75,7 +75,9 @@ policies depend on the protocol only, so nothing under rlkv/policies imports the
   `row_start_host` (list[int], or None where only the device knows: the static cache's view) and
   `all_valid` (bool: no slot is empty; False where unknown) let a policy skip masks it knows are
   all True (`rlkv.policies.scoring.real_queries`, `window_start`); `oldest_query_position` (int,
-  or None where only the device knows) is the oldest remembered query's position.
+  or None where only the device knows) is the oldest remembered query's position;
+  `forced_ends()` ((e, w) or None) says when the forced set is the first e and last w slots of
+  every (row, head) (`select_top_scores`).
 - `state` dict: per-layer scratch space for the policy, cleared at each new sequence.
 - `slot_buffer(name, fill=0.0, dtype=torch.float32)` -> Tensor[B, H_c, K]: a per-slot value the
   cache keeps aligned with the slots (new slots get `fill`, evictions gather it). Update it in
@@ -127,7 +129,11 @@ So a policy decides *when* and *how much* from Python ints only, and only *which
   per layer (applied to every head: only valid if the policy always selects per layer, so the
   slots of all heads of a layer hold the same positions). The cache keeps
   `(keep | forced_keep()) & valid()` and reallocates the store to exactly the largest kept count.
-  Helpers: `keep_top_scores(store, scores, budget=None)`, `keep_forced_only(store)`.
+  Or a LongTensor `[B, H_c, n]`: the kept slots themselves, ascending in every (row, head), forced
+  set included (what `select_top_scores` returns when the host knows them to be n per (row, head));
+  the store copies them, no mask built or read.
+  Helpers: `keep_top_scores(store, scores, budget=None)`, `select_top_scores(store, scores,
+  budget=None)` (the same slots, as indices where it can), `keep_forced_only(store)`.
 """
 
 from __future__ import annotations
@@ -177,6 +183,7 @@ class PolicyStore(Protocol):
     def protected_counts(self) -> list[int]: ...
     def evictable_counts(self) -> list[int]: ...
     def forced_counts(self) -> list[int]: ...
+    def forced_ends(self) -> tuple[int, int] | None: ...
     def budget_counts(self) -> list[int] | None: ...
     def slot_buffer(
         self, name: str, fill: float = 0.0, dtype: torch.dtype = torch.float32
@@ -233,6 +240,36 @@ class CompressionPolicy:
     def select(self, store: PolicyStore) -> torch.Tensor:
         """BoolTensor keep mask [B, H_c, K] (or [B, K] per layer) over the store's slots."""
         raise NotImplementedError(f"{type(self).__name__} must implement select(store)")
+
+
+def select_top_scores(
+    store: PolicyStore, scores: torch.Tensor, budget: torch.Tensor | int | None = None
+) -> torch.Tensor:
+    """What `keep_top_scores` keeps, as a valid `select` result: the kept slots LongTensor[B, H_c, n]
+    (ascending in every (row, head)) when the host knows the forced set is the first and last slots of
+    every (row, head) (`forced_ends`) and one count `extra` beyond it, else the keep mask.
+
+    The slots between the forced ends are ranked by one stable sort (ties towards the older position,
+    as in `keep_top_scores`), so no forced mask, rank or keep mask is built.
+    """
+    extra = _host_extra(store, budget)
+    ends = store.forced_ends() if extra is not None else None
+    if ends is None:
+        return keep_top_scores(store, scores, budget)
+    early, late = ends
+    batch, heads, slots = store.keys.shape[:3]
+    if scores.dim() == 2:
+        scores = scores[:, None, :].expand(batch, heads, slots)
+    middle = scores[..., early : slots - late].float()
+    middle = middle.nan_to_num(nan=-_FLOAT_MAX, posinf=_FLOAT_MAX, neginf=-_FLOAT_MAX)
+    top = torch.sort(middle, dim=-1, descending=True, stable=True).indices[..., :extra]
+    kept = [torch.sort(top, dim=-1).values + early]
+    device, shape = top.device, (batch, heads)
+    if early:
+        kept.insert(0, torch.arange(early, device=device).expand(*shape, early))
+    if late:
+        kept.append(torch.arange(slots - late, slots, device=device).expand(*shape, late))
+    return kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)
 
 
 def keep_forced_only(store: PolicyStore) -> torch.Tensor:

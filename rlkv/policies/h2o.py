@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores, top_scores_counts
+from rlkv.policies.base import CompressionPolicy, PolicyStore, select_top_scores, top_scores_counts
 
 ACCUMULATED = "h2o_accumulated_attention"
 
@@ -62,4 +62,4 @@ class H2OPolicy(CompressionPolicy):
         return top_scores_counts(store)
 
     def select(self, store: PolicyStore) -> torch.Tensor:
-        return keep_top_scores(store, self.scores(store))
+        return select_top_scores(store, self.scores(store))

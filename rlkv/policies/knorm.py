@@ -1,7 +1,8 @@
 """K-norm (Devoto et al. 2024): keys with a small L2 norm draw the most attention, so keep those.
 
 The worked example of CONTRIBUTING.md ("Adding a policy"): one file, one registered class,
-scores from what the store holds, selection by the shared `keep_top_scores`.
+scores from what the store holds, selection by the shared `select_top_scores` (`keep_top_scores`'
+slots, as indices where the host knows their count).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rlkv.policies import register_policy
-from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores, top_scores_counts
+from rlkv.policies.base import CompressionPolicy, PolicyStore, select_top_scores, top_scores_counts
 
 
 @register_policy("knorm")
@@ -42,4 +43,4 @@ class KeyNormPolicy(CompressionPolicy):
 
     def select(self, store: PolicyStore) -> torch.Tensor:
         scores = -store.keys.float().norm(dim=-1)  # [B, H_c, K]: smaller norm = higher score
-        return keep_top_scores(store, scores)
+        return select_top_scores(store, scores)

@@ -21,7 +21,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores, top_scores_counts
+from rlkv.policies.base import (
+    CompressionPolicy,
+    PolicyStore,
+    keep_top_scores,
+    select_top_scores,
+    top_scores_counts,
+)
 
 NEG_INF = float("-inf")
 
@@ -286,9 +292,9 @@ class WindowedBufferPolicy(CompressionPolicy):
 
     def select(self, store: PolicyStore) -> torch.Tensor:
         scores = self.scores(store).masked_fill(observation_window(store), float("inf"))
-        keep = keep_top_scores(store, scores)
         # every (row, head) compresses, known from host counts (not on the static cache's view, whose
         # row starts only the device knows): no mask to mix
         if store.row_start_host is not None and all(self.due_rows(store)):
-            return keep
+            return select_top_scores(store, scores)
+        keep = keep_top_scores(store, scores)
         return torch.where(self.due(store)[..., None], keep, store.valid())

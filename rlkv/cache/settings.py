@@ -1,0 +1,23 @@
+"""What every compressed layer of one cache shares: the policy and the budget definition."""
+
+from __future__ import annotations
+
+from rlkv.policies.base import CompressionPolicy
+
+
+class CompressionSettings:
+    """What every layer of one cache shares: the policy and the budget definition."""
+
+    def __init__(
+        self,
+        policy: CompressionPolicy,
+        sink: int,
+        window: int,
+        budget: int | float | None,
+        protect_prompt: bool,
+    ) -> None:
+        self.policy = policy
+        self.sink = int(sink)
+        self.window = int(window)
+        self.budget = budget if budget is not None else policy.default_budget
+        self.protect_prompt = bool(protect_prompt)
