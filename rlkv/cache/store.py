@@ -441,8 +441,8 @@ class CompressedStore:
 
     def compact_slots(self, slots: torch.Tensor) -> None:
         """Keep the slots `slots` (LongTensor[B, H_c, n], ascending in every (row, head)) of a store with
-        no empty slot, in exactly sized new tensors (`rlkv.policies.base.top_slots` gives them: no keep
-        mask to build or read)."""
+        no empty slot, in exactly sized new tensors (`rlkv.policies.base.select_top_scores` gives them:
+        no keep mask to build or read)."""
         batch, heads, size = slots.shape
         self.evicted += heads * (self.positions.shape[2] - size)
         self._recount_counts([size] * batch, heads)
