@@ -376,7 +376,7 @@ def test_remembered_queries_are_the_last_window_across_ring_wraps():
         store.append(torch.randn(2, 2, q_len, 8, generator=gen), torch.randn(2, 2, q_len, 8, generator=gen))
         queries = torch.randn(2, 2, 3, q_len, 8, generator=gen)
         seen.append(queries)
-        store.remember_queries(queries, limit)
+        store.remember_queries(queries.flatten(1, 2), limit)  # as attention holds them: [B, H_c * G, Q, D]
         expected = torch.cat(seen, dim=3)[:, :, :, -limit:]
         assert torch.equal(store.queries, expected)
         first = store.logical_length - expected.shape[3]

@@ -205,9 +205,7 @@ def _eager_compressed(
 def _remember_queries(layer: HeadMixedLayer, q_comp: torch.Tensor, policy: CompressionPolicy) -> None:
     """Keep the policy's observation window of queries (before `on_attention`, which may read it)."""
     if policy.observe_queries:
-        batch, _, q_len, head_dim = q_comp.shape
-        queries = q_comp.reshape(batch, -1, layer.num_groups, q_len, head_dim)
-        layer.store.remember_queries(queries, policy.observe_queries)
+        layer.store.remember_queries(q_comp, policy.observe_queries)  # [B, H_c * G, Q, D] as attended
 
 
 def _after_attention(layer: HeadMixedLayer) -> None:

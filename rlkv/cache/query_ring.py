@@ -11,7 +11,7 @@ import torch
 
 
 class QueryRing:
-    """Ring of `limit` query slots [B, H_c, G, limit, D]; `count` of them hold queries."""
+    """Ring of `limit` query slots [B, Hq, limit, D] (Hq = H_c * G query heads); `count` of them hold queries."""
 
     def __init__(self) -> None:
         self.ring: torch.Tensor | None = None
@@ -19,31 +19,36 @@ class QueryRing:
         self.count = 0
 
     def remember(self, queries: torch.Tensor, limit: int) -> None:
-        """Keep the last `limit` of everything remembered so far, `queries` [B, H_c, G, Q, D] the newest."""
-        count = min(queries.shape[3], limit)
-        new = queries if queries.shape[3] == count else queries.narrow(3, queries.shape[3] - count, count)
+        """Keep the last `limit` of everything remembered so far, `queries` [B, Hq, Q, D] the newest (the
+        attention's own layout: a decode step writes it as it is, no regrouping op)."""
+        count = min(queries.shape[2], limit)
+        new = queries if queries.shape[2] == count else queries.narrow(2, queries.shape[2] - count, count)
         ring = self.ring
-        if ring is None or ring.shape[:3] != new.shape[:3] or ring.shape[3] != limit:
-            ring = self.ring = new.new_empty((*new.shape[:3], limit, new.shape[4]))
+        if ring is None or ring.shape[:2] != new.shape[:2] or ring.shape[2] != limit:
+            ring = self.ring = new.new_empty((*new.shape[:2], limit, new.shape[3]))
             self.next = self.count = 0
         start = self.next
         first = min(count, limit - start)  # up to the ring's end, then from its front
-        ring.narrow(3, start, first).copy_(new.narrow(3, 0, first) if first < count else new)
+        ring.narrow(2, start, first).copy_(new.narrow(2, 0, first) if first < count else new)
         if first < count:
-            ring.narrow(3, 0, count - first).copy_(new.narrow(3, first, count - first))
+            ring.narrow(2, 0, count - first).copy_(new.narrow(2, first, count - first))
         self.next = (start + count) % limit
         self.count = min(self.count + count, limit)
 
-    def ordered(self) -> torch.Tensor | None:
-        """The remembered queries [B, H_c, G, count, D], oldest first (None: none yet)."""
+    def ordered(self, groups: int) -> torch.Tensor | None:
+        """The remembered queries [B, H_c, G, count, D] (G = `groups`), oldest first (None: none yet)."""
         ring, count = self.ring, self.count
         if ring is None:
             return None
-        if count < ring.shape[3]:  # not wrapped yet: slots 0..count-1 in order
-            return ring.narrow(3, 0, count)
-        if self.next == 0:
-            return ring
-        return torch.cat([ring.narrow(3, self.next, count - self.next), ring.narrow(3, 0, self.next)], dim=3)
+        if count < ring.shape[2]:  # not wrapped yet: slots 0..count-1 in order
+            window = ring.narrow(2, 0, count)
+        elif self.next == 0:
+            window = ring
+        else:
+            window = torch.cat(
+                [ring.narrow(2, self.next, count - self.next), ring.narrow(2, 0, self.next)], 2
+            )
+        return window.unflatten(1, (-1, groups))
 
     def oldest(self, logical_length: int) -> int | None:
         """The oldest remembered query's logical position, of `logical_length` columns seen (None: none)."""

@@ -308,13 +308,13 @@ class CompressedStore:
             self.compact(self.valid(), list(self.slot_counts))
 
     def remember_queries(self, queries: torch.Tensor, limit: int) -> None:
-        """Keep the last `limit` queries [B, H_c, G, Q, D] across steps (`QueryRing`: one write per step)."""
+        """Keep the last `limit` queries [B, H_c * G, Q, D] across steps (`QueryRing`: one write per step)."""
         self.query_ring.remember(queries, limit)
 
     @property
     def queries(self) -> torch.Tensor | None:
         """The observation window [B, H_c, G, N, D], oldest first (None: none kept); put in order when read."""
-        return self._queries if self._queries is not None else self.query_ring.ordered()
+        return self._queries if self._queries is not None else self.query_ring.ordered(self.num_groups)
 
     @queries.setter
     def queries(self, value: torch.Tensor | None) -> None:
