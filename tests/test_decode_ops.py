@@ -53,8 +53,8 @@ def test_head_mixed_decode_step_stays_within_its_op_budget(policy):
     streaming 291 vs 246 (1.18x; 294 before a small store's positions were written when read, 309 before
     by-position compactions stopped building a keep mask, 353 before head slices, one-op merges, no
     full-range views and the direct one-query mask); R-KV (budget 24, its default buffer of 128, so no
-    compaction falls in the 8 counted steps) 282 (1.15x; 288 before deferred positions, 303 before the
-    query window became a ring). A compaction every 128 steps adds ~650 ops, ~5 per step."""
+    compaction falls in the 8 counted steps) 279 (1.13x; 282 before the query ring took attention's
+    layout, 288 before deferred positions, 303 before the query window became a ring). A compaction every 128 steps adds ~650 ops, ~5 per step."""
     model = tiny_model("llama", num_hidden_layers=4)
     plain = _ops_per_step(model, DynamicCache(config=model.config))
     model.set_attn_implementation(register_attention())
