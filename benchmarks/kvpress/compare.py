@@ -210,16 +210,8 @@ def run_kvpress(args: argparse.Namespace, out: Path, round_index: int) -> dict[s
     target = out / f"kvpress-round{round_index}.json"
     try:
         python = ensure_kvpress_venv(Path(args.venv), out / "kvpress_install.log")
-        proc = subprocess.run(
-            [str(python), str(WORKER), "--spec", str(out / "spec.json"), "--out", str(target)],
-            env={**os.environ, "PYTHONPATH": ""},
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        sys.stderr.write(proc.stderr)
-        if proc.returncode != 0:
-            raise RuntimeError(f"kvpress worker exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-        return json.loads(target.read_text())
+        command = [str(python), str(WORKER), "--spec", str(out / "spec.json"), "--out", str(target)]
+        return run_round("kvpress worker", command, target, env={**os.environ, "PYTHONPATH": ""})
     except RuntimeError as e:
         print(f"kvpress side failed: {e}", file=sys.stderr)
         return {"error": str(e), "methods": {}}
@@ -229,12 +221,18 @@ def run_rlkv_process(args: argparse.Namespace, out: Path, round_index: int) -> d
     """One run of the rlkv side in a fresh interpreter (as the kvpress side runs) over `out`/spec.json."""
     target = out / f"rlkv-round{round_index}.json"
     command = [sys.executable, "-m", "benchmarks.kvpress.compare", "--out", str(out), "--mask", args.mask]
-    proc = subprocess.run(
-        [*command, "--rlkv-round", str(target)], cwd=ROOT, stderr=subprocess.PIPE, text=True
-    )
+    return run_round("rlkv side", [*command, "--rlkv-round", str(target)], target)
+
+
+def run_round(
+    name: str, command: list[str], target: Path, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run one side's round in a fresh interpreter (from the checkout) and read the JSON it wrote to
+    `target`; its stderr is passed through, a failure raises RuntimeError with the last lines."""
+    proc = subprocess.run(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     sys.stderr.write(proc.stderr)
     if proc.returncode != 0:
-        raise RuntimeError(f"rlkv side exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{name} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return json.loads(target.read_text())
 
 
