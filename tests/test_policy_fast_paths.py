@@ -1,6 +1,7 @@
 """The host-flag fast paths of scoring (no empty slot, no padded row) keep exactly what the masked paths keep.
 
-`rlkv.policies.scoring.window_start` (the observation window read from host counts) and
+`rlkv.policies.scoring.window_start` (the observation window read from host counts; with
+`observation_prefix`, the window as the last slots: scored on the slots before it and kept by count) and
 `rlkv.policies.base._host_extra` (one kept count per (row, head), no rank tensor; with the forced set
 at the ends of every (row, head), `select_top_scores` returns the kept slots themselves and the store
 copies them by index) switch the fast paths on; with both returning None every compression builds
@@ -52,7 +53,11 @@ def _decode(
     return kept, torch.cat(tokens, dim=1)
 
 
-@pytest.mark.parametrize("budget,protect", [(10, False), (0.1, True)], ids=["int-budget", "ratio-protected"])
+@pytest.mark.parametrize(
+    "budget,protect",
+    [(10, False), (0.1, True), (3, False)],
+    ids=["int-budget", "ratio-protected", "budget-under-window"],
+)
 @pytest.mark.parametrize("policy,kwargs", POLICIES, ids=[p for p, _ in POLICIES])
 def test_fast_paths_keep_what_the_masked_paths_keep(policy, kwargs, budget, protect, monkeypatch):
     model = tiny_model("llama", num_hidden_layers=3)
@@ -70,6 +75,14 @@ def test_fast_paths_keep_what_the_masked_paths_keep(policy, kwargs, budget, prot
 
     monkeypatch.setattr(scoring, "window_start", counted(fast_window))
     monkeypatch.setattr(base, "_host_extra", counted(fast_extra))
+    prefixes = []
+    observation_prefix = scoring.observation_prefix
+
+    def prefix_spy(store):
+        prefixes.append(observation_prefix(store))
+        return prefixes[-1]
+
+    monkeypatch.setattr(scoring, "observation_prefix", prefix_spy)
     by_slots = []
     compact_slots = CompressedStore.compact_slots
 
@@ -82,6 +95,10 @@ def test_fast_paths_keep_what_the_masked_paths_keep(policy, kwargs, budget, prot
     assert any(taken), "no fast path was taken: the test no longer covers it"
     if policy != "rpc":  # RPC selects per layer (its mask, not slots)
         assert by_slots, "no compaction by slot indices (`select_top_scores`): the test no longer covers it"
+    if policy in ("snapkv", "rkv"):  # observation windows: scored on the slots before them, kept by count
+        took_prefix = any(p is not None for p in prefixes)
+        # a budget under the window may cut it: from then on the window is found by the masks
+        assert took_prefix == (budget != 3), prefixes
 
     monkeypatch.setattr(scoring, "window_start", lambda store: None)
     monkeypatch.setattr(base, "_host_extra", lambda store, budget: None)

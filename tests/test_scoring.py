@@ -121,6 +121,7 @@ def test_pooling_matches_torch_on_full_rows_and_skips_empty_slots(mode, kernel):
     pool = F.max_pool1d if mode == "max" else F.avg_pool1d
     want = pool(scores.reshape(-1, 1, 15), kernel, stride=1, padding=kernel // 2).reshape(scores.shape)
     torch.testing.assert_close(pool_along_keys(scores, kernel, mode, full), want)
+    torch.testing.assert_close(pool_along_keys(scores, kernel, mode, None), want)  # no mask: torch's pooling
     # empty slots anywhere: the result on the valid slots equals pooling the valid slots alone
     valid = full.clone()
     valid[:, :, [0, 5, 6, 11]] = False

@@ -138,6 +138,7 @@ So a policy decides *when* and *how much* from Python ints only, and only *which
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -243,21 +244,34 @@ class CompressionPolicy:
 
 
 def select_top_scores(
-    store: PolicyStore, scores: torch.Tensor, budget: torch.Tensor | int | None = None
+    store: PolicyStore, scores: torch.Tensor, budget: torch.Tensor | int | None = None, newest: int = 0
 ) -> torch.Tensor:
     """What `keep_top_scores` keeps, as a valid `select` result: the kept slots LongTensor[B, H_c, n]
     (ascending in every (row, head)) when the host knows the forced set is the first and last slots of
     every (row, head) (`forced_ends`) and one count `extra` beyond it, else the keep mask.
 
     The slots between the forced ends are ranked by one stable sort (ties towards the older position,
-    as in `keep_top_scores`), so no forced mask, rank or keep mask is built.
+    as in `keep_top_scores`), so no forced mask, rank or keep mask is built. `newest`: the last
+    `newest` slots of every (row, head) score +inf whatever `scores` says (a policy's observation
+    window, when it is the newest slots): they join the late forced range when the budget holds them.
     """
     extra = _host_extra(store, budget)
     ends = store.forced_ends() if extra is not None else None
+    batch, heads, slots = store.keys.shape[:3]
+    if ends is not None and newest:
+        early, late = ends
+        # the window slots past the forced ones rank first and spend `extra`; if it cannot hold them
+        # all, the stable sort below decides which (the older ones)
+        wider = max(late, newest)
+        if early + wider <= slots and extra >= wider - late:
+            ends, extra, newest = (early, wider), extra - (wider - late), 0
+    if newest:
+        scores = torch.cat(
+            [scores[..., : slots - newest], scores.new_full((*scores.shape[:-1], newest), math.inf)], -1
+        )
     if ends is None:
         return keep_top_scores(store, scores, budget)
     early, late = ends
-    batch, heads, slots = store.keys.shape[:3]
     if scores.dim() == 2:
         scores = scores[:, None, :].expand(batch, heads, slots)
     middle = scores[..., early : slots - late].float()

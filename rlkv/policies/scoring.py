@@ -55,7 +55,11 @@ def raw_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float | None 
     """
     if scaling is None:
         scaling = 1.0 / math.sqrt(queries.shape[-1])
-    return torch.einsum("bhgnd,bhkd->bhgnk", queries.float(), keys.float()) * scaling
+    groups = queries.shape[2]
+    # one batched matmul over the G x N queries (an einsum permutes and copies around it); the scale
+    # goes on the queries, the smaller side
+    scaled = queries.float().flatten(2, 3) * scaling  # [B, H, G * N, D]
+    return (scaled @ keys.float().transpose(-1, -2)).unflatten(2, (groups, -1))
 
 
 def observation_key_mask(
@@ -87,11 +91,17 @@ def observation_logits(
 ) -> torch.Tensor:
     """Logits of the store's cached observation queries against its keys: [B, H, G, N, K].
 
-    Disallowed pairs (see `observation_key_mask`) are -inf. Needs `observe_queries > 0`.
+    Disallowed pairs (see `observation_key_mask`) are -inf. Needs `observe_queries > 0`. With
+    `exclude_window` on a store whose window is its last slots (`observation_prefix` is an int P),
+    only the first P keys are scored: [B, H, G, N, P], every pair allowed (no mask to build);
+    `pooled_importance` takes either form.
     """
     queries = store.queries  # put in order when read (rlkv/cache/store.py): read it once
     if queries is None:
         raise ValueError("observation_logits needs cached queries: set the policy's observe_queries > 0")
+    prefix = observation_prefix(store) if exclude_window else None
+    if prefix is not None:  # the allowed keys are exactly the first `prefix` slots: score only those
+        return raw_logits(queries, store.keys[:, :, :prefix], scaling)
     logits = raw_logits(queries, store.keys, scaling)
     start = window_start(store) if exclude_window and real_queries(store) is None else None
     if start is not None:  # no empty slot, no padded row: the allowed keys are those before the window
@@ -130,7 +140,7 @@ def pool_along_keys(
     scores: torch.Tensor,
     kernel: int,
     mode: Literal["max", "avg"],
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     count_include_pad: bool = True,
     valid_prefix: bool = False,
 ) -> torch.Tensor:
@@ -144,10 +154,20 @@ def pool_along_keys(
     (torch's default, RPC's code) else by the number of real tokens in the window. Empty slots
     come back as 0. `kernel` must be odd. `valid_prefix`: the caller knows the valid slots of every
     line come first (a store with no empty slot, minus its newest observation window), so they are
-    pooled in place, without sorting them to the front and back.
+    pooled in place, without sorting them to the front and back. `valid=None`: every slot is valid
+    (torch's pooling as it is, no mask built).
     """
     if kernel < 1 or kernel % 2 == 0:
         raise ValueError(f"pooling kernel={kernel}: must be a positive odd number")
+    if mode not in ("max", "avg"):
+        raise ValueError(f"pool_along_keys mode={mode!r}: use 'max' or 'avg'")
+    half = kernel // 2
+    if valid is None:
+        flat = scores.float().reshape(-1, 1, scores.shape[-1])
+        if mode == "max":
+            return F.max_pool1d(flat, kernel, stride=1, padding=half).reshape(scores.shape)
+        pooled = F.avg_pool1d(flat, kernel, stride=1, padding=half, count_include_pad=count_include_pad)
+        return pooled.reshape(scores.shape)
     if kernel == 1:
         return scores.masked_fill(~_broadcast_valid(valid, scores), 0.0)
     lead = scores.shape[:-1]
@@ -160,18 +180,15 @@ def pool_along_keys(
         compact_valid = valid_b.gather(-1, order)
     flat = compact.reshape(-1, 1, scores.shape[-1])
     flat_valid = compact_valid.reshape(-1, 1, scores.shape[-1])
-    half = kernel // 2
     if mode == "max":
         pooled = F.max_pool1d(flat.masked_fill(~flat_valid, NEG_INF), kernel, stride=1, padding=half)
-    elif mode == "avg":
+    else:
         summed = F.avg_pool1d(flat.masked_fill(~flat_valid, 0.0), kernel, stride=1, padding=half) * kernel
         if count_include_pad:
             pooled = summed / kernel
         else:
             count = F.avg_pool1d(flat_valid.float(), kernel, stride=1, padding=half) * kernel
             pooled = summed / count.clamp(min=1.0)
-    else:
-        raise ValueError(f"pool_along_keys mode={mode!r}: use 'max' or 'avg'")
     pooled = pooled.reshape(*lead, -1).masked_fill(~compact_valid, 0.0)
     return pooled if order is None else torch.empty_like(pooled).scatter_(-1, order, pooled)
 
@@ -207,6 +224,33 @@ def window_start(store: PolicyStore) -> int | None:
     return store.oldest_query_position if store.all_valid else None
 
 
+WINDOW_CUT = "observation_window_cut"  # store.state key: a compression kept only part of the window
+
+
+def observation_prefix(store: PolicyStore) -> int | None:
+    """Host int P: the slots before the observation window, when the window is the last slots of
+    every (row, head): no empty slot (slots ascend in position), every window token still stored (no
+    compression had a budget under the window, `note_window_cut`) and every observation query real
+    (no padded row); else None. Read from host values."""
+    start = window_start(store)
+    if start is None or store.state.get(WINDOW_CUT) or real_queries(store) is not None:
+        return None
+    return store.keys.shape[2] - (store.logical_length - start)
+
+
+def note_window_cut(store: PolicyStore, due: list[bool]) -> None:
+    """Before a compression: remember (host flag in `store.state`) when a due row's budget beyond its
+    forced set is under the observation window, so that the window may lose tokens and
+    `observation_prefix` no longer holds for this sequence."""
+    oldest = store.oldest_query_position
+    if oldest is None or store.state.get(WINDOW_CUT) or not any(due):
+        return
+    window = store.logical_length - oldest
+    kept, forced = top_scores_counts(store), store.forced_counts()
+    if any(d and k - f < window for d, k, f in zip(due, kept, forced, strict=True)):
+        store.state[WINDOW_CUT] = True
+
+
 def observation_attention(
     store: PolicyStore,
     exclude_window: bool = True,
@@ -234,7 +278,15 @@ def pooled_importance(
 ) -> torch.Tensor:
     """Observation probabilities [B, H, N, K] pooled along the keys (`kernel`, `key_pool`) over the
     valid slots (outside the observation window when excluded), then averaged over the real
-    observation queries: FloatTensor [B, H, K]. The masks the host knows are all True are skipped."""
+    observation queries: FloatTensor [B, H, K]. The masks the host knows are all True are skipped.
+    probs may cover only the first `observation_prefix(store)` slots (`observation_logits`' trimmed
+    form): they are pooled as they are and the window's slots score 0."""
+    prefix = observation_prefix(store) if exclude_window else None
+    if prefix is not None and probs.shape[-1] == prefix:
+        if kernel > 1:  # every slot is in the domain: torch's pooling, its padding the domain's ends
+            probs = pool_along_keys(probs, kernel, key_pool, None)
+        importance = mean_over_queries(probs, None)
+        return F.pad(importance, (0, store.keys.shape[2] - prefix))
     if kernel > 1:
         start = window_start(store) if exclude_window else None
         if start is not None:  # no empty slot: the domain is the slots before the window
@@ -291,10 +343,17 @@ class WindowedBufferPolicy(CompressionPolicy):
         raise NotImplementedError(f"{type(self).__name__} must implement scores(store)")
 
     def select(self, store: PolicyStore) -> torch.Tensor:
-        scores = self.scores(store).masked_fill(observation_window(store), float("inf"))
+        due = self.due_rows(store)
+        note_window_cut(store, due)
         # every (row, head) compresses, known from host counts (not on the static cache's view, whose
         # row starts only the device knows): no mask to mix
-        if store.row_start_host is not None and all(self.due_rows(store)):
-            return select_top_scores(store, scores)
+        if store.row_start_host is not None and all(due):
+            prefix = observation_prefix(store)
+            if prefix is not None:  # the observation window is the newest slots: kept by count
+                return select_top_scores(store, self.scores(store), newest=store.keys.shape[2] - prefix)
+            return select_top_scores(
+                store, self.scores(store).masked_fill(observation_window(store), math.inf)
+            )
+        scores = self.scores(store).masked_fill(observation_window(store), math.inf)
         keep = keep_top_scores(store, scores)
         return torch.where(self.due(store)[..., None], keep, store.valid())
