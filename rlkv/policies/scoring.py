@@ -343,11 +343,11 @@ class WindowedBufferPolicy(CompressionPolicy):
         raise NotImplementedError(f"{type(self).__name__} must implement scores(store)")
 
     def select(self, store: PolicyStore) -> torch.Tensor:
-        due = self.due_rows(store)
-        note_window_cut(store, due)
-        # every (row, head) compresses, known from host counts (not on the static cache's view, whose
-        # row starts only the device knows): no mask to mix
-        if store.row_start_host is not None and all(due):
+        # host counts exist except on the static cache's view, whose row starts only the device knows
+        due = self.due_rows(store) if store.row_start_host is not None else None
+        if due is not None:
+            note_window_cut(store, due)
+        if due is not None and all(due):  # every (row, head) compresses: no mask to mix
             prefix = observation_prefix(store)
             if prefix is not None:  # the observation window is the newest slots: kept by count
                 return select_top_scores(store, self.scores(store), newest=store.keys.shape[2] - prefix)
