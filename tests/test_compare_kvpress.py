@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,3 +196,20 @@ def test_rlkv_round_runs_in_its_own_process_and_matches_plain_greedy(tmp_path):
     assert rows["full | full"]["outputs"] == plain
     assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
     assert not list(tmp_path.glob("*.partial"))
+    # a paired round's pass: one method's spec (`--rlkv-spec`), that method's rows only
+    part = tmp_path / "spec-2.json"
+    part.write_text(json.dumps(dict(spec, methods=[spec["methods"][2]])))
+    target = tmp_path / "rlkv-round0-method2.json"
+    args = [*args[:4], "--rlkv-round", str(target), "--rlkv-spec", str(part)]
+    assert compare_kvpress.main(args) == 0
+    rows = json.loads(target.read_text())["methods"]
+    assert sorted(rows) == ["snapkv budget=16 | rlkv rkv", "snapkv budget=16 | rlkv snapkv"]
+
+
+def test_paired_speed_is_the_median_of_the_per_round_ratios():
+    """Machine drift between rounds moves both sides of a round alike: the per-round ratios cancel it."""
+    ours = {"decode_tokens_per_s": 400, "decode_tokens_per_s_rounds": [500, 400, 300]}
+    theirs = {"decode_tokens_per_s": 410, "decode_tokens_per_s_rounds": [490, 390, 410]}
+    # the medians give 400 / 410 = 0.976; rlkv was ahead in two of the three rounds (1.020, 1.026, 0.732)
+    assert compare_kvpress.paired_speed(ours, theirs) == pytest.approx(500 / 490)
+    assert compare_kvpress.paired_speed({"decode_tokens_per_s": 3}, {"decode_tokens_per_s": 2}) == 1.5

@@ -12,12 +12,14 @@ through `benchmarks/kvpress/worker.py` (imports only torch/transformers/kvpress)
    sparsity; `DecodingPress` with SnapKV and KNorm scorers at each token budget);
 3. runs rlkv here (head-mixed cache with the same mask, streaming sink + recent; snapkv / knorm /
    rkv on every head at the same budget and compression interval);
-   steps 2 and 3 alternate `--rounds` times (5), each side in a fresh interpreter every round (the
-   rlkv side through `--rlkv-round`, so neither side runs in a process the other's setup has used):
-   each method keeps its median round (decode tok/s of one pass moved by up to 10% run to run on a
-   2-core machine; the rest is deterministic) -> kvpress.json, rlkv.json;
+   steps 2 and 3 run `--rounds` times (5) per method, the two sides back to back on that method (the
+   order alternating), each in a fresh interpreter (the rlkv side through `--rlkv-round`, so neither
+   side runs in a process the other's setup has used). Each method keeps its median round, and each
+   paired row's speed ratio is the median of its per-round ratios: a round's two passes run seconds
+   apart, so drift of the machine (a method's tok/s moved by up to 15% between rounds on a shared
+   2-core machine; the rest is deterministic) cancels in the ratio -> kvpress.json, rlkv.json;
 4. writes compare.json and compare.md (side by side), with one PASS/FAIL line per paired row: rlkv's
-   decode tok/s >= kvpress's at no more mean and peak KV (ratios from this run).
+   decode tok/s >= kvpress's (the median paired ratio) at no more mean and peak KV.
 
 Both sides measure with the worker's helpers: greedy accuracy, resident KV after generation
 (tensor storages reachable from the cache), mean and peak KV over generation (the same walk after
@@ -32,6 +34,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -205,23 +208,71 @@ def run_rlkv(spec: dict[str, Any], mask: Any, worker: Any) -> dict[str, Any]:
     return result
 
 
-def run_kvpress(args: argparse.Namespace, out: Path, round_index: int) -> dict[str, Any]:
-    """One run of the kvpress worker in its venv over `out`/spec.json; {"error", "methods": {}} on failure."""
-    target = out / f"kvpress-round{round_index}.json"
+def run_kvpress(python: Path, spec: Path, target: Path) -> dict[str, Any]:
+    """One run of the kvpress worker (`python`: its venv's) over `spec`, written to `target`."""
+    command = [str(python), str(WORKER), "--spec", str(spec), "--out", str(target)]
+    return run_round("kvpress worker", command, target, env={**os.environ, "PYTHONPATH": ""})
+
+
+def run_rlkv_process(args: argparse.Namespace, spec: Path, target: Path) -> dict[str, Any]:
+    """One run of the rlkv side over `spec` in a fresh interpreter (as the kvpress side runs)."""
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.kvpress.compare",
+        "--out",
+        str(spec.parent),
+        "--mask",
+        args.mask,
+    ]
+    return run_round("rlkv side", [*command, "--rlkv-round", str(target), "--rlkv-spec", str(spec)], target)
+
+
+def run_paired_rounds(
+    args: argparse.Namespace, out: Path, spec: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
+    """`args.rounds` rounds; in each, every method runs on both sides back to back (kvpress first in
+    even (round + method) slots), each pass in a fresh interpreter over a spec of that method alone.
+    Returns the kvpress rounds, the rlkv rounds (each {"versions", ..., "methods"}: every method's
+    rows) and the kvpress side's seconds. A kvpress failure (its venv, its worker) is recorded as
+    that side's error and its later passes are skipped."""
+    parts = []
+    for index, method in enumerate(spec["methods"]):
+        part = out / f"spec-{index}.json"
+        part.write_text(json.dumps(dict(spec, methods=[method])))
+        parts.append(part)
+    kv_rounds: list[dict[str, Any]] = []
+    rl_rounds: list[dict[str, Any]] = []
+    kv_error, kv_seconds = None, 0.0
     try:
         python = ensure_kvpress_venv(Path(args.venv), out / "kvpress_install.log")
-        command = [str(python), str(WORKER), "--spec", str(out / "spec.json"), "--out", str(target)]
-        return run_round("kvpress worker", command, target, env={**os.environ, "PYTHONPATH": ""})
     except RuntimeError as e:
-        print(f"kvpress side failed: {e}", file=sys.stderr)
-        return {"error": str(e), "methods": {}}
-
-
-def run_rlkv_process(args: argparse.Namespace, out: Path, round_index: int) -> dict[str, Any]:
-    """One run of the rlkv side in a fresh interpreter (as the kvpress side runs) over `out`/spec.json."""
-    target = out / f"rlkv-round{round_index}.json"
-    command = [sys.executable, "-m", "benchmarks.kvpress.compare", "--out", str(out), "--mask", args.mask]
-    return run_round("rlkv side", [*command, "--rlkv-round", str(target)], target)
+        kv_error = str(e)
+    for round_index in range(args.rounds):
+        kv_round: dict[str, Any] = {"methods": {}}
+        rl_round: dict[str, Any] = {"methods": {}}
+        for index, part in enumerate(parts):
+            name = f"round{round_index}-method{index}.json"
+            passes = ["kvpress", "rlkv"] if (round_index + index) % 2 == 0 else ["rlkv", "kvpress"]
+            for side in passes:
+                if side == "rlkv":
+                    result = run_rlkv_process(args, part, out / f"rlkv-{name}")
+                    rl_round = dict(result, methods={**rl_round["methods"], **result["methods"]})
+                    continue
+                if kv_error is not None:
+                    continue
+                started = time.perf_counter()
+                try:
+                    result = run_kvpress(python, part, out / f"kvpress-{name}")
+                except RuntimeError as e:
+                    kv_error = str(e)
+                    print(f"kvpress side failed: {e}", file=sys.stderr)
+                    continue
+                kv_seconds += time.perf_counter() - started
+                kv_round = dict(result, methods={**kv_round["methods"], **result["methods"]})
+        kv_rounds.append(kv_round if kv_error is None else {"error": kv_error, "methods": {}})
+        rl_rounds.append(rl_round)
+    return kv_rounds, rl_rounds, kv_seconds
 
 
 def run_round(
@@ -236,13 +287,13 @@ def run_round(
     return json.loads(target.read_text())
 
 
-def rlkv_round(out: Path, mask_path: str, target: Path) -> None:
-    """The rlkv side's body in its own process: `run_rlkv` over `out`/spec.json, written atomically to `target`."""
+def rlkv_round(spec_path: Path, mask_path: str, target: Path) -> None:
+    """The rlkv side's body in its own process: `run_rlkv` over the spec, written atomically to `target`."""
     from transformers import AutoConfig
 
     from rlkv import HeadMask
 
-    spec = json.loads((out / "spec.json").read_text())
+    spec = json.loads(spec_path.read_text())
     mask = HeadMask.from_pretrained(mask_path, AutoConfig.from_pretrained(spec["model"]))
     partial = target.with_suffix(".partial")
     partial.write_text(json.dumps(run_rlkv(spec, mask, load_worker())))
@@ -313,9 +364,22 @@ def table(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def paired_speed(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
+    """rlkv / kvpress decode tok/s of one paired row: the median of the per-round ratios when both rows
+    carry every round's speed (`median_of_rounds`' `decode_tokens_per_s_rounds`, same rounds), else the
+    ratio of the two rows' speeds."""
+    ours_rounds, theirs_rounds = (
+        ours.get("decode_tokens_per_s_rounds"),
+        theirs.get("decode_tokens_per_s_rounds"),
+    )
+    if ours_rounds and theirs_rounds and len(ours_rounds) == len(theirs_rounds):
+        return statistics.median(a / b for a, b in zip(ours_rounds, theirs_rounds, strict=True))
+    return ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
+
+
 def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> list[str]:
-    """Issue 50's target per paired row: rlkv's decode tok/s >= kvpress's while holding no more KV, as
-    ratios measured in this run, each line ending PASS or FAIL (none where a side has no row).
+    """Issue 50's target per paired row: rlkv's decode tok/s >= kvpress's (`paired_speed`) while holding
+    no more KV, as ratios measured in this run, each line ending PASS or FAIL (none where a side has no row).
 
     KV held is the cache's bytes averaged over each generation's forwards and its peak: both sides
     compress on a cycle (every `interval` tokens), so the bytes left after the last token depend on
@@ -332,7 +396,7 @@ def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> li
             setting, name = key.split(" | ")
             if setting != method["name"] or "error" in ours:
                 continue
-            speed = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
+            speed = paired_speed(ours, theirs)
             mean = ours["mean_kv_bytes"] / max(theirs["mean_kv_bytes"], 1)
             peak = ours["peak_kv_bytes"] / max(theirs["peak_kv_bytes"], 1)
             ok = speed >= 1.0 and mean <= 1.0 and peak <= 1.0
@@ -373,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=5, help="runs of both sides, alternating; decode tok/s is the median"
     )
     parser.add_argument("--rlkv-round", help=argparse.SUPPRESS)  # internal: one rlkv round, to this file
+    parser.add_argument(
+        "--rlkv-spec", help=argparse.SUPPRESS
+    )  # internal: that round's spec (default out/spec.json)
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds={args.rounds} must be >= 1")
@@ -388,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     out = Path(args.out).resolve()
     if args.rlkv_round:
-        rlkv_round(out, args.mask, Path(args.rlkv_round))
+        rlkv_round(Path(args.rlkv_spec or out / "spec.json"), args.mask, Path(args.rlkv_round))
         return 0
     out.mkdir(parents=True, exist_ok=True)
     mask = HeadMask.from_pretrained(args.mask, AutoConfig.from_pretrained(args.model))
@@ -411,12 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     (out / "spec.json").write_text(json.dumps(spec))
 
-    kv_rounds, rl_rounds, kv_seconds = [], [], 0.0
-    for round_index in range(args.rounds):  # the sides alternate, so drift of the machine hits both
-        started = time.perf_counter()
-        kv_rounds.append(run_kvpress(args, out, round_index))
-        kv_seconds += time.perf_counter() - started
-        rl_rounds.append(run_rlkv_process(args, out, round_index))
+    kv_rounds, rl_rounds, kv_seconds = run_paired_rounds(args, out, spec)
     kv, rl = median_of_rounds(kv_rounds), median_of_rounds(rl_rounds)
     (out / "kvpress.json").write_text(json.dumps(kv))
     (out / "rlkv.json").write_text(json.dumps(rl))
@@ -426,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{kv.get('versions', {}).get('transformers', '?')}) vs rlkv (transformers {rl['versions']['transformers']}), "
         f"torch {rl['versions']['torch']}; {len(ids)} chain test problems, greedy, {args.max_new_tokens} new tokens max, "
         f"batch 1, fp32, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; kvpress side {kv_seconds:.0f} s; "
-        f"decode tok/s: the median of {args.rounds} rounds, the sides alternating\n"
+        f"decode tok/s: the median of {args.rounds} rounds; each round runs every method on both sides back to "
+        f"back (fresh interpreters, the order alternating), and a verdict's speed ratio is the median of the "
+        f"{args.rounds} per-round ratios\n"
     )
     if kv.get("stock_duo_error"):
         header += (
