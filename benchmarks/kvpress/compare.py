@@ -25,7 +25,7 @@ Both sides measure with the worker's helpers: greedy accuracy, resident KV after
 (tensor storages reachable from the cache), mean and peak KV over generation (the same walk after
 every forward), VmHWM (reset before each method) and decode tokens/s.
 
-    .venv/bin/python -m benchmarks.kvpress.compare --out runs/compare-kvpress     # ~4 min on 2 quiet cores
+    .venv/bin/python -m benchmarks.kvpress.compare --out runs/compare-kvpress     # ~10 min on 2 quiet cores
 """
 
 from __future__ import annotations
