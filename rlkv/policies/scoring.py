@@ -235,7 +235,8 @@ def observation_prefix(store: PolicyStore) -> int | None:
     start = window_start(store)
     if start is None or store.state.get(WINDOW_CUT) or real_queries(store) is not None:
         return None
-    return store.keys.shape[2] - (store.logical_length - start)
+    prefix = store.keys.shape[2] - (store.logical_length - start)
+    return prefix if prefix > 0 else None  # no slot before the window: nothing to score, the masks decide
 
 
 def note_window_cut(store: PolicyStore, due: list[bool]) -> None:
