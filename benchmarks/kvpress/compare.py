@@ -256,8 +256,7 @@ def run_paired_rounds(
             passes = ["kvpress", "rlkv"] if (round_index + index) % 2 == 0 else ["rlkv", "kvpress"]
             for side in passes:
                 if side == "rlkv":
-                    result = run_rlkv_process(args, part, out / f"rlkv-{name}")
-                    rl_round = dict(result, methods={**rl_round["methods"], **result["methods"]})
+                    rl_round = _with_rows(rl_round, run_rlkv_process(args, part, out / f"rlkv-{name}"))
                     continue
                 if kv_error is not None:
                     continue
@@ -269,10 +268,15 @@ def run_paired_rounds(
                     print(f"kvpress side failed: {e}", file=sys.stderr)
                     continue
                 kv_seconds += time.perf_counter() - started
-                kv_round = dict(result, methods={**kv_round["methods"], **result["methods"]})
+                kv_round = _with_rows(kv_round, result)
         kv_rounds.append(kv_round if kv_error is None else {"error": kv_error, "methods": {}})
         rl_rounds.append(rl_round)
     return kv_rounds, rl_rounds, kv_seconds
+
+
+def _with_rows(side_round: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """A side's round so far plus one pass's `result`: its fields, and its method rows added."""
+    return dict(result, methods={**side_round["methods"], **result["methods"]})
 
 
 def run_round(

@@ -342,9 +342,7 @@ class CompressedStore:
         head) in all, when every (row, head) holds the same positions and no empty slot (`uniform`):
         one `torch.cat` of two column ranges per tensor, no keep mask built (streaming, sink + recent)."""
         early = self._early_ends()[0] - self.row_starts()[0]
-        heads = self.positions.shape[1]
-        self.evicted += heads * (self.positions.shape[2] - kept[0])
-        self._recount_counts(kept, heads)
+        self._count_uniform_eviction(kept)
         self._take_ends(early, kept[0])
         self._capacity.clear()
         self._slots_changed()
@@ -396,6 +394,13 @@ class CompressedStore:
         self.slot_counts = [max(row, default=0) for row in per_head]
         return self.all_valid and torch.equal(keep, keep[:1, :1].expand_as(keep))
 
+    def _count_uniform_eviction(self, kept: list[int]) -> None:
+        """Device and host counts for a compaction of a store with no empty slot to `kept[b]` slots in
+        every head of row b (the same count in every row: `compact_ends`, `compact_slots`)."""
+        heads = self.positions.shape[1]
+        self.evicted += heads * (self.positions.shape[2] - kept[0])
+        self._recount_counts(kept, heads)
+
     def _recount_counts(self, kept: list[int], heads: int) -> None:
         """Host counts after a compaction keeping `kept[b]` slots in every head of row b."""
         before = self.head_counts or [[n] * heads for n in self.slot_counts]
@@ -444,8 +449,7 @@ class CompressedStore:
         no empty slot, in exactly sized new tensors (`rlkv.policies.base.select_top_scores` gives them:
         no keep mask to build or read)."""
         batch, heads, size = slots.shape
-        self.evicted += heads * (self.positions.shape[2] - size)
-        self._recount_counts([size] * batch, heads)
+        self._count_uniform_eviction([size] * batch)
         first = torch.arange(batch * heads, device=slots.device)[:, None]
         flat = slots.reshape(batch * heads, size)
         self._select_rows(size, lambda stride: (first * stride + flat).view(-1))

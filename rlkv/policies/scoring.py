@@ -348,13 +348,12 @@ class WindowedBufferPolicy(CompressionPolicy):
         due = self.due_rows(store) if store.row_start_host is not None else None
         if due is not None:
             note_window_cut(store, due)
-        if due is not None and all(due):  # every (row, head) compresses: no mask to mix
-            prefix = observation_prefix(store)
-            if prefix is not None:  # the observation window is the newest slots: kept by count
-                return select_top_scores(store, self.scores(store), newest=store.keys.shape[2] - prefix)
-            return select_top_scores(
-                store, self.scores(store).masked_fill(observation_window(store), math.inf)
-            )
+        every_row = due is not None and all(due)  # every (row, head) compresses: no mask to mix
+        prefix = observation_prefix(store) if every_row else None
+        if prefix is not None:  # the observation window is the newest slots: kept by count
+            return select_top_scores(store, self.scores(store), newest=store.keys.shape[2] - prefix)
         scores = self.scores(store).masked_fill(observation_window(store), math.inf)
+        if every_row:
+            return select_top_scores(store, scores)
         keep = keep_top_scores(store, scores)
         return torch.where(self.due(store)[..., None], keep, store.valid())
