@@ -106,6 +106,20 @@ def test_verdicts_pass_only_faster_at_no_more_mean_or_peak_kv():
             "knorm budget=128 | rlkv knorm": row(500, 10, 10),
         }
     }
+    # where both rows have a least-disturbed speed it is the one judged, the median ratio beside it
+    kv_least = dict(kv["methods"]["snapkv budget=128"], decode_tokens_per_s_least_disturbed=500.0)
+    rl_least = dict(
+        rl["methods"]["snapkv budget=128 | rlkv snapkv"], decode_tokens_per_s_least_disturbed=490.0
+    )
+    (line,) = compare_kvpress.verdicts(
+        spec,
+        {"methods": {"snapkv budget=128": kv_least}},
+        {"methods": {"snapkv budget=128 | rlkv snapkv": rl_least}},
+    )
+    assert line == (
+        "snapkv budget=128 | rlkv snapkv: 0.980x (least-disturbed steps; median of paired rounds 1.02x) "
+        "kvpress decode tok/s, 0.93x its mean KV, 0.53x its peak KV: FAIL"
+    )
     lines = compare_kvpress.verdicts(spec, kv, rl)
     assert lines == [
         "full | full: 1.05x kvpress decode tok/s, 1.00x its mean KV, 1.00x its peak KV: reference",
@@ -126,6 +140,28 @@ def test_probe_averages_the_cache_bytes_over_the_forwards():
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
     assert row["peak_kv_bytes"] == 45 * per_token
     assert row["mean_kv_bytes"] == 42.5 * per_token
+    # 5 decode steps, each timed; together they are the decode time the tok/s comes from (the step
+    # times are rounded to 0.1 us)
+    (steps,) = row["step_seconds"]
+    assert len(steps) == 5 and min(steps) > 0
+    assert 5 / sum(steps) == pytest.approx(row["decode_tokens_per_s"], rel=1e-4)
+
+
+def test_least_disturbed_speed_takes_each_steps_fastest_run():
+    """Interference only adds time: each step keeps its fastest of the runs, whichever run that was."""
+    runs = [
+        {"step_seconds": [[0.010, 0.030], [0.020]]},
+        {"step_seconds": [[0.020, 0.010], [0.040]]},
+        {"step_seconds": [[0.015, 0.015], [0.010]]},
+    ]
+    assert compare_kvpress.least_disturbed_speed(runs) == pytest.approx(3 / (0.010 + 0.010 + 0.010))
+    # a run that decoded other tokens (another step count) or has no step times: no estimate
+    assert compare_kvpress.least_disturbed_speed([*runs, {"step_seconds": [[0.01], [0.01]]}]) is None
+    assert compare_kvpress.least_disturbed_speed([*runs, {"decode_tokens_per_s": 3.0}]) is None
+    merged = compare_kvpress.median_of_rounds(
+        [{"methods": {"a": dict(run, decode_tokens_per_s=i)}} for i, run in enumerate(runs)]
+    )
+    assert merged["methods"]["a"]["decode_tokens_per_s_least_disturbed"] == pytest.approx(100.0)
 
 
 def test_median_of_rounds_keeps_the_median_run_and_every_rounds_speed():
@@ -149,6 +185,7 @@ def test_median_of_rounds_keeps_the_median_run_and_every_rounds_speed():
         "decode_tokens_per_s": 11,
         "tag": 2,
         "decode_tokens_per_s_rounds": [10, 14, 11],
+        "decode_tokens_per_s_least_disturbed": None,  # the rows carry no step times
     }
     assert merged["methods"]["b"] == {"error": "boom"}  # a failure in any round is reported, not hidden
 

@@ -14,12 +14,13 @@ through `benchmarks/kvpress/worker.py` (imports only torch/transformers/kvpress)
    rkv on every head at the same budget and compression interval);
    steps 2 and 3 run `--rounds` times (5) per method, the two sides back to back on that method (the
    order alternating), each in a fresh interpreter (the rlkv side through `--rlkv-round`, so neither
-   side runs in a process the other's setup has used). Each method keeps its median round, and each
-   paired row's speed ratio is the median of its per-round ratios: a round's two passes run seconds
-   apart, so drift of the machine (a method's tok/s moved by up to 15% between rounds on a shared
-   2-core machine; the rest is deterministic) cancels in the ratio -> kvpress.json, rlkv.json;
+   side runs in a process the other's setup has used). Each method keeps its median round and its
+   least-disturbed speed: every decode step at its fastest of the rounds (the workload is
+   deterministic, and what else a shared machine does only adds time; a method's pass moved by up to
+   15-20% between rounds on a shared 2-core machine) -> kvpress.json, rlkv.json;
 4. writes compare.json and compare.md (side by side), with one PASS/FAIL line per paired row: rlkv's
-   decode tok/s >= kvpress's (the median paired ratio) at no more mean and peak KV.
+   least-disturbed decode tok/s >= kvpress's at no more mean and peak KV (the median of the per-round
+   ratios, a round's two passes run seconds apart, beside it).
 
 Both sides measure with the worker's helpers: greedy accuracy, resident KV after generation
 (tensor storages reachable from the cache), mean and peak KV over generation (the same walk after
@@ -317,9 +318,30 @@ def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         ranked = sorted(runs, key=lambda run: run["decode_tokens_per_s"])
         merged["methods"][name] = dict(
-            ranked[len(ranked) // 2], decode_tokens_per_s_rounds=[run["decode_tokens_per_s"] for run in runs]
+            ranked[len(ranked) // 2],
+            decode_tokens_per_s_rounds=[run["decode_tokens_per_s"] for run in runs],
+            decode_tokens_per_s_least_disturbed=least_disturbed_speed(runs),
         )
     return merged
+
+
+def least_disturbed_speed(runs: list[dict[str, Any]]) -> float | None:
+    """Decode tok/s of one deterministic generation run several times, each step at its fastest run.
+
+    Every run of a method decodes the same tokens through the same kernels (greedy, fresh cache), so
+    a step's time differs between runs only by what else the machine did meanwhile, which can only
+    add time: the sum over prompts and steps of each step's minimum over the runs (`step_seconds`)
+    estimates the undisturbed decode. None when a run has no step times or the runs' step counts
+    differ (then they did not decode the same tokens).
+    """
+    grids = [run.get("step_seconds") for run in runs]
+    if not grids or any(grid is None for grid in grids):
+        return None
+    shapes = {tuple(len(steps) for steps in grid) for grid in grids}
+    if len(shapes) != 1:
+        return None
+    seconds = sum(min(step) for prompt in zip(*grids) for step in zip(*prompt))
+    return sum(shapes.pop()) / seconds if seconds > 0 else None
 
 
 def _mib(x: float) -> str:
@@ -333,8 +355,8 @@ def _kib(x: float) -> str:
 def table(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> str:
     """Markdown side-by-side table (one row per kvpress method and per rlkv method paired with it)."""
     lines = [
-        "| setting | side | method | acc % | resident KV KiB | mean KV KiB | peak KV KiB | VmHWM MiB | decode tok/s | same tokens as own full |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| setting | side | method | acc % | resident KV KiB | mean KV KiB | peak KV KiB | VmHWM MiB | decode tok/s | least-disturbed tok/s | same tokens as own full |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     full_kv = kv["methods"].get("full", {}).get("outputs")
     full_rl = rl["methods"].get("full | full", {}).get("outputs")
@@ -346,11 +368,12 @@ def table(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> str:
 
     def row(setting, side, name, r, ref):
         if "error" in r:
-            return f"| {setting} | {side} | {name} | error: {r['error'][:120]} | | | | | | |"
+            return f"| {setting} | {side} | {name} | error: {r['error'][:120]} | | | | | | | |"
+        least = r.get("decode_tokens_per_s_least_disturbed")
         return (
             f"| {setting} | {side} | {name} | {r['accuracy']:.1f} | {_kib(r['resident_kv_bytes'])} | "
             f"{_kib(r['mean_kv_bytes'])} | {_kib(r['peak_kv_bytes'])} | {_mib(r['vm_hwm_bytes'])} | {r['decode_tokens_per_s']:.0f} | "
-            f"{same(r.get('outputs'), ref)} |"
+            f"{'-' if least is None else f'{least:.1f}'} | {same(r.get('outputs'), ref)} |"
         )
 
     for method in spec["methods"]:
@@ -368,6 +391,13 @@ def table(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def least_disturbed_ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> float | None:
+    """rlkv / kvpress of the two rows' least-disturbed decode tok/s (`least_disturbed_speed`), or None
+    when a row lacks it."""
+    a, b = ours.get("decode_tokens_per_s_least_disturbed"), theirs.get("decode_tokens_per_s_least_disturbed")
+    return a / b if a and b else None
+
+
 def paired_speed(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
     """rlkv / kvpress decode tok/s of one paired row: the median of the per-round ratios when both rows
     carry every round's speed (`median_of_rounds`' `decode_tokens_per_s_rounds`, same rounds), else the
@@ -382,8 +412,13 @@ def paired_speed(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
 
 
 def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> list[str]:
-    """Issue 50's target per paired row: rlkv's decode tok/s >= kvpress's (`paired_speed`) while holding
-    no more KV, as ratios measured in this run, each line ending PASS or FAIL (none where a side has no row).
+    """Issue 50's target per paired row: rlkv's decode tok/s >= kvpress's while holding no more KV, as
+    ratios measured in this run, each line ending PASS or FAIL (none where a side has no row).
+
+    The speed judged is the least-disturbed ratio (`least_disturbed_ratio`: every decode step at its
+    fastest of the rounds, on each side) where both rows have step times, else the median of the
+    per-round ratios (`paired_speed`), which the line reports too: on a shared machine one pass's
+    ratio moves by 10-20%, while the per-step minimum keeps only what each library's step costs.
 
     KV held is the cache's bytes averaged over each generation's forwards and its peak: both sides
     compress on a cycle (every `interval` tokens), so the bytes left after the last token depend on
@@ -400,13 +435,20 @@ def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> li
             setting, name = key.split(" | ")
             if setting != method["name"] or "error" in ours:
                 continue
-            speed = paired_speed(ours, theirs)
+            median = paired_speed(ours, theirs)
+            least = least_disturbed_ratio(ours, theirs)
+            speed = median if least is None else least
             mean = ours["mean_kv_bytes"] / max(theirs["mean_kv_bytes"], 1)
             peak = ours["peak_kv_bytes"] / max(theirs["peak_kv_bytes"], 1)
             ok = speed >= 1.0 and mean <= 1.0 and peak <= 1.0
             verdict = "reference" if method["kind"] == "full" else ("PASS" if ok else "FAIL")
+            speeds = (
+                f"{median:.2f}x"
+                if least is None
+                else f"{least:.3f}x (least-disturbed steps; median of paired rounds {median:.2f}x)"
+            )
             lines.append(
-                f"{setting} | {name}: {speed:.2f}x kvpress decode tok/s, {mean:.2f}x its mean KV, "
+                f"{setting} | {name}: {speeds} kvpress decode tok/s, {mean:.2f}x its mean KV, "
                 f"{peak:.2f}x its peak KV: {verdict}"
             )
     return lines
@@ -438,7 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recent", type=int, default=64)
     parser.add_argument("--venv", default=str(KVPRESS_VENV))
     parser.add_argument(
-        "--rounds", type=int, default=5, help="runs of both sides, alternating; decode tok/s is the median"
+        "--rounds",
+        type=int,
+        default=5,
+        help="runs of both sides, alternating; decode tok/s is the median round and the least-disturbed steps",
     )
     parser.add_argument("--rlkv-round", help=argparse.SUPPRESS)  # internal: one rlkv round, to this file
     parser.add_argument(
@@ -493,8 +538,9 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {rl['versions']['torch']}; {len(ids)} chain test problems, greedy, {args.max_new_tokens} new tokens max, "
         f"batch 1, fp32, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; kvpress side {kv_seconds:.0f} s; "
         f"decode tok/s: the median of {args.rounds} rounds; each round runs every method on both sides back to "
-        f"back (fresh interpreters, the order alternating), and a verdict's speed ratio is the median of the "
-        f"{args.rounds} per-round ratios\n"
+        f"back (fresh interpreters, the order alternating); a verdict's speed ratio is the least-disturbed one "
+        f"(each decode step at its fastest of the {args.rounds} rounds, per side), beside the median of the "
+        f"per-round ratios\n"
     )
     if kv.get("stock_duo_error"):
         header += (
@@ -510,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     for side in (summary["kvpress"], summary["rlkv"]):
         for r in side.get("methods", {}).values():
             r.pop("outputs", None)
+            r.pop("step_seconds", None)
     (out / "compare.json").write_text(json.dumps(summary, indent=1))
     print(header + "\n" + md)
     return 0

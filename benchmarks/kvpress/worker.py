@@ -106,13 +106,15 @@ class GenerationProbe:
         its end depends on where it falls in a compression cycle)."""
         return sum(self.kv_bytes) / max(len(self.kv_bytes), 1)
 
+    def step_seconds(self) -> list[float]:
+        """Each decode step's seconds: from the end of one forward to the end of the next (the
+        generation loop's own work included), less the cache walk after the first of the two."""
+        return [b - a - walk for a, b, walk in zip(self.times, self.times[1:], self.walk_seconds)]
+
     def decode_seconds(self) -> tuple[int, float]:
         """(decode steps, seconds) from the end of the prefill forward to the end of the last step."""
-        if len(self.times) < 2:
-            return 0, 0.0
-        # the walk after forward i delays the start of forward i + 1: subtract walks 0..n-2
-        seconds = self.times[-1] - self.times[0] - sum(self.walk_seconds[:-1])
-        return len(self.times) - 1, seconds
+        steps = self.step_seconds()
+        return len(steps), sum(steps)
 
     def remove(self) -> None:
         self.handle.remove()
@@ -149,10 +151,11 @@ def run_method(
 
     Returns accuracy, mean resident KV after generation, mean peak KV during generation, KV averaged
     over each generation's forwards (mean over prompts), VmHWM
-    (reset before the method; max over its prompts), decode tokens/s and the generated token ids.
+    (reset before the method; max over its prompts), decode tokens/s, every decode step's seconds
+    (per prompt, `GenerationProbe.step_seconds`) and the generated token ids.
     """
     reset_ok = reset_vm_hwm()
-    correct, resident, peaks, means, steps, seconds, outputs = 0, [], [], [], 0, 0.0, []
+    correct, resident, peaks, means, steps, seconds, outputs, step_seconds = 0, [], [], [], 0, 0.0, [], []
     with context:
         for ids, answer in zip(prompts, answers):
             input_ids = torch.tensor([ids])
@@ -177,6 +180,7 @@ def run_method(
             means.append(probe.mean_kv)
             n, s = probe.decode_seconds()
             steps, seconds = steps + n, seconds + s
+            step_seconds.append([round(t, 7) for t in probe.step_seconds()])
             outputs.append(new)
     n = max(len(prompts), 1)
     return {
@@ -187,6 +191,7 @@ def run_method(
         "vm_hwm_bytes": vm_hwm_bytes(),
         "vm_hwm_reset": reset_ok,
         "decode_tokens_per_s": steps / seconds if seconds > 0 else 0.0,
+        "step_seconds": step_seconds,
         "outputs": outputs,
     }
 
