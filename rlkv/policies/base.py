@@ -274,10 +274,12 @@ def select_top_scores(
     early, late = ends
     if scores.dim() == 2:
         scores = scores[:, None, :].expand(batch, heads, slots)
-    middle = scores[..., early : slots - late].float()
-    middle = middle.nan_to_num(nan=-_FLOAT_MAX, posinf=_FLOAT_MAX, neginf=-_FLOAT_MAX)
+    # a decode step's compaction is a few small ops per layer: each skipped dispatch shows on CPU
+    middle = scores[..., early : slots - late] if early or late else scores
+    middle = middle.float().nan_to_num(nan=-_FLOAT_MAX, posinf=_FLOAT_MAX, neginf=-_FLOAT_MAX)
     top = torch.sort(middle, dim=-1, descending=True, stable=True).indices[..., :extra]
-    kept = [torch.sort(top, dim=-1).values + early]
+    chosen = torch.sort(top, dim=-1).values
+    kept = [chosen.add_(early) if early else chosen]
     device, shape = top.device, (batch, heads)
     if early:
         kept.insert(0, torch.arange(early, device=device).expand(*shape, early))

@@ -42,5 +42,7 @@ class KeyNormPolicy(CompressionPolicy):
         return top_scores_counts(store)
 
     def select(self, store: PolicyStore) -> torch.Tensor:
-        scores = -store.keys.float().norm(dim=-1)  # [B, H_c, K]: smaller norm = higher score
+        # [B, H_c, K], smaller norm = higher score; `vector_norm` reduces in float32 without a float
+        # copy of bf16 keys and skips `Tensor.norm`'s Python wrapper (a third of a compaction on CPU)
+        scores = torch.linalg.vector_norm(store.keys, dim=-1, dtype=torch.float32).neg_()
         return select_top_scores(store, scores)

@@ -60,7 +60,8 @@ def key_redundancy(
             f"threshold={threshold} must be >= 0 (cosine similarity above which keys are similar)"
         )
     keys = keys.float()
-    normed = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+    # not `Tensor.norm`: on CPU its Python wrapper costs more than the reduction at these sizes
+    normed = keys / (torch.linalg.vector_norm(keys, dim=-1, keepdim=True) + 1e-8)
     if valid is not None:
         normed = normed * valid[..., None]  # empty slots: zero vectors, so S = 0 on their rows and columns
     slots = keys.shape[2]

@@ -248,7 +248,7 @@ class SkipKVPolicy(RKVPolicy):
         count = self.sentence_count[:, :num]
         finished = (torch.arange(num, device=count.device) < self.open_sentence[:, None]) & (count > 0)
         mean = self.sentence_sum[:, :num] / count.clamp(min=1.0)[..., None]
-        unit = mean / (mean.norm(dim=-1, keepdim=True) + 1e-8)
+        unit = mean / (torch.linalg.vector_norm(mean, dim=-1, keepdim=True) + 1e-8)
         sim = unit @ unit.transpose(1, 2)  # [B, S, S]
         later = torch.ones(num, num, dtype=torch.bool, device=count.device).triu(diagonal=1)
         pair = finished[:, :, None] & finished[:, None, :] & later & (sim > self.tau)
