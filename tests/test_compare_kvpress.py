@@ -121,12 +121,26 @@ def test_verdicts_pass_only_faster_at_no_more_mean_or_peak_kv():
         "kvpress decode tok/s, 0.93x its mean KV, 0.53x its peak KV: FAIL"
     )
     lines = compare_kvpress.verdicts(spec, kv, rl)
+    # with both full rows, each judged line also says what each side keeps of its own plain decode
+    # (290 / 420 and 300 / 400): the caches' cost apart from the two transformers releases
     assert lines == [
         "full | full: 1.05x kvpress decode tok/s, 1.00x its mean KV, 1.00x its peak KV: reference",
-        "head s=0.5 | rlkv head-mixed: 0.97x kvpress decode tok/s, 0.62x its mean KV, 0.62x its peak KV: FAIL",
-        "snapkv budget=128 | rlkv snapkv: 1.02x kvpress decode tok/s, 0.93x its mean KV, 0.53x its peak KV: PASS",
-        "snapkv budget=128 | rlkv rkv: 1.02x kvpress decode tok/s, 0.93x its mean KV, 1.17x its peak KV: FAIL",
+        "head s=0.5 | rlkv head-mixed: 0.97x kvpress decode tok/s, 0.62x its mean KV, 0.62x its peak KV: FAIL"
+        " (of its own full row: rlkv 69.0%, kvpress 75.0%)",
+        "snapkv budget=128 | rlkv snapkv: 1.02x kvpress decode tok/s, 0.93x its mean KV, 0.53x its peak KV: PASS"
+        " (of its own full row: rlkv 97.6%, kvpress 100.0%)",
+        "snapkv budget=128 | rlkv rkv: 1.02x kvpress decode tok/s, 0.93x its mean KV, 1.17x its peak KV: FAIL"
+        " (of its own full row: rlkv 97.6%, kvpress 100.0%)",
     ]  # no kvpress row, no verdict
+
+
+def test_own_full_share_uses_least_disturbed_speeds_where_both_rows_have_them():
+    full = {"decode_tokens_per_s": 400.0, "decode_tokens_per_s_least_disturbed": 500.0}
+    row = {"decode_tokens_per_s": 300.0, "decode_tokens_per_s_least_disturbed": 450.0}
+    assert compare_kvpress.own_full_share(row, full) == pytest.approx(0.9, rel=1e-12)
+    plain_full = {"decode_tokens_per_s": 400.0}
+    assert compare_kvpress.own_full_share(row, plain_full) == pytest.approx(0.75, rel=1e-12)
+    assert compare_kvpress.own_full_share(row, {"error": "x"}) is None
 
 
 def test_probe_averages_the_cache_bytes_over_the_forwards():

@@ -411,6 +411,18 @@ def paired_speed(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
     return ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
 
 
+def own_full_share(row: dict[str, Any], full: dict[str, Any]) -> float | None:
+    """A side's row decode speed over its own full row's: least-disturbed speeds where both rows have
+    one, else their decode tok/s; None when the full row failed. What the side's cache keeps of its
+    own plain decode, apart from the transformers release that side runs."""
+    if not full or "error" in full:
+        return None
+    key = "decode_tokens_per_s_least_disturbed"
+    if not (row.get(key) and full.get(key)):
+        key = "decode_tokens_per_s"
+    return row[key] / full[key]
+
+
 def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> list[str]:
     """Issue 50's target per paired row: rlkv's decode tok/s >= kvpress's while holding no more KV, as
     ratios measured in this run, each line ending PASS or FAIL (none where a side has no row).
@@ -424,9 +436,12 @@ def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> li
     compress on a cycle (every `interval` tokens), so the bytes left after the last token depend on
     where generation stops in that cycle, while the mean and the peak are what generation holds.
     The full row runs plain transformers on both sides (5.24 here, kvpress's 5.2 there): what the two
-    stacks differ by outside either library's cache, labelled "reference", not judged.
+    stacks differ by outside either library's cache, labelled "reference", not judged. Where both sides
+    have it, a judged line ends with what each side keeps of its own full row (`own_full_share`): the
+    caches' own cost, which the transformers releases do not move.
     """
     lines = []
+    kv_full, rl_full = kv["methods"].get("full", {}), rl["methods"].get("full | full", {})
     for method in spec["methods"]:
         theirs = kv["methods"].get(method["name"], {})
         if not theirs or "error" in theirs:
@@ -447,9 +462,15 @@ def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> li
                 if least is None
                 else f"{least:.3f}x (least-disturbed steps; median of paired rounds {median:.2f}x)"
             )
+            shares = own_full_share(ours, rl_full), own_full_share(theirs, kv_full)
+            own = (
+                f" (of its own full row: rlkv {shares[0]:.1%}, kvpress {shares[1]:.1%})"
+                if verdict != "reference" and None not in shares
+                else ""
+            )
             lines.append(
                 f"{setting} | {name}: {speeds} kvpress decode tok/s, {mean:.2f}x its mean KV, "
-                f"{peak:.2f}x its peak KV: {verdict}"
+                f"{peak:.2f}x its peak KV: {verdict}{own}"
             )
     return lines
 
