@@ -218,9 +218,9 @@ def _fast_path_spy(monkeypatch) -> list[tuple[str, int]]:
         calls.append(("columns", columns.numel()))
         return take_columns(self, columns)
 
-    def ends_spy(self, early, size):
+    def ends_spy(self, early, size, positions=True):
         calls.append(("columns", size))  # two ranges of whole columns (no index): a columns path too
-        return take_ends(self, early, size)
+        return take_ends(self, early, size, positions)
 
     monkeypatch.setattr(CompressedStore, "_take_ends", ends_spy)
     monkeypatch.setattr(CompressedStore, "compact_slots", slots_spy)
@@ -433,3 +433,38 @@ def test_small_store_writes_decode_positions_when_read_and_holds_no_bytes_for_th
     store.append(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
     store.positions = store.positions[:, :, 2:]  # a compaction's assignment drops what is pending
     assert store.positions[0, 0].tolist() == expected[2:] + [len(expected)]
+
+
+@pytest.mark.parametrize("protect_prompt", [False, True])
+def test_streaming_steps_keep_positions_deferred_and_logical(protect_prompt):
+    """A streaming store's per-step eviction (`compact_ends`) writes no positions once its window holds only
+    decode tokens: the early region's positions stay one exactly sized tensor, the window's are deferred
+    (`positions` writes them when read), and what `positions` reads is the logical positions kept, step by
+    step, equal to the sink (or protected prompt) plus the newest `window` tokens. Before the window is all
+    decode tokens (the prompt's tail in it) the positions may be cut as written. Every step reads
+    `positions` (writing the deferred ones), so each compaction starts from written positions too."""
+    sink, window, prompt = 2, 4, 7
+    settings = CompressionSettings(
+        get_policy("streaming"), sink=sink, window=window, budget=None, protect_prompt=protect_prompt
+    )
+    store = CompressedStore(0, torch.arange(2), 1, settings)
+    store.row_start, store.row_start_host = torch.zeros(2, dtype=torch.long), [0, 0]
+    store.uniform = True
+    gen = torch.Generator().manual_seed(0)
+    early = prompt if protect_prompt else sink
+    for q_len in (prompt, *[1] * 12):
+        store.append(torch.randn(2, 2, q_len, 8, generator=gen), torch.randn(2, 2, q_len, 8, generator=gen))
+        store.prompt_length = prompt
+        store.is_prefill = q_len > 1
+        compacted = store.slot_counts[0] > early + window
+        if compacted:
+            store.compact_ends([early + window] * 2)
+        end = store.logical_length
+        if compacted and end - window >= prompt:  # a window of decode tokens only: nothing written
+            early_positions = store._positions
+            assert store._pending_positions == window and early_positions.shape[2] == early
+            assert early_positions.untyped_storage().nbytes() == 2 * 2 * early * 4
+        kept = [*range(min(early, end)), *range(max(end - window, early), end)]
+        assert store.positions[1, 1].tolist() == kept
+        assert torch.equal(store.positions, store.positions[:1, :1].expand(2, 2, -1))
+        assert store.evicted_host == [2 * (end - len(kept))] * 2

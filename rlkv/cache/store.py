@@ -65,6 +65,10 @@ class CompressedStore:
         # the newest slots appended by the small-store path have positions logical_length - n ..
         # logical_length - 1 in every (row, head): kept as this count and written when `positions` is read
         self._pending_positions = 0
+        # how many of the newest slots are known, on the host, to hold logical_length - n .. logical_length - 1
+        # in every (row, head): appends extend the run, `compact_ends` keeps its newest part, any other
+        # change of the positions ends it (0 is always safe)
+        self._tail_run = 0
         # observation queries: a ring (`remember_queries`), or set explicitly (a static cache's view)
         self.query_ring = QueryRing()
         self._queries: torch.Tensor | None = None
@@ -110,6 +114,7 @@ class CompressedStore:
     @positions.setter
     def positions(self, value: torch.Tensor | None) -> None:
         self._pending_positions = 0
+        self._tail_run = 0
         self._positions = value
 
     @property
@@ -233,6 +238,7 @@ class CompressedStore:
         """Add the new tokens' keys/values [B, H_c, Q, D]; their slots get positions T..T+Q-1
         (int32 while positions fit, int64 beyond 2**31 tokens: `position_dtype`)."""
         batch, heads, q_len, _ = keys.shape
+        run = self._tail_run
         dtype = position_dtype(self.logical_length + q_len)
         if self._positions is not None and self._positions.dtype != dtype:  # past 2**31 tokens: widen once
             self.positions = self.positions.to(dtype)
@@ -264,6 +270,7 @@ class CompressedStore:
             for name, (buf, fill) in self._slot_buffers.items():
                 pad = torch.full((batch, heads, q_len), fill, dtype=buf.dtype, device=buf.device)
                 self._slot_buffers[name] = (self._append(f"slot:{name}", buf, pad), fill)
+        self._tail_run = run + q_len  # positions T..T+Q-1 follow the run, which ended at T - 1
         self.logical_length += q_len
         self.slot_counts = [n + q_len for n in self.slot_counts] if self.slot_counts else [q_len] * batch
         if self.head_counts is not None:
@@ -293,6 +300,7 @@ class CompressedStore:
                 [n - p for n in row] for row, p in zip(self.head_counts, padding, strict=True)
             ]
         self.all_valid = False
+        self._tail_run = 0
         self._slots_changed()
 
     def drop_padding(self) -> None:
@@ -340,10 +348,24 @@ class CompressedStore:
     def compact_ends(self, kept: list[int]) -> None:
         """Keep each row's early region (sink, protected prompt) and its newest slots, `kept` per (row,
         head) in all, when every (row, head) holds the same positions and no empty slot (`uniform`):
-        one `torch.cat` of two column ranges per tensor, no keep mask built (streaming, sink + recent)."""
+        one `torch.cat` of two column ranges per tensor, no keep mask built (streaming, sink + recent).
+
+        Once the kept newest slots all lie in the run of consecutive newest positions (a window of decode
+        tokens), their positions stay deferred (written when `positions` is read) and the early region's
+        are one exactly sized tensor kept from step to step: no positions op in such a step."""
         early = self._early_ends()[0] - self.row_starts()[0]
+        recent = kept[0] - early
+        known = None if self._positions is None else self._positions.shape[2]
+        deferred = recent <= self._tail_run and known is not None and early <= known
+        run = min(self._tail_run, recent)
         self._count_uniform_eviction(kept)
-        self._take_ends(early, kept[0])
+        if deferred:
+            head = self._positions if known == early else self._positions[:, :, :early].clone()
+            self._take_ends(early, kept[0], positions=False)
+            self._positions, self._pending_positions = head, recent
+        else:
+            self._take_ends(early, kept[0])
+        self._tail_run = run
         self._capacity.clear()
         self._slots_changed()
 
@@ -397,8 +419,8 @@ class CompressedStore:
     def _count_uniform_eviction(self, kept: list[int]) -> None:
         """Device and host counts for a compaction of a store with no empty slot to `kept[b]` slots in
         every head of row b (the same count in every row: `compact_ends`, `compact_slots`)."""
-        heads = self.positions.shape[1]
-        self.evicted += heads * (self.positions.shape[2] - kept[0])
+        heads, slots = self.keys.shape[1:3]  # the keys' shape: reading `positions` would write deferred ones
+        self.evicted += heads * (slots - kept[0])
         self._recount_counts(kept, heads)
 
     def _recount_counts(self, kept: list[int], heads: int) -> None:
@@ -413,16 +435,19 @@ class CompressedStore:
             e + sum(old) - sum(new) for e, old, new in zip(self.evicted_host, before, after, strict=True)
         ]
 
-    def _take_ends(self, early: int, size: int) -> None:
+    def _take_ends(self, early: int, size: int, positions: bool = True) -> None:
         """Compact every (row, head) to its first `early` and last `size - early` slots (none empty):
-        one `torch.cat` of two column ranges per tensor, into exactly sized new tensors."""
-        slots = self.positions.shape[2]
+        one `torch.cat` of two column ranges per tensor, into exactly sized new tensors (the positions
+        left to the caller when `positions` is False)."""
+        slots = self.keys.shape[2]
         recent = size - early
 
         def ends(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t[:, :, :early], t[:, :, slots - recent :]], dim=2)
 
-        self.keys, self.values, self.positions = ends(self.keys), ends(self.values), ends(self.positions)
+        self.keys, self.values = ends(self.keys), ends(self.values)
+        if positions:
+            self.positions = ends(self.positions)
         for name, (buf, fill) in self._slot_buffers.items():
             self._slot_buffers[name] = (ends(buf), fill)
 
