@@ -435,13 +435,15 @@ def test_small_store_writes_decode_positions_when_read_and_holds_no_bytes_for_th
     assert store.positions[0, 0].tolist() == expected[2:] + [len(expected)]
 
 
+@pytest.mark.parametrize("dim", [8, 1024])  # a small store (appends by `cat`), a large one (spare capacity)
 @pytest.mark.parametrize("protect_prompt", [False, True])
-def test_streaming_steps_keep_positions_deferred_and_logical(protect_prompt):
+def test_streaming_steps_keep_positions_deferred_and_logical(protect_prompt, dim):
     """A streaming store's per-step eviction (`compact_ends`) writes no positions once its window holds only
     decode tokens: the early region's positions stay one exactly sized tensor, the window's are deferred
     (`positions` writes them when read), and what `positions` reads is the logical positions kept, step by
     step, equal to the sink (or protected prompt) plus the newest `window` tokens. Before the window is all
-    decode tokens (the prompt's tail in it) the positions may be cut as written. Every step reads
+    decode tokens (the prompt's tail in it), or in a store that appends into spare capacity (which
+    writes each step's positions anyway), the positions are cut as written. Every step reads
     `positions` (writing the deferred ones), so each compaction starts from written positions too."""
     sink, window, prompt = 2, 4, 7
     settings = CompressionSettings(
@@ -453,14 +455,18 @@ def test_streaming_steps_keep_positions_deferred_and_logical(protect_prompt):
     gen = torch.Generator().manual_seed(0)
     early = prompt if protect_prompt else sink
     for q_len in (prompt, *[1] * 12):
-        store.append(torch.randn(2, 2, q_len, 8, generator=gen), torch.randn(2, 2, q_len, 8, generator=gen))
+        store.append(
+            torch.randn(2, 2, q_len, dim, generator=gen), torch.randn(2, 2, q_len, dim, generator=gen)
+        )
         store.prompt_length = prompt
         store.is_prefill = q_len > 1
+        small = not grows_in_place(store.keys)
+        assert small == (dim == 8)
         compacted = store.slot_counts[0] > early + window
         if compacted:
             store.compact_ends([early + window] * 2)
         end = store.logical_length
-        if compacted and end - window >= prompt:  # a window of decode tokens only: nothing written
+        if small and compacted and end - window >= prompt:  # a window of decode tokens: nothing written
             early_positions = store._positions
             assert store._pending_positions == window and early_positions.shape[2] == early
             assert early_positions.untyped_storage().nbytes() == 2 * 2 * early * 4

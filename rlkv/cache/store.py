@@ -351,12 +351,15 @@ class CompressedStore:
         one `torch.cat` of two column ranges per tensor, no keep mask built (streaming, sink + recent).
 
         Once the kept newest slots all lie in the run of consecutive newest positions (a window of decode
-        tokens), their positions stay deferred (written when `positions` is read) and the early region's
-        are one exactly sized tensor kept from step to step: no positions op in such a step."""
+        tokens) of a small store (appends by `cat`), their positions stay deferred (written when
+        `positions` is read) and the early region's are one exactly sized tensor kept from step to step:
+        no positions op in such a step."""
         early = self._early_ends()[0] - self.row_starts()[0]
         recent = kept[0] - early
         known = None if self._positions is None else self._positions.shape[2]
-        deferred = recent <= self._tail_run and known is not None and early <= known
+        # a store that appends into spare capacity writes each step's positions there anyway (`append`)
+        small = not grows_in_place(self.keys)
+        deferred = small and recent <= self._tail_run and known is not None and early <= known
         run = min(self._tail_run, recent)
         self._count_uniform_eviction(kept)
         if deferred:
