@@ -2,7 +2,7 @@
 
 A ring of exactly N slots: a decode step is one write, with no copy of the window and no spare
 memory; the queries are put in order (oldest first) only when a compaction reads them. Policies that
-observe queries (SnapKV, R-KV, RPC) read them through `CompressedStore.queries` (rlkv/cache/store.py).
+observe queries (SnapKV, R-KV, RPC) read them through `CompressedStore.queries` (`ObservedQueries`, below).
 """
 
 from __future__ import annotations
@@ -60,3 +60,45 @@ class QueryRing:
         if self.ring is None:
             return None
         return torch.arange(logical_length - self.count, logical_length, device=self.ring.device)
+
+
+class ObservedQueries:
+    """The observation window of a `CompressedStore` (rlkv/cache/store.py): its `QueryRing`, or queries and
+    positions a static cache's store view was given. The store sets `query_ring`, `_queries`,
+    `_query_positions`, `num_groups` and `logical_length`."""
+
+    query_ring: QueryRing
+    _queries: torch.Tensor | None
+    _query_positions: torch.Tensor | None
+    num_groups: int
+    logical_length: int
+
+    def remember_queries(self, queries: torch.Tensor, limit: int) -> None:
+        """Keep the last `limit` queries [B, H_c * G, Q, D] across steps (`QueryRing`: one write per step)."""
+        self.query_ring.remember(queries, limit)
+
+    @property
+    def queries(self) -> torch.Tensor | None:
+        """The observation window [B, H_c, G, N, D], oldest first (None: none kept); put in order when read."""
+        return self._queries if self._queries is not None else self.query_ring.ordered(self.num_groups)
+
+    @queries.setter
+    def queries(self, value: torch.Tensor | None) -> None:
+        # a store view that a static cache fills (rlkv/cache/static_budget.py) holds them explicitly
+        self._queries = value
+
+    @property
+    def query_positions(self) -> torch.Tensor | None:
+        """LongTensor[N]: the logical positions of `queries`, the last N columns seen (the window is
+        contiguous: every forward's queries are remembered); built when read, at a compaction."""
+        given = self._query_positions
+        return given if given is not None else self.query_ring.positions(self.logical_length)
+
+    @query_positions.setter
+    def query_positions(self, value: torch.Tensor | None) -> None:
+        self._query_positions = value
+
+    @property
+    def oldest_query_position(self) -> int | None:
+        """Host int: the logical position of the oldest remembered query (None: none, or a static view's)."""
+        return self.query_ring.oldest(self.logical_length) if self._query_positions is None else None

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlkv.cache.growth import append_along_tokens, grows_in_place, token_prefix
-from rlkv.cache.query_ring import QueryRing
+from rlkv.cache.query_ring import ObservedQueries, QueryRing
 from rlkv.cache.settings import CompressionSettings
 
 
@@ -39,7 +39,7 @@ def position_dtype(end: int) -> torch.dtype:
     return torch.int32 if end <= 2**31 else torch.int64
 
 
-class CompressedStore:
+class CompressedStore(ObservedQueries):
     """The compressed KV heads of one layer: kept keys/values and their logical positions.
 
     This is what a policy sees: it satisfies `rlkv.policies.base.PolicyStore`, whose docstring
@@ -314,36 +314,6 @@ class CompressedStore:
             self._slots_changed()
         else:
             self.compact(self.valid(), list(self.slot_counts))
-
-    def remember_queries(self, queries: torch.Tensor, limit: int) -> None:
-        """Keep the last `limit` queries [B, H_c * G, Q, D] across steps (`QueryRing`: one write per step)."""
-        self.query_ring.remember(queries, limit)
-
-    @property
-    def queries(self) -> torch.Tensor | None:
-        """The observation window [B, H_c, G, N, D], oldest first (None: none kept); put in order when read."""
-        return self._queries if self._queries is not None else self.query_ring.ordered(self.num_groups)
-
-    @queries.setter
-    def queries(self, value: torch.Tensor | None) -> None:
-        # a store view that a static cache fills (rlkv/cache/static_budget.py) holds them explicitly
-        self._queries = value
-
-    @property
-    def query_positions(self) -> torch.Tensor | None:
-        """LongTensor[N]: the logical positions of `queries`, the last N columns seen (the window is
-        contiguous: every forward's queries are remembered); built when read, at a compaction."""
-        given = self._query_positions
-        return given if given is not None else self.query_ring.positions(self.logical_length)
-
-    @query_positions.setter
-    def query_positions(self, value: torch.Tensor | None) -> None:
-        self._query_positions = value
-
-    @property
-    def oldest_query_position(self) -> int | None:
-        """Host int: the logical position of the oldest remembered query (None: none, or a static view's)."""
-        return self.query_ring.oldest(self.logical_length) if self._query_positions is None else None
 
     def compact_ends(self, kept: list[int]) -> None:
         """Keep each row's early region (sink, protected prompt) and its newest slots, `kept` per (row,
