@@ -417,10 +417,8 @@ def own_full_share(row: dict[str, Any], full: dict[str, Any]) -> float | None:
     own plain decode, apart from the transformers release that side runs."""
     if not full or "error" in full:
         return None
-    key = "decode_tokens_per_s_least_disturbed"
-    if not (row.get(key) and full.get(key)):
-        key = "decode_tokens_per_s"
-    return row[key] / full[key]
+    least = least_disturbed_ratio(row, full)
+    return least if least is not None else row["decode_tokens_per_s"] / full["decode_tokens_per_s"]
 
 
 def verdicts(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> list[str]:
