@@ -20,7 +20,7 @@ PROMPT, WARM, STEPS = 40, 4, 8
 LAYOUT = torch.tensor([[True, True], [False, False], [True, False], [False, True]])
 
 
-def _ops_per_step(model, cache) -> float:
+def _ops_per_step(model, cache, warm: int = WARM) -> float:
     ids = torch.randint(3, 300, (1, PROMPT))
     with torch.no_grad():
         tok = model(input_ids=ids, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
@@ -30,11 +30,11 @@ def _ops_per_step(model, cache) -> float:
                 input_ids=tok, **cache_kwargs(cache), use_cache=True, position_ids=torch.tensor([[pos]])
             )
 
-        for i in range(WARM):
+        for i in range(warm):
             step(PROMPT + i)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for i in range(STEPS):
-                step(PROMPT + WARM + i)
+                step(PROMPT + warm + i)
 
     def top_level(event) -> bool:
         parent = event.cpu_parent
@@ -83,3 +83,19 @@ def test_static_eager_decode_step_stays_within_its_op_budget(policy):
     )
     mixed = _ops_per_step(model, cache)
     assert mixed <= 1.25 * plain, (mixed, plain)
+
+
+def test_static_eager_steps_within_the_sink_of_a_long_prompt_cost_what_later_steps_cost():
+    """A decode token is a sink token only in a row whose real prompt is shorter than the sink, so after a
+    prompt longer than it the first steps write the host-known ring slot alone, as later steps do.
+    Measured 2026-11-29 (sink 8 here): 397 ops a step in the first `sink` steps before (every row's
+    sink slot gathered, blended and scattered back), 298 after, as later steps."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    model.set_attn_implementation(register_attention())
+    counts = []
+    for warm in (0, WARM + STEPS):
+        cache = StaticHeadMixedCache(
+            model.config, LAYOUT, get_policy("streaming"), sink=STEPS, window=8, max_cache_len=PROMPT + 32
+        )
+        counts.append(_ops_per_step(model, cache, warm=warm))
+    assert counts[0] == counts[1], counts

@@ -219,6 +219,36 @@ def test_streaming_keeps_sink_and_window_at_logical_positions(left_padded_batch)
             assert heads == [expected] * len(heads)
 
 
+@pytest.mark.cross_path_floats
+@pytest.mark.parametrize("protect_prompt", [True, False])
+@pytest.mark.parametrize("rows", [3, 4])
+def test_streaming_rows_shorter_than_the_sink_decode_as_the_dynamic_cache(
+    left_padded_batch, rows, protect_prompt
+):
+    """Real prompts of 15, 21, 31 (and 3) tokens, sink 8: a decode token is a sink token only in the
+    3-token row, so eager steps write every row's sink slot until that row passes its sink
+    (`sink_until`, the latest row start + sink) and, without it, the ring slot alone from the first step.
+    Both keep the dynamic cache's tokens, logits (1e-5) and positions."""
+    batch = tuple(t[:rows] for t in left_padded_batch)
+    model = tiny_model("llama")
+    config = CompressionConfig(
+        head_mask=_mixed_mask(model), sink=8, window=WINDOW, protect_prompt=protect_prompt
+    )
+    dynamic = make_cache(model, config)
+    expected = greedy_generate(model, batch, dynamic)
+    width = batch[0].shape[1]
+    static = make_cache(model, config, static=True, max_cache_len=width + STEPS)
+    got = greedy_generate(model, batch, static)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
+    latest_start = int((batch[1] == 0).sum(1).max())
+    for dyn_layer, static_layer in zip(dynamic.layers, static.layers, strict=True):
+        if dyn_layer.store is not None:
+            assert _position_sets(static_layer.kept_positions()) == _position_sets(dyn_layer.store.positions)
+            assert static_layer.sink_until == latest_start + 8
+    assert (static.layers[0].sink_until > width) == (rows == 4)
+
+
 def test_sparsity0_token_identical_to_plain_generate(model, left_padded_batch):
     input_ids, attention_mask = left_padded_batch
     plain = model.generate(

@@ -112,6 +112,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.begun = False  # the step hook already did this forward's bookkeeping
         self.in_flight = 0  # tokens of a begun forward not yet written: get_seq_length excludes them
         self.compacted_at = -1
+        # streaming: the first column no row's sink reaches (an eager step then writes its ring slot alone)
+        self.sink_until = self.max_cache_len
         self.schedule: RowSchedule | None = None  # a budget region's compactions (set at prefill)
         # the `region_base` offset every row shares (eager writes use it), None when rows differ
         self.shared_offset: int | None = 0
@@ -286,6 +288,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         """Forget the request; the tensors stay allocated at the same addresses."""
         self.host_length = self.prompt_width = 0
         self.begun, self.in_flight, self.compacted_at, self.pending = False, 0, -1, None
+        self.sink_until = self.max_cache_len
         self.schedule = None
         self.shared_offset = 0
         if self.buffers:
@@ -376,6 +379,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 needs_real = self.form.ratio or not self.form.protect
                 real = (width - b["row_start"]).tolist() if needs_real else [0] * b["row_start"].shape[0]
                 self.schedule = self.shared["schedule"] = RowSchedule(self.form, real)
+        if self.form.kind == "streaming" and self.comp_idx.numel():
+            self.sink_until = self._sink_until(padded=mask is not None)
         out = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)[0]
         if self.full_idx.numel():
             b["full_k"][:, :, :width].copy_(pick_heads(keys, self.full_idx, self.full_slice))
@@ -409,6 +414,17 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 at = torch.arange(width - n, width, device=query.device) % self.form.observe
                 b["obs_q"].index_copy_(3, at, grouped)
         return out
+
+    def _sink_until(self, padded: bool) -> int:
+        """The first column from which no row's decode token is a sink token: the latest row start + sink
+        (a token at column c >= the prompt width is one only while c < its row's start + sink). A padded
+        batch reads its latest row start once per request, in the first compressed layer (the others
+        share it), so that eager steps after prompts longer than the sink write the ring slot alone."""
+        if not padded:
+            return self.settings.sink
+        if self.layer_idx == self.shared.get("owner"):
+            self.shared["latest_start"] = int(self.buffers["row_start"].max())
+        return self.shared["latest_start"] + self.settings.sink
 
     def _observe_prompt(self, q_comp: torch.Tensor, scaling: float) -> None:
         """Hand the policy the prompt's causal attention probabilities over the slots, [B, H_c, G, Q, S]

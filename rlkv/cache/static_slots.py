@@ -29,6 +29,7 @@ class StaticHeadMixedLayer(Protocol):
     early: int  # early-region slots
     prompt_width: int
     host_length: int  # tokens stored, this forward's included
+    sink_until: int  # streaming: the first column from which no row's decode token is a sink token
     shared_offset: int | None  # the `region_base` offset every row shares (host int), None when rows differ
     schedule: RowSchedule | None  # a budget region's compactions
 
@@ -84,9 +85,9 @@ def write_streaming(
     """Decode write: the ring slot pos % (window + 1), and the early slot when the token is a sink token."""
     b = layer.buffers
     batch, heads, _, dim = keys.shape
-    # a row's decode token is a sink token only while pos < row_start + sink <= prompt width + sink: past
-    # that an eager step writes the host-known ring slot alone (a compiled step keeps one graph)
-    if not torch.compiler.is_compiling() and layer.host_length > layer.prompt_width + layer.settings.sink:
+    # a row's decode token is a sink token only while pos < row_start + sink: past that, in every row, an
+    # eager step writes the host-known ring slot alone (a compiled step keeps one graph)
+    if not torch.compiler.is_compiling() and layer.host_length > layer.sink_until:
         column = layer.host_length - 1
         _write_slot(b, layer.early + column % (layer.settings.window + 1), keys, values, column)
         return
