@@ -246,3 +246,105 @@ def test_mask_nll_solutions_from_refuses_what_it_cannot_use(tmp_path, capsys, ex
 def test_mask_nll_needs_a_source_of_solutions(capsys):
     assert cli_main(["mask-nll", "--random", "1", "--sparsities", "0.5"]) == 2
     assert "--solutions-from EVAL_RECIPE" in capsys.readouterr().err
+
+
+def test_refine_cut_lowers_the_joint_nll_of_a_bad_ranking_and_nests_its_cuts(tmp_path):
+    """From the reverse of the ablation ranking (the heads that matter compressed first), the swap
+    search lowers the NLL at both sparsities, never raises it, keeps the s=0.75 set inside the s=0.5 set
+    (one ranking serves both), and the refined mask's `mask_nll` is what the search recorded."""
+    from rlkv.ablation import mask_nll, refine_cut
+    from rlkv.eval.sensitivity import mask_from_order
+
+    model = tiny_model("qwen2", num_hidden_layers=4)  # 8 KV heads
+    sequences = _solutions(model, 12)
+    scores = ablation_scores(model, sequences, sink=2, local=4, batch_size=2, progress=False)
+    worst_first = torch.argsort(scores.delta_nll.flatten(), descending=True)  # compress the top heads first
+    order = torch.stack([worst_first // 2, worst_first % 2], dim=1)
+    bad = mask_from_order(order, model, method="reversed ablation")
+    scored, calls = {}, []
+    refined, searches = refine_cut(
+        model,
+        sequences,
+        bad,
+        [0.75, 0.5],
+        sink=2,
+        local=4,
+        swap_in=2,
+        swap_out=2,
+        rounds=4,
+        batch_size=2,
+        progress=False,
+        scored=scored,
+        on_score=lambda values: calls.append(len(values)),
+    )
+    assert [c.sparsity for c in searches] == [0.5, 0.75]
+    assert calls == list(range(1, len(scored) + 1)) and "base" in scored  # each NLL reported as measured
+    again, _ = refine_cut(  # resumed from what was measured: nothing scored twice, the same result
+        model,
+        sequences,
+        bad,
+        [0.5, 0.75],
+        sink=2,
+        local=4,
+        swap_in=2,
+        swap_out=2,
+        rounds=4,
+        batch_size=2,
+        progress=False,
+        scored=scored,
+        on_score=lambda values: calls.append(-1),
+    )
+    assert -1 not in calls and torch.equal(again.scores, refined.scores)
+    assert all(c.increase <= c.start_increase for c in searches)
+    assert searches[0].increase < searches[0].start_increase - 1e-4 and searches[0].swaps
+    full_half, full_quarter = refined.full_heads(0.5), refined.full_heads(0.75)
+    assert bool((full_quarter <= full_half).all()) and int(full_quarter.sum()) == 2
+    for c, full in zip(searches, (full_half, full_quarter), strict=True):
+        assert sorted(full.flatten().nonzero().flatten().tolist()) == c.kept
+    _, increases = mask_nll(
+        model, sequences, {"refined": refined}, [0.5, 0.75], sink=2, local=4, batch_size=2, progress=False
+    )
+    assert increases["refined"][0.5] == pytest.approx(searches[0].increase, abs=1e-6)
+    assert increases["refined"][0.75] == pytest.approx(searches[1].increase, abs=1e-6)
+    assert not hasattr(model, "rlkv_gates")
+    refined.save_pretrained(tmp_path / "refined")
+    loaded = HeadMask.from_pretrained(tmp_path / "refined", model)
+    assert loaded.metadata["method"] == "reversed ablation"
+    assert [s["kept"] for s in loaded.metadata["cut_search"]["searches"]] == [c.kept for c in searches]
+
+
+def test_refine_mask_cli_writes_the_refined_mask_and_prints_each_search(tmp_path, capsys):
+    start = tmp_path / "ablation"
+    argv = [
+        "ablation-mask",
+        "--model",
+        "tiny:llama",
+        "--problems",
+        "chain",
+        "--num",
+        "2",
+        "--max-new-tokens",
+        "6",
+    ]
+    argv += ["--sink", "1", "--local", "2", "--no-progress"]
+    assert cli_main([*argv, "--out", str(start)]) == 0
+    out = tmp_path / "refined"
+    refine = ["refine-mask", "--mask", str(start), *argv[1:], "--sparsities", "0.5", "--swaps", "1,2"]
+    assert cli_main([*refine, "--out", str(out)]) == 0
+    assert "cut at s=0.5: NLL increase +" in capsys.readouterr().out
+    mask = HeadMask.from_pretrained(out, tiny_model("llama"))
+    search = mask.metadata["cut_search"]
+    assert search["refined_from"] == str(start) and search["problem_set"] == "chain"
+    assert (
+        sorted(mask.full_heads(0.5).flatten().nonzero().flatten().tolist()) == search["searches"][0]["kept"]
+    )
+    assert search["searches"][0]["increase"] <= search["searches"][0]["start_increase"]
+    assert (
+        mask.metadata["method"] == "ablation"
+        and "refined by a swap search" in (out / "README.md").read_text()
+    )
+    with pytest.raises(SystemExit):
+        cli_main([*refine[:-2], "--swaps", "4", "--out", str(tmp_path / "x")])
+    assert "--swaps: '4': give IN,OUT" in capsys.readouterr().err
+    assert cli_main([*refine[:-4], "--sparsities", "1.0", "--out", str(tmp_path / "y")]) == 2
+    assert "--sparsities [1.0]" in capsys.readouterr().err

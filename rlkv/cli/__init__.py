@@ -21,6 +21,7 @@ SUBCOMMANDS = [
     "rlkv.cli.export_mask",
     "rlkv.cli.ablation_mask",
     "rlkv.cli.mask_nll",
+    "rlkv.cli.refine_mask",
     "rlkv.cli.steering",
     "rlkv.cli.eval",
     "rlkv.cli.compare",

@@ -93,11 +93,20 @@ L rows x H_kv columns, the RLKV / DuoAttention layout).
 def _provenance(mask: Any) -> str:
     """How the scores were made, for the card."""
     if mask.metadata.get("method") == "ablation":
-        return (
+        text = (
             "scored by `rlkv ablation-mask` (the teacher-forced NLL increase when that head alone "
             "runs sink + local attention, min-max scaled; raw increases in the metadata's `delta_nll`)"
         )
-    return "learned by RLKV gates (or imported)"
+    else:
+        text = "learned by RLKV gates (or imported)"
+    search = mask.metadata.get("cut_search")
+    if search:
+        cuts = ", ".join(f"s={c['sparsity']:g}" for c in search["searches"])
+        text += (
+            f"; then its cut at {cuts} refined by a swap search on the heads' joint teacher-forced NLL "
+            "(`rlkv refine-mask`; the scores are ranks, the search in the metadata's `cut_search`)"
+        )
+    return text
 
 
 def _ranking_line(mask: Any) -> str:
