@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlkv.cache.static import StaticHeadMixedCache
-from rlkv.cache.static_budget import StaticCacheError
+from rlkv.cache.static_budget import StaticCacheError, unpadded_run
 from rlkv.head_mask import HeadMask
 from rlkv.inference import CompressionConfig, generate, make_cache
 from rlkv.policies.steering import SteeringVector
@@ -217,6 +217,33 @@ def test_streaming_keeps_sink_and_window_at_logical_positions(left_padded_batch)
             start = int((attention_mask[row] == 0).sum())
             expected = [*range(start, start + SINK), *range(length - WINDOW, length)]
             assert heads == [expected] * len(heads)
+
+
+@pytest.mark.cross_path_floats
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("streaming")])
+def test_unpadded_rows_compact_one_run_of_slots_as_the_dynamic_cache(case):
+    """Rows without padding: each compaction's policy view is the one run of slots the dynamic store lists
+    (`unpadded_run`), and a top-scores policy's kept slots move in place (`keep_region_slots`). Same
+    tokens, logits (1e-5), kept positions and evictions as the dynamic cache."""
+    model = tiny_model("llama")
+    config = _config(model, case)
+    batch = (torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(1)), torch.ones(2, 20))
+    dynamic = make_cache(model, config)
+    expected = greedy_generate(model, batch, dynamic)
+    static = make_cache(model, config, static=True, max_cache_len=20 + STEPS)
+    got = greedy_generate(model, batch, static)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
+    evicted = 0
+    for dyn_layer, static_layer in zip(dynamic.layers, static.layers, strict=True):
+        if dyn_layer.store is not None:
+            assert _position_sets(static_layer.kept_positions()) == _position_sets(dyn_layer.store.positions)
+            evicted += int(dyn_layer.store.evicted.sum())
+            generated = static_layer.host_length - static_layer.prompt_width
+            last = static_layer.schedule.last_compaction(generated + 1)
+            run = unpadded_run(static_layer.form, static_layer.early, 20, generated, last, [0, 0])
+            assert static_layer.shared["row_starts"] == [0, 0] and run is not None
+    assert evicted > 0
 
 
 @pytest.mark.cross_path_floats

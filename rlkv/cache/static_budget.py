@@ -13,8 +13,8 @@ A `StaticHeadMixedCache` (rlkv/cache/static.py) lays each layer's compressed hea
   every row's region receives one generated token per step, and the policy's own rule on host counts
   (a row over budget + slack; RPC: every P tokens) says when a compaction is due and how many tokens
   each row keeps. An int budget needs nothing from the device; a ratio budget needs each row's real
-  prompt length, read once at prefill. `compact_region` then runs the policy's own `select` over a
-  `CompressedStore` view of the slots and copies the kept region slots, in order, to the region's
+  prompt length, read once at prefill. The policy's own `select` then runs over a
+  `CompressedStore` view of the slots and `keep_region` copies the kept region slots, in order, to the region's
   start (a fixed-k stable sort, no data-dependent shape);
 - "full": no compressed head in any layer (any policy).
 
@@ -282,6 +282,7 @@ def policy_view(
     row_start: torch.Tensor,
     lengths: tuple[int, int],
     state: dict,
+    unpadded: bool = False,
 ) -> CompressedStore:
     """A `CompressedStore` over the slots of a static layer, for the policy's `select`.
 
@@ -289,7 +290,9 @@ def policy_view(
     order (`dynamic_order`); queries: the last N
     observation queries [B, H_c, G, N, D] oldest first and their positions LongTensor[N], or None;
     lengths: (tokens stored, prompt columns); state: the layer's policy state (`store.state`), kept
-    between compactions as the dynamic store keeps it (RPC counts its cycles there).
+    between compactions as the dynamic store keeps it (RPC counts its cycles there); unpadded: every
+    slot is valid and every row starts at column 0 (`unpadded_run`), so the policy may take its paths
+    for a store without empty slots (`select_top_scores`' kept slots), as the dynamic store does.
     """
     view = CompressedStore(layer_idx, head_idx, num_groups, settings)
     view.keys, view.values, view.positions = slots
@@ -298,21 +301,49 @@ def policy_view(
     view.row_start = row_start
     view.logical_length, view.prompt_length = lengths
     view.evicted = torch.zeros_like(row_start)
-    view.all_valid = False
+    view.all_valid = unpadded
+    if unpadded:
+        batch, _, count = view.positions.shape
+        view.row_start_host, view.slot_counts, view.uniform = [0] * batch, [count] * batch, True
     view.state = state
     return view
 
 
-def compact_region(
+def unpadded_run(
+    form: StaticForm,
+    early: int,
+    width: int,
+    generated: int,
+    last: tuple[int, list[int]] | None,
+    starts: list[int],
+) -> tuple[int, int] | None:
+    """(lo, hi): when no row is padded (`starts`, each row's first real column, all 0) and rows keep alike,
+    the slots the dynamic store holds are the one run [lo, hi), in its order: the prompt at the early
+    region's [early - width, early) (an unprotected prompt's only before its first compaction), then the
+    kept evictable tokens from the region's base and the newer generated ones. None otherwise.
+    last: the previous compaction (generated then, kept per row), None before any."""
+    if any(starts):
+        return None
+    if last is None:
+        return early - width, early + generated
+    at, kept = last
+    if len(set(kept)) != 1:
+        return None
+    held = kept[0] + generated - at
+    return (early - width, early + held) if form.protect else (0, held)
+
+
+def keep_region(
     view: CompressedStore,
-    policy: CompressionPolicy,
+    keep: torch.Tensor,
     slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     order: torch.Tensor,
     early: int,
     slot_buffers: tuple[tuple[torch.Tensor, float], ...] = (),
 ) -> None:
-    """Run `policy.select(view)` and keep the selected region slots in place: the kept ones, in slot
-    (= position) order, move to the region's start; the rest of the region empties.
+    """Keep the region slots the policy's keep mask `keep` ([B, H_c, N] or [B, N] over the view) selects, in
+    place: the kept ones, in slot (= position) order, move to the region's start; the rest of the region
+    empties.
 
     view: the slots in the dynamic cache's order, `order` [B, N] their static slot indices
     (`dynamic_order`; one past the last slot for an empty one); slots: the layer's keys, values
@@ -320,7 +351,6 @@ def compact_region(
     compacted: the protected prompt); slot_buffers: the policy's per-slot buffers [B, H_c, S] and
     their fill values, moved likewise (emptied slots get the fill). No host sync.
     """
-    keep = policy.select(view)
     if keep.dim() == 2:
         keep = keep[:, None, :].expand_as(view.positions)
     keep = (keep | view.forced_keep()) & view.valid()
@@ -341,3 +371,26 @@ def compact_region(
     for buf, fill in ((positions, -1), *slot_buffers):
         region = buf[:, :, early:]
         region.copy_(torch.where(kept, region.gather(2, order), fill))
+
+
+def keep_region_slots(
+    kept: torch.Tensor,
+    slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    lo: int,
+    skip: int,
+    early: int,
+    slot_buffers: tuple[tuple[torch.Tensor, float], ...] = (),
+) -> None:
+    """What `keep_region` does for a view of the one run of slots from `lo` (`unpadded_run`) and the kept
+    slots LongTensor[B, H_c, n] the policy returned (ascending): all but the first `skip` (the protected
+    prompt, which stays where it is) move, in order, to the region's start `early`; the rest of the
+    region empties (positions -1, the slot buffers' fill). No host sync."""
+    moved = kept[..., skip:] + lo if skip else kept + lo
+    count = moved.shape[-1]
+    for buf in slots[:2]:
+        buf[:, :, early : early + count].copy_(
+            buf.gather(2, moved[..., None].expand(*moved.shape, buf.shape[-1]))
+        )
+    for buf, fill in ((slots[2], -1), *slot_buffers):
+        buf[:, :, early : early + count].copy_(buf.gather(2, moved))
+        buf[:, :, early + count :].fill_(fill)

@@ -22,9 +22,11 @@ from rlkv.cache.static_budget import (
     RowSchedule,
     StaticCacheError,
     StaticForm,
-    compact_region,
     dynamic_order,
+    keep_region,
+    keep_region_slots,
     policy_view,
+    unpadded_run,
 )
 from rlkv.cache.static_slots import write_budget, write_prompt, write_streaming
 from rlkv.compat import mark_static_address
@@ -117,7 +119,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.schedule: RowSchedule | None = None  # a budget region's compactions (set at prefill)
         # the `region_base` offset every row shares (eager writes use it), None when rows differ
         self.shared_offset: int | None = 0
-        # what the cache's layers share: the schedule ("schedule"), made by the layer "owner" at each prefill
+        # what the cache's layers share: the schedule ("schedule") and the rows' starts ("row_starts"), made
+        # by the layer "owner" at each prefill
         # (every compressed layer holds the same tokens, so one replay of the policy's rule serves all)
         self.shared = shared if shared is not None else {"owner": layer_idx}
         self.policy_state: dict = {}  # the policy's per-layer state across compactions (`store.state`)
@@ -204,10 +207,57 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             n = min(length, self.form.observe)
             held = torch.arange(length - n, length, device=self.device)  # oldest first
             queries = (b["obs_q"].index_select(3, held % self.form.observe), held)
-        region = self.form.region_slots(self.settings.window)
         last = self.schedule.last_compaction(generated)
-        at, kept = (0, None) if last is None else (last[0], torch.tensor(last[1], device=self.device))
         base = self.early if self.form.protect else 0  # where the kept evictable tokens are packed
+        slot_buffers = tuple((b[key], fill) for key, fill in self.slot_fills.items())
+        run = unpadded_run(
+            self.form, self.early, self.prompt_width, generated, last, self.shared["row_starts"]
+        )
+        if run is None:
+            self._compact_in_dynamic_order(queries, last, base, slot_buffers)
+        else:  # the slots the dynamic store lists are one run, already in its order: a view of them
+            lo, hi = run
+            view = policy_view(
+                self.layer_idx,
+                self.comp_idx,
+                self.num_groups,
+                self.settings,
+                tuple(t.narrow(2, lo, hi - lo) for t in slots),
+                queries,
+                b["row_start"],
+                (length, self.prompt_width),
+                self.policy_state,
+                unpadded=True,
+            )
+            for (buf, fill), key in zip(slot_buffers, self.slot_fills, strict=True):
+                view._slot_buffers[key.removeprefix("slot:")] = (buf.narrow(2, lo, hi - lo), fill)
+            keep = self.settings.policy.select(view)
+            if keep.dtype == torch.long:  # the kept slots themselves; the protected prompt stays put
+                keep_region_slots(
+                    keep, slots, lo, self.prompt_width if self.form.protect else 0, base, slot_buffers
+                )
+            else:
+                order = torch.arange(lo, hi, device=self.device).expand(keep.shape[0], -1)
+                keep_region(view, keep, slots, order, base, slot_buffers)
+        # generated token g then goes to slot early + g + region_base[b]: right after the row's kept run
+        offsets = [base + h - generated - self.early for h in self.schedule.held(generated)]
+        b["region_base"].copy_(torch.tensor(offsets))  # host ints sent, nothing read
+        self.shared_offset = offsets[0] if len(set(offsets)) == 1 else None
+        self.compacted_at = length
+
+    def _compact_in_dynamic_order(
+        self,
+        queries: tuple[torch.Tensor, torch.Tensor] | None,
+        last: tuple[int, list[int]] | None,
+        base: int,
+        slot_buffers: tuple[tuple[torch.Tensor, float], ...],
+    ) -> None:
+        """The compaction of padded rows: the policy sees the slots gathered in the dynamic store's order."""
+        b = self.buffers
+        slots = (b["comp_k"], b["comp_v"], b["comp_pos"])
+        region = self.form.region_slots(self.settings.window)
+        generated = self.host_length - self.prompt_width
+        at, kept = (0, None) if last is None else (last[0], torch.tensor(last[1], device=self.device))
         order = dynamic_order(
             b["row_start"], self.prompt_width, self.early, region, kept, generated - at, self.form.protect
         )
@@ -227,18 +277,12 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             (view_of(slots[0], 0), view_of(slots[1], 0), view_of(slots[2], -1)),
             queries,
             b["row_start"],
-            (length, self.prompt_width),
+            (self.host_length, self.prompt_width),
             self.policy_state,
         )
-        slot_buffers = tuple((b[key], fill) for key, fill in self.slot_fills.items())
         for (buf, fill), key in zip(slot_buffers, self.slot_fills, strict=True):
             view._slot_buffers[key.removeprefix("slot:")] = (view_of(buf, fill), fill)
-        compact_region(view, self.settings.policy, slots, order, base, slot_buffers)
-        # generated token g then goes to slot early + g + region_base[b]: right after the row's kept run
-        offsets = [base + h - generated - self.early for h in self.schedule.held(generated)]
-        b["region_base"].copy_(torch.tensor(offsets))  # host ints sent, nothing read
-        self.shared_offset = offsets[0] if len(set(offsets)) == 1 else None
-        self.compacted_at = length
+        keep_region(view, self.settings.policy.select(view), slots, order, base, slot_buffers)
 
     # CacheLayerMixin -------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -371,16 +415,23 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             b["row_start"].copy_(torch.where(real.any(1), real.int().argmax(1), width))
         b["length"].fill_(width)
         b["prompt_len"].fill_(width)
+        owner = self.layer_idx == self.shared.get("owner")  # the first compressed layer; the others share
+        if owner:
+            # each row's first real column, read once per request (nothing to read without padding): a
+            # ratio budget or an unprotected prompt follows each row's real length, unpadded rows compact
+            # one run of slots, and the streaming sink ends at the latest start
+            starts = b["row_start"].tolist() if mask is not None else [0] * b["row_start"].shape[0]
+            self.shared["row_starts"] = starts
         if self.form.kind == "budget" and self.comp_idx.numel():
             self.policy_state = {}
             self.schedule = self.shared.get("schedule")
-            if self.layer_idx == self.shared.get("owner"):  # the first compressed layer; the others share it
-                # a ratio budget or an unprotected prompt follows each row's real length: read once here
+            if owner:
                 needs_real = self.form.ratio or not self.form.protect
-                real = (width - b["row_start"]).tolist() if needs_real else [0] * b["row_start"].shape[0]
+                real = [width - s if needs_real else 0 for s in self.shared["row_starts"]]
                 self.schedule = self.shared["schedule"] = RowSchedule(self.form, real)
         if self.form.kind == "streaming" and self.comp_idx.numel():
-            self.sink_until = self._sink_until(padded=mask is not None)
+            # a token at column c >= the prompt width is a sink token only while c < its row's start + sink
+            self.sink_until = max(self.shared["row_starts"]) + self.settings.sink
         out = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)[0]
         if self.full_idx.numel():
             b["full_k"][:, :, :width].copy_(pick_heads(keys, self.full_idx, self.full_slice))
@@ -414,17 +465,6 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 at = torch.arange(width - n, width, device=query.device) % self.form.observe
                 b["obs_q"].index_copy_(3, at, grouped)
         return out
-
-    def _sink_until(self, padded: bool) -> int:
-        """The first column from which no row's decode token is a sink token: the latest row start + sink
-        (a token at column c >= the prompt width is one only while c < its row's start + sink). A padded
-        batch reads its latest row start once per request, in the first compressed layer (the others
-        share it), so that eager steps after prompts longer than the sink write the ring slot alone."""
-        if not padded:
-            return self.settings.sink
-        if self.layer_idx == self.shared.get("owner"):
-            self.shared["latest_start"] = int(self.buffers["row_start"].max())
-        return self.shared["latest_start"] + self.settings.sink
 
     def _observe_prompt(self, q_comp: torch.Tensor, scaling: float) -> None:
         """Hand the policy the prompt's causal attention probabilities over the slots, [B, H_c, G, Q, S]
