@@ -262,37 +262,17 @@ def test_refine_cut_lowers_the_joint_nll_of_a_bad_ranking_and_nests_its_cuts(tmp
     order = torch.stack([worst_first // 2, worst_first % 2], dim=1)
     bad = mask_from_order(order, model, method="reversed ablation")
     scored, calls = {}, []
+    search = dict(
+        sink=2, local=4, swap_in=2, swap_out=2, rounds=4, batch_size=2, progress=False, scored=scored
+    )
     refined, searches = refine_cut(
-        model,
-        sequences,
-        bad,
-        [0.75, 0.5],
-        sink=2,
-        local=4,
-        swap_in=2,
-        swap_out=2,
-        rounds=4,
-        batch_size=2,
-        progress=False,
-        scored=scored,
-        on_score=lambda values: calls.append(len(values)),
+        model, sequences, bad, [0.75, 0.5], **search, on_score=lambda values: calls.append(len(values))
     )
     assert [c.sparsity for c in searches] == [0.5, 0.75]
     assert calls == list(range(1, len(scored) + 1)) and "base" in scored  # each NLL reported as measured
-    again, _ = refine_cut(  # resumed from what was measured: nothing scored twice, the same result
-        model,
-        sequences,
-        bad,
-        [0.5, 0.75],
-        sink=2,
-        local=4,
-        swap_in=2,
-        swap_out=2,
-        rounds=4,
-        batch_size=2,
-        progress=False,
-        scored=scored,
-        on_score=lambda values: calls.append(-1),
+    # resumed from what was measured: nothing scored twice, the same result
+    again, _ = refine_cut(
+        model, sequences, bad, [0.5, 0.75], **search, on_score=lambda values: calls.append(-1)
     )
     assert -1 not in calls and torch.equal(again.scores, refined.scores)
     assert all(c.increase <= c.start_increase for c in searches)

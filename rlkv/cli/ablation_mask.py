@@ -76,6 +76,21 @@ def load_for_solutions(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return problems, model, tokenizer
 
 
+def greedy_solutions_of(args: argparse.Namespace, model: Any, tokenizer: Any, problems: Any) -> list:
+    """The model's greedy solutions of `problems` with the `add_solution_args` flags (rlkv.ablation.greedy_solutions)."""
+    from rlkv.ablation import greedy_solutions
+
+    return greedy_solutions(
+        model,
+        tokenizer,
+        problems,
+        args.max_new_tokens,
+        template=args.template,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+
+
 def sink_local(args: argparse.Namespace, default: tuple[int, int] = (16, 64)) -> tuple[int, int]:
     """(sink, local) of the compressed heads: the flags where given, else `default`; a bad value is one error."""
     from rlkv.errors import UserInputError

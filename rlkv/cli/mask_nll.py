@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from rlkv.cli import csv_fractions, csv_list
-from rlkv.cli.ablation_mask import add_solution_args, load_for_solutions, sink_local
+from rlkv.cli.ablation_mask import add_solution_args, greedy_solutions_of, load_for_solutions, sink_local
 
 # flags that only shape generated solutions: meaningless with --solutions-from (the eval recipe set them)
 _GENERATION_ONLY = (
@@ -74,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Score every mask at every sparsity and print the table. Returns the exit status."""
     from rlkv._io import atomic_write_text, check_output_path
-    from rlkv.ablation import greedy_solutions, mask_nll
+    from rlkv.ablation import mask_nll
     from rlkv.errors import UserInputError
 
     if not args.masks and args.random < 1:
@@ -95,15 +95,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         problems, model, tokenizer = load_for_solutions(args)
         sink, local = sink_local(args)
-        sequences = greedy_solutions(
-            model,
-            tokenizer,
-            problems,
-            args.max_new_tokens,
-            template=args.template,
-            batch_size=args.batch_size,
-            progress=not args.no_progress,
-        )
+        sequences = greedy_solutions_of(args, model, tokenizer, problems)
         source, num_problems = args.problems, len(problems)
     masks = named_masks(args.masks, args.random, model)
     base, increases = mask_nll(

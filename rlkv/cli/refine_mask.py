@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from rlkv.cli import csv_fractions, csv_list, positive_int
-from rlkv.cli.ablation_mask import add_solution_args, load_for_solutions, sink_local
+from rlkv.cli.ablation_mask import add_solution_args, greedy_solutions_of, load_for_solutions, sink_local
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rlkv._io import atomic_write_text, check_output_path
-    from rlkv.ablation import greedy_solutions, refine_cut
+    from rlkv.ablation import refine_cut
     from rlkv.errors import UserInputError
     from rlkv.head_mask import HeadMask
 
@@ -73,15 +73,7 @@ def run(args: argparse.Namespace) -> int:
     mask = HeadMask.from_pretrained(args.mask, model)
     sink, local = sink_local(args)
     began = time.perf_counter()
-    sequences = greedy_solutions(
-        model,
-        tokenizer,
-        problems,
-        args.max_new_tokens,
-        template=args.template,
-        batch_size=args.batch_size,
-        progress=not args.no_progress,
-    )
+    sequences = greedy_solutions_of(args, model, tokenizer, problems)
     # every NLL measured is saved as it comes, so a stopped search resumes where it was
     partial = Path(f"{args.out}.partial.json")
     identity = {
