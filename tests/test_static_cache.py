@@ -223,7 +223,7 @@ def test_streaming_keeps_sink_and_window_at_logical_positions(left_padded_batch)
 @pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("streaming")])
 def test_unpadded_rows_compact_one_run_of_slots_as_the_dynamic_cache(case):
     """Rows without padding: each compaction's policy view is the one run of slots the dynamic store lists
-    (`unpadded_run`), and a top-scores policy's kept slots move in place (`keep_region_slots`). Same
+    (`unpadded_run`), and a top-scores policy's kept slots move in place (`keep_in_run`). Same
     tokens, logits (1e-5), kept positions and evictions as the dynamic cache."""
     model = tiny_model("llama")
     config = _config(model, case)

@@ -373,18 +373,24 @@ def keep_region(
         region.copy_(torch.where(kept, region.gather(2, order), fill))
 
 
-def keep_region_slots(
-    kept: torch.Tensor,
+def keep_in_run(
+    view: CompressedStore,
+    policy: CompressionPolicy,
     slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     lo: int,
     skip: int,
     early: int,
     slot_buffers: tuple[tuple[torch.Tensor, float], ...] = (),
 ) -> None:
-    """What `keep_region` does for a view of the one run of slots from `lo` (`unpadded_run`) and the kept
-    slots LongTensor[B, H_c, n] the policy returned (ascending): all but the first `skip` (the protected
-    prompt, which stays where it is) move, in order, to the region's start `early`; the rest of the
-    region empties (positions -1, the slot buffers' fill). No host sync."""
+    """`keep_region` for a view of the one run of slots from `lo` (`unpadded_run`): when `policy.select(view)`
+    returns the kept slots LongTensor[B, H_c, n] (ascending), all but the first `skip` (the protected
+    prompt, which stays where it is) move, in order, to the region's start `early` and the rest of the
+    region empties (positions -1, the slot buffers' fill); a keep mask goes through `keep_region`. No host sync."""
+    kept = policy.select(view)
+    if kept.dtype != torch.long:
+        order = torch.arange(lo, lo + view.positions.shape[-1], device=kept.device)
+        keep_region(view, kept, slots, order.expand(kept.shape[0], -1), early, slot_buffers)
+        return
     moved = kept[..., skip:] + lo if skip else kept + lo
     count = moved.shape[-1]
     for buf in slots[:2]:

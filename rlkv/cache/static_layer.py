@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlkv.cache.attention import EAGER_CHUNK_ELEMENTS, SELF_ATTENDING_LAYERS
+from rlkv.cache.attention import SELF_ATTENDING_LAYERS
 from rlkv.cache.head_split import head_split, merge_heads, pick_heads
 from rlkv.cache.settings import CompressionSettings
 from rlkv.cache.static_budget import (
@@ -23,12 +23,12 @@ from rlkv.cache.static_budget import (
     StaticCacheError,
     StaticForm,
     dynamic_order,
+    keep_in_run,
     keep_region,
-    keep_region_slots,
     policy_view,
     unpadded_run,
 )
-from rlkv.cache.static_slots import write_budget, write_prompt, write_streaming
+from rlkv.cache.static_slots import observe_prompt, write_budget, write_prompt, write_streaming
 from rlkv.compat import mark_static_address
 
 
@@ -231,14 +231,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             )
             for (buf, fill), key in zip(slot_buffers, self.slot_fills, strict=True):
                 view._slot_buffers[key.removeprefix("slot:")] = (buf.narrow(2, lo, hi - lo), fill)
-            keep = self.settings.policy.select(view)
-            if keep.dtype == torch.long:  # the kept slots themselves; the protected prompt stays put
-                keep_region_slots(
-                    keep, slots, lo, self.prompt_width if self.form.protect else 0, base, slot_buffers
-                )
-            else:
-                order = torch.arange(lo, hi, device=self.device).expand(keep.shape[0], -1)
-                keep_region(view, keep, slots, order, base, slot_buffers)
+            skip = self.prompt_width if self.form.protect else 0  # the protected prompt stays put
+            keep_in_run(view, self.settings.policy, slots, lo, skip, base, slot_buffers)
         # generated token g then goes to slot early + g + region_base[b]: right after the row's kept run
         offsets = [base + h - generated - self.early for h in self.schedule.held(generated)]
         b["region_base"].copy_(torch.tensor(offsets))  # host ints sent, nothing read
@@ -455,7 +449,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                     )
                     policy.on_attention(self.slot_view, zero)
                 else:  # an evictable prompt is scored by its own attention, as the dynamic cache does
-                    self._observe_prompt(pick_heads(query, self.comp_q, self.comp_q_slice), scaling)
+                    observe_prompt(self, pick_heads(query, self.comp_q, self.comp_q_slice), scaling)
             if self.form.observe:
                 q_comp = pick_heads(query, self.comp_q, self.comp_q_slice)
                 n = min(width, self.form.observe)
@@ -465,23 +459,6 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 at = torch.arange(width - n, width, device=query.device) % self.form.observe
                 b["obs_q"].index_copy_(3, at, grouped)
         return out
-
-    def _observe_prompt(self, q_comp: torch.Tensor, scaling: float) -> None:
-        """Hand the policy the prompt's causal attention probabilities over the slots, [B, H_c, G, Q, S]
-        in query chunks (an explicit fp32 softmax, as the dynamic cache's observing path)."""
-        b = self.buffers
-        batch, _, width, dim = q_comp.shape
-        heads, slots = b["comp_k"].shape[1], b["comp_k"].shape[2]
-        q = q_comp.reshape(batch, heads, self.num_groups, width, dim)
-        keys_t = b["comp_k"][:, :, None].float().transpose(-1, -2)
-        pos = b["comp_pos"][:, :, None, None, :]  # [B, H_c, 1, 1, S]: a slot's column
-        step = max(1, EAGER_CHUNK_ELEMENTS // max(1, batch * heads * self.num_groups * slots))
-        for start in range(0, width, step):
-            cols = torch.arange(start, min(width, start + step), device=q.device)[:, None]
-            logits = torch.matmul(q[:, :, :, start : start + step].float(), keys_t) * scaling
-            allowed = (pos >= 0) & (pos <= cols)  # causal; a padding query sees no real key
-            probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
-            self.settings.policy.on_attention(self.slot_view, probs)
 
     # what the cache reports --------------------------------------------------------------------------
     def kept_positions(self) -> torch.Tensor | None:

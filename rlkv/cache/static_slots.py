@@ -4,7 +4,8 @@ The compressed slots of a layer are `[early | region]`: the early region holds e
 prompt and sink (row b's first real token at slot `early_offset`, so rows line up as in the dynamic
 cache's store), the region a ring of window + 1 slots (streaming) or the budget region
 (rlkv/cache/static_budget.py). `write_prompt` fills them after prefill; `write_streaming` /
-`write_budget` write one decode token with device indices only; `kept_per_head` counts, on the
+`write_budget` write one decode token with device indices only; `observe_prompt` hands a policy that
+observes attention the prompt's own; `kept_per_head` counts, on the
 host, how many tokens the dynamic cache keeps per compressed head at a given length.
 """
 
@@ -14,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from rlkv.cache.attention import EAGER_CHUNK_ELEMENTS
 from rlkv.cache.settings import CompressionSettings
 from rlkv.cache.static_budget import RowSchedule, StaticForm
 
@@ -23,6 +25,8 @@ class StaticHeadMixedLayer(Protocol):
     the layer can import this module and not the other way round)."""
 
     buffers: dict[str, torch.Tensor]
+    num_groups: int  # query heads per KV head
+    slot_view: object  # what the policy's `on_attention` gets as its store (per-slot buffers)
     slot_fills: dict[str, float]  # the policy's per-slot buffers (names in `buffers`) and fill values
     settings: CompressionSettings
     form: StaticForm
@@ -132,6 +136,25 @@ def write_budget(
     b["comp_pos"].scatter_(2, slot, pos.to(torch.int32).expand(batch, heads, 1))
     for name, fill in layer.slot_fills.items():  # the policy's per-slot values start afresh
         b[name].scatter_(2, slot, fill)
+
+
+def observe_prompt(layer: StaticHeadMixedLayer, q_comp: torch.Tensor, scaling: float) -> None:
+    """Hand the layer's policy the prompt's causal attention probabilities over the slots, [B, H_c, G, Q, S]
+    in query chunks (an explicit fp32 softmax, as the dynamic cache's observing path); q_comp: the
+    compressed heads' prompt queries [B, H_c * G, Q, D]."""
+    b = layer.buffers
+    batch, _, width, dim = q_comp.shape
+    heads, slots = b["comp_k"].shape[1], b["comp_k"].shape[2]
+    q = q_comp.reshape(batch, heads, layer.num_groups, width, dim)
+    keys_t = b["comp_k"][:, :, None].float().transpose(-1, -2)
+    pos = b["comp_pos"][:, :, None, None, :]  # [B, H_c, 1, 1, S]: a slot's column
+    step = max(1, EAGER_CHUNK_ELEMENTS // max(1, batch * heads * layer.num_groups * slots))
+    for start in range(0, width, step):
+        cols = torch.arange(start, min(width, start + step), device=q.device)[:, None]
+        logits = torch.matmul(q[:, :, :, start : start + step].float(), keys_t) * scaling
+        allowed = (pos >= 0) & (pos <= cols)  # causal; a padding query sees no real key
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+        layer.settings.policy.on_attention(layer.slot_view, probs)
 
 
 def kept_per_head(layer: StaticHeadMixedLayer, length: int, row: int, row_start: int) -> int:
