@@ -328,3 +328,8 @@ def test_refine_mask_cli_writes_the_refined_mask_and_prints_each_search(tmp_path
     assert "--swaps: '4': give IN,OUT" in capsys.readouterr().err
     assert cli_main([*refine[:-4], "--sparsities", "1.0", "--out", str(tmp_path / "y")]) == 2
     assert "--sparsities [1.0]" in capsys.readouterr().err
+    assert not (tmp_path / "refined.partial.json").exists()  # removed once the mask is written
+    stale = tmp_path / "z.partial.json"  # a stopped search with other settings is not resumed
+    stale.write_text(json.dumps({"identity": {"mask": "other"}, "scored": {}}))
+    assert cli_main([*refine, "--out", str(tmp_path / "z")]) == 2
+    assert "a stopped search with other settings" in capsys.readouterr().err
