@@ -509,6 +509,26 @@ def test_compiled_decode_runs_64_steps_without_recompiling(left_padded_batch, ca
     torch.compiler.reset()
 
 
+@pytest.mark.cross_path_floats
+@pytest.mark.parametrize("case", ["streaming", "rkv"])
+def test_compiled_decode_of_unpadded_rows_gives_the_eager_tokens(case):
+    """Rows without padding: an eager step reads the full heads' written columns and a budget's written
+    run of slots, without a mask (the dynamic cache's shapes); a compiled step reads every slot under a
+    mask (one graph for every step). Other shapes, so tokens equal and logits within 1e-5, one graph."""
+    model = tiny_model("llama")
+    batch = (torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(2)), torch.ones(2, 20))
+    cache = make_cache(model, _config(model, case), static=True, max_cache_len=20 + 32)
+    eager = greedy_generate(model, batch, cache, steps=32, disable_compile=True)
+    compile_config, graphs = graph_counting_compile()
+    torch.compiler.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = greedy_generate(model, batch, cache, steps=32, compile_config=compile_config)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), rtol=0, atol=1e-5)
+    assert len(graphs) == 1
+    torch.compiler.reset()
+
+
 def test_generate_static_cache_option(tokenizer):
     """`generate(static_cache=True)` gives the dynamic cache's outputs, and each row's stats at the step it
     ended (two rows end with EOS while the third runs on)."""

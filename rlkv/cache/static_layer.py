@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from rlkv.cache.attention import SELF_ATTENDING_LAYERS
 from rlkv.cache.head_split import head_split, merge_heads, pick_heads
 from rlkv.cache.settings import CompressionSettings
+from rlkv.cache.static_attention import decode_sdpa, observed_attention
 from rlkv.cache.static_budget import (
     RowSchedule,
     StaticCacheError,
@@ -28,19 +29,15 @@ from rlkv.cache.static_budget import (
     policy_view,
     unpadded_run,
 )
-from rlkv.cache.static_slots import observe_prompt, write_budget, write_prompt, write_streaming
+from rlkv.cache.static_slots import (
+    flush_positions,
+    observe_prompt,
+    write_budget,
+    write_prompt,
+    write_streaming,
+    written_run,
+)
 from rlkv.compat import mark_static_address
-
-
-def _decode_sdpa(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
-):
-    """One query token [B, H_kv * G, 1, D] over keys/values [B, H_kv, S, D], bool mask [B, 1 or H_kv, 1, S]:
-    the G query heads of a KV head packed as G rows of one SDPA head (every key read once)."""
-    batch, heads, _, dim = query.shape
-    packed = query.reshape(batch, keys.shape[1], heads // keys.shape[1], dim)
-    out = torch.nn.functional.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(batch, 1, heads, dim)
 
 
 class _SlotBuffers:
@@ -60,22 +57,6 @@ class _SlotBuffers:
             mark_static_address(b[key])
             self.layer.slot_fills[key] = fill
         return b[key]
-
-
-def _observed_attention(
-    q_comp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query token [B, H_c * G, 1, D] over slots [B, H_c, S, D] (valid BoolTensor [B, H_c, S]) with an
-    explicit fp32 softmax, as the dynamic cache computes it for a policy that observes attention.
-    Returns (output [B, 1, H_c * G, D], probabilities [B, H_c, G, 1, S])."""
-    batch, heads, _, dim = q_comp.shape
-    kv_heads = keys.shape[1]
-    q = q_comp.reshape(batch, kv_heads, heads // kv_heads, 1, dim).float()
-    logits = torch.matmul(q, keys[:, :, None].float().transpose(-1, -2)) * scale
-    logits = logits.masked_fill(~valid[:, :, None, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    out = torch.matmul(probs, values[:, :, None].float()).to(values.dtype)
-    return out.reshape(batch, heads, 1, dim).transpose(1, 2), probs
 
 
 class StaticHeadMixedLayer(CacheLayerMixin):
@@ -114,6 +95,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         self.begun = False  # the step hook already did this forward's bookkeeping
         self.in_flight = 0  # tokens of a begun forward not yet written: get_seq_length excludes them
         self.compacted_at = -1
+        self.defer_positions = False  # eager budget writes of unpadded rows leave positions to later
+        self.deferred: tuple[int, int, int] | None = None  # (first slot, its column, count) not yet written
         # streaming: the first column no row's sink reaches (an eager step then writes its ring slot alone)
         self.sink_until = self.max_cache_len
         self.schedule: RowSchedule | None = None  # a budget region's compactions (set at prefill)
@@ -200,6 +183,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         generated = length - self.prompt_width
         if self.compacted_at == length or not self._due(generated):
             return
+        flush_positions(self)
         b = self.buffers
         slots = (b["comp_k"], b["comp_v"], b["comp_pos"])
         queries = None
@@ -326,6 +310,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         """Forget the request; the tensors stay allocated at the same addresses."""
         self.host_length = self.prompt_width = 0
         self.begun, self.in_flight, self.compacted_at, self.pending = False, 0, -1, None
+        self.deferred = None
         self.sink_until = self.max_cache_len
         self.schedule = None
         self.shared_offset = 0
@@ -362,16 +347,21 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             return self._prefill(module, query, mask, scaling)
         b = self.buffers
         outs = []
+        # an eager step of an unpadded batch reads what is written, the dynamic cache's shapes; a compiled
+        # step (and a padded batch's) reads every slot under a mask, one graph for every step
+        unpadded = not torch.compiler.is_compiling() and not any(self.shared.get("row_starts", (1,)))
         if self.full_idx.numel():
-            # every column, eager or compiled: the same shapes, so a compiled step's floats are the eager one's
-            if mask is None:
+            q_full = pick_heads(query, self.full_q, self.full_q_slice)
+            if unpadded:
+                keys, values = (b[name].narrow(2, 0, self.host_length) for name in ("full_k", "full_v"))
+                outs.append(decode_sdpa(q_full, keys, values, None, scaling))
+            elif mask is None:
                 cols = torch.arange(self.max_cache_len, device=query.device)
                 valid = (cols < b["length"]) & (cols[None, :] >= b["row_start"][:, None])
-                full_mask = valid[:, None, None, :]
+                outs.append(decode_sdpa(q_full, b["full_k"], b["full_v"], valid[:, None, None, :], scaling))
             else:  # a decode step's mask is one query row already; slicing it would add an op per layer
                 full_mask = mask if mask.shape[2] == 1 else mask[:, :, -1:, :]
-            q_full = pick_heads(query, self.full_q, self.full_q_slice)
-            outs.append(_decode_sdpa(q_full, b["full_k"], b["full_v"], full_mask, scaling))
+                outs.append(decode_sdpa(q_full, b["full_k"], b["full_v"], full_mask, scaling))
         if self.comp_idx.numel():
             q_comp = pick_heads(query, self.comp_q, self.comp_q_slice)
             if self.form.observe:
@@ -382,14 +372,18 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                     b["obs_q"].narrow(3, (self.host_length - 1) % self.form.observe, 1).copy_(grouped)
             policy = self.settings.policy
             if policy.observe_attention:
-                out, probs = _observed_attention(
-                    q_comp, b["comp_k"], b["comp_v"], b["comp_pos"] >= 0, scaling
-                )
+                flush_positions(self)
+                out, probs = observed_attention(q_comp, b["comp_k"], b["comp_v"], b["comp_pos"] >= 0, scaling)
                 policy.on_attention(self.slot_view, probs)
                 outs.append(out)
+            elif unpadded and self.form.kind == "budget" and self.shared_offset is not None:
+                lo, hi = written_run(self)
+                keys, values = (b[name].narrow(2, lo, hi - lo) for name in ("comp_k", "comp_v"))
+                outs.append(decode_sdpa(q_comp, keys, values, None, scaling))
             else:
+                flush_positions(self)
                 comp_mask = (b["comp_pos"] >= 0)[:, :, None, :]
-                outs.append(_decode_sdpa(q_comp, b["comp_k"], b["comp_v"], comp_mask, scaling))
+                outs.append(decode_sdpa(q_comp, b["comp_k"], b["comp_v"], comp_mask, scaling))
         if len(outs) == 1:
             return outs[0]
         return merge_heads(outs[0], outs[1], self.full_q, self.full_q_slice, self.comp_q, self.comp_q_slice)
@@ -417,6 +411,9 @@ class StaticHeadMixedLayer(CacheLayerMixin):
             starts = b["row_start"].tolist() if mask is not None else [0] * b["row_start"].shape[0]
             self.shared["row_starts"] = starts
         if self.form.kind == "budget" and self.comp_idx.numel():
+            # unpadded rows' eager steps attend the written run (`written_run`), which needs no positions
+            observes = self.settings.policy.observe_attention
+            self.defer_positions = not observes and not any(self.shared["row_starts"])
             self.policy_state = {}
             self.schedule = self.shared.get("schedule")
             if owner:
@@ -467,6 +464,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         if not self.comp_idx.numel() or not self.buffers:
             return None
         self.compact()  # a compaction due before the next step (the dynamic cache did it after this one)
+        flush_positions(self)
         pos = self.buffers["comp_pos"].long()
         if self.form.kind == "streaming":
             ring = pos[:, :, self.early :]

@@ -30,6 +30,9 @@ class StaticHeadMixedLayer(Protocol):
     slot_fills: dict[str, float]  # the policy's per-slot buffers (names in `buffers`) and fill values
     settings: CompressionSettings
     form: StaticForm
+    compacted_at: int  # host length at the last compaction, -1 before any
+    defer_positions: bool  # eager budget writes leave the written slots' positions to `flush_positions`
+    deferred: tuple[int, int, int] | None  # (first slot, its column, count) of positions not yet written
     early: int  # early-region slots
     prompt_width: int
     host_length: int  # tokens stored, this forward's included
@@ -75,12 +78,38 @@ def write_prompt(layer: StaticHeadMixedLayer, keys: torch.Tensor, values: torch.
 
 
 def _write_slot(
-    b: dict[str, torch.Tensor], at: int, keys: torch.Tensor, values: torch.Tensor, column: int
+    b: dict[str, torch.Tensor],
+    at: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    column: int | None = None,
 ) -> None:
-    """Eager decode write of every row's token [B, H_c, 1, D] at the host-known slot `at` (logical `column`)."""
+    """Eager decode write of every row's token [B, H_c, 1, D] at the host-known slot `at` (logical `column`;
+    None: the position is written later)."""
     b["comp_k"].narrow(2, at, 1).copy_(keys)
     b["comp_v"].narrow(2, at, 1).copy_(values)
-    b["comp_pos"].narrow(2, at, 1).fill_(column)
+    if column is not None:
+        b["comp_pos"].narrow(2, at, 1).fill_(column)
+
+
+def written_run(layer: StaticHeadMixedLayer) -> tuple[int, int]:
+    """(lo, hi): the budget slots of an unpadded batch whose rows share `shared_offset`, one run in the
+    dynamic store's order: the prompt at [early - width, early) (an unprotected prompt's only until the
+    first compaction packs the kept tokens from slot 0), then the kept and the newer generated tokens up
+    to the one this forward wrote (`write_budget`'s slot + 1)."""
+    lo = 0 if not layer.form.protect and layer.compacted_at >= 0 else layer.early - layer.prompt_width
+    return lo, layer.early + layer.host_length - layer.prompt_width + layer.shared_offset
+
+
+def flush_positions(layer: StaticHeadMixedLayer) -> None:
+    """Write the positions eager steps left to later (`defer_positions`): consecutive slots hold
+    consecutive columns, so one range serves them all."""
+    if layer.deferred is None:
+        return
+    slot, column, count = layer.deferred
+    layer.deferred = None
+    pos = layer.buffers["comp_pos"]
+    pos.narrow(2, slot, count).copy_(torch.arange(column, column + count, dtype=pos.dtype, device=pos.device))
 
 
 def write_streaming(
@@ -125,7 +154,12 @@ def write_budget(
     if not torch.compiler.is_compiling() and layer.shared_offset is not None:
         column = layer.host_length - 1
         at = layer.early + column - layer.prompt_width + layer.shared_offset
-        _write_slot(b, at, keys, values, column)
+        if not layer.defer_positions:
+            _write_slot(b, at, keys, values, column)
+        else:  # this step attends the written run, no mask: the position waits for the next reader
+            _write_slot(b, at, keys, values)
+            slot, first, count = layer.deferred or (at, column, 0)  # a compaction flushed the last run
+            layer.deferred = (slot, first, count + 1)
         for name, fill in layer.slot_fills.items():
             b[name].narrow(2, at, 1).fill_(fill)
         return
