@@ -114,10 +114,13 @@ def test_static_eager_steps_within_the_sink_of_a_long_prompt_cost_what_later_ste
     assert counts[0] == counts[1], counts
 
 
-@pytest.mark.parametrize("policy", ["knorm", "rkv"])
+@pytest.mark.parametrize("policy", ["knorm", "rkv", "snapkv"])
 def test_static_eager_compactions_of_unpadded_rows_stay_near_the_dynamic_ones(policy):
-    """Budget 24 over an unprotected prompt, a compaction every 4 steps: the static cache's steps <= 1.2x
-    the dynamic cache's ops. Measured 2026-11-29: K-norm 322 vs 292.5 (1.10x), R-KV 391 vs 337.5 (1.16x);
+    """Budget 24 over an unprotected prompt, a compaction every 4 steps: the static cache's steps <= 1.15x
+    the dynamic cache's ops. Measured 2026-11-29 (session 29): K-norm 324.25 vs 292.5 (1.11x), R-KV 373.75
+    vs 337.5 (1.11x), SnapKV 351.25 vs 315 (1.12x); R-KV 393.25 and SnapKV 370.75 before the run's view told
+    the policy its oldest observation query (so the window is left out of the scoring by count, no mask).
+    Session 28: K-norm 322 vs 292.5 (1.10x), R-KV 391 vs 337.5 (1.16x);
     380.5 and 477 (1.30x, 1.41x) before unpadded rows compacted one run of slots in place instead of
     gathering every slot in the dynamic store's order and sorting the region."""
     model = tiny_model("llama", num_hidden_layers=4)
@@ -128,7 +131,7 @@ def test_static_eager_compactions_of_unpadded_rows_stay_near_the_dynamic_ones(po
     static = StaticHeadMixedCache(
         model.config, LAYOUT, get_policy(policy, **kwargs), max_cache_len=PROMPT + WARM + STEPS, **sizes
     )
-    assert _ops_per_step(model, static) <= 1.2 * _ops_per_step(model, dynamic)
+    assert _ops_per_step(model, static) <= 1.15 * _ops_per_step(model, dynamic)
 
 
 def _keys_attended_per_step(model, cache) -> float:

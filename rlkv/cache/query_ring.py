@@ -65,11 +65,12 @@ class QueryRing:
 class ObservedQueries:
     """The observation window of a `CompressedStore` (rlkv/cache/store.py): its `QueryRing`, or queries and
     positions a static cache's store view was given. The store sets `query_ring`, `_queries`,
-    `_query_positions`, `num_groups` and `logical_length`."""
+    `_query_positions`, `view_oldest_query`, `num_groups` and `logical_length`."""
 
     query_ring: QueryRing
     _queries: torch.Tensor | None
     _query_positions: torch.Tensor | None
+    view_oldest_query: int | None  # a static view's oldest query position, where the host knows it
     num_groups: int
     logical_length: int
 
@@ -100,5 +101,8 @@ class ObservedQueries:
 
     @property
     def oldest_query_position(self) -> int | None:
-        """Host int: the logical position of the oldest remembered query (None: none, or a static view's)."""
-        return self.query_ring.oldest(self.logical_length) if self._query_positions is None else None
+        """Host int: the logical position of the oldest remembered query (None: none, or a static view's
+        whose slots the host does not know to be one run, `view_oldest_query`)."""
+        if self._query_positions is None:
+            return self.query_ring.oldest(self.logical_length)
+        return self.view_oldest_query

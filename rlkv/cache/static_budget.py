@@ -305,6 +305,8 @@ def policy_view(
     if unpadded:
         batch, _, count = view.positions.shape
         view.row_start_host, view.slot_counts, view.uniform = [0] * batch, [count] * batch, True
+        if queries is not None:  # the window is the run's last slots: scoring may leave it out by count
+            view.view_oldest_query = lengths[0] - queries[1].shape[0]
     view.state = state
     return view
 

@@ -73,6 +73,7 @@ class CompressedStore(ObservedQueries):
         self.query_ring = QueryRing()
         self._queries: torch.Tensor | None = None
         self._query_positions: torch.Tensor | None = None
+        self.view_oldest_query: int | None = None
         self.row_start: torch.Tensor | None = None  # LongTensor[B]: first real column of each row
         self.evicted: torch.Tensor | None = None
         self.logical_length = 0
