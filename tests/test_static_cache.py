@@ -246,6 +246,31 @@ def test_unpadded_rows_compact_one_run_of_slots_as_the_dynamic_cache(case):
     assert evicted > 0
 
 
+@pytest.mark.parametrize("case", ["rkv-unprotected", "knorm-ratio-unprotected"])
+def test_a_prompt_over_budget_compacts_in_the_prefill_as_the_dynamic_cache(left_padded_batch, case):
+    """An unprotected prompt over the budget is compacted at the end of the prefill forward, where the
+    dynamic cache compacts it, so the first decode step pays no compaction: after the prefill every
+    compressed layer keeps the dynamic cache's positions and none is due before the first step."""
+    model = tiny_model("llama")
+    input_ids, attention_mask = left_padded_batch
+    config = _config(model, case)
+    caches = (
+        make_cache(model, config),
+        make_cache(model, config, static=True, max_cache_len=input_ids.shape[1] + 4),
+    )
+    with torch.no_grad():
+        for cache in caches:
+            model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    dynamic, static = caches
+    compacted = 0
+    for dyn_layer, static_layer in zip(dynamic.layers, static.layers, strict=True):
+        if dyn_layer.store is not None:
+            compacted += static_layer.compacted_at == input_ids.shape[1]
+            positions = static_layer.buffers["comp_pos"].long()
+            assert _position_sets(positions) == _position_sets(dyn_layer.store.positions)
+    assert compacted  # the prompt was over budget in the compressed layers
+
+
 @pytest.mark.cross_path_floats
 @pytest.mark.parametrize("protect_prompt", [True, False])
 @pytest.mark.parametrize("rows", [3, 4])

@@ -455,6 +455,7 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 )
                 at = torch.arange(width - n, width, device=query.device) % self.form.observe
                 b["obs_q"].index_copy_(3, at, grouped)
+            self.compact()  # a prompt over budget now, as the dynamic cache does: not in the first step
         return out
 
     # what the cache reports --------------------------------------------------------------------------
