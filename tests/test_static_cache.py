@@ -5,6 +5,7 @@ import torch
 
 from rlkv.cache.static import StaticHeadMixedCache
 from rlkv.cache.static_budget import StaticCacheError, unpadded_run
+from rlkv.compat import cache_kwargs
 from rlkv.head_mask import HeadMask
 from rlkv.inference import CompressionConfig, generate, make_cache
 from rlkv.policies.steering import SteeringVector
@@ -260,7 +261,7 @@ def test_a_prompt_over_budget_compacts_in_the_prefill_as_the_dynamic_cache(left_
     )
     with torch.no_grad():
         for cache in caches:
-            model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(cache), use_cache=True)
     dynamic, static = caches
     compacted = 0
     for dyn_layer, static_layer in zip(dynamic.layers, static.layers, strict=True):
