@@ -135,7 +135,7 @@ def test_static_eager_compactions_of_unpadded_rows_stay_near_the_dynamic_ones(po
 
 
 def _keys_attended_per_step(model, cache) -> float:
-    """Key columns the decode steps' SDPA calls read, summed over calls, per step and row."""
+    """Key columns the decode steps' SDPA calls read (batch of 2), summed over the calls, per step."""
     prof = _profile_steps(model, cache, batch=2)
     calls = [e for e in prof.events() if e.name == "aten::scaled_dot_product_attention"]
     return sum(e.input_shapes[1][2] for e in calls) / STEPS

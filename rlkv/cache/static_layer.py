@@ -349,7 +349,8 @@ class StaticHeadMixedLayer(CacheLayerMixin):
         outs = []
         # an eager step of an unpadded batch reads what is written, the dynamic cache's shapes; a compiled
         # step (and a padded batch's) reads every slot under a mask, one graph for every step
-        unpadded = not torch.compiler.is_compiling() and not any(self.shared.get("row_starts", (1,)))
+        starts = self.shared.get("row_starts")  # None until a layer with compressed heads saw a prompt
+        unpadded = not torch.compiler.is_compiling() and starts is not None and not any(starts)
         if self.full_idx.numel():
             q_full = pick_heads(query, self.full_q, self.full_q_slice)
             if unpadded:
