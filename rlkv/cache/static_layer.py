@@ -373,7 +373,6 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                     b["obs_q"].narrow(3, (self.host_length - 1) % self.form.observe, 1).copy_(grouped)
             policy = self.settings.policy
             if policy.observe_attention:
-                flush_positions(self)
                 out, probs = observed_attention(q_comp, b["comp_k"], b["comp_v"], b["comp_pos"] >= 0, scaling)
                 policy.on_attention(self.slot_view, probs)
                 outs.append(out)
@@ -382,7 +381,6 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 keys, values = (b[name].narrow(2, lo, hi - lo) for name in ("comp_k", "comp_v"))
                 outs.append(decode_sdpa(q_comp, keys, values, None, scaling))
             else:
-                flush_positions(self)
                 comp_mask = (b["comp_pos"] >= 0)[:, :, None, :]
                 outs.append(decode_sdpa(q_comp, b["comp_k"], b["comp_v"], comp_mask, scaling))
         if len(outs) == 1:

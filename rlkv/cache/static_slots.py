@@ -103,7 +103,9 @@ def written_run(layer: StaticHeadMixedLayer) -> tuple[int, int]:
 
 def flush_positions(layer: StaticHeadMixedLayer) -> None:
     """Write the positions eager steps left to later (`defer_positions`): consecutive slots hold
-    consecutive columns, so one range serves them all."""
+    consecutive columns, so one range serves them all. Called by the readers of the positions, a
+    compaction and `kept_positions`; the steps that defer attend the written run without a mask, and
+    a compaction that leaves rows unalike (no `shared_offset`) ends the deferring writes."""
     if layer.deferred is None:
         return
     slot, column, count = layer.deferred
