@@ -105,20 +105,42 @@ def _compressed_mask(layer: HeadMixedLayer, mask: torch.Tensor | None, q_len: in
     """Bool mask over the store's slots: [B, H_c, Q, K], or [B, 1, Q, K] shared by the heads, or None
     when plain causal attention is exact."""
     store = layer.store
+    windowed = layer.settings.window_prefill and q_len > 1
     if store.logical_length == q_len:
-        return mask  # first forward: slot k holds position k, and the model's mask already hides padding
+        # first forward: slot k holds position k, and the model's mask already hides padding
+        if not windowed:
+            return mask
+        positions = torch.arange(q_len, device=store.keys.device)
+        band = _window_band(layer, positions, positions[None, None, :])
+        return band if mask is None else mask & band
     if mask is None and store.all_valid and q_len == 1:
         return None
     positions = store.positions
     batch, heads, slots = positions.shape
+    q_pos = torch.arange(layer.logical_length - q_len, layer.logical_length, device=positions.device)
     if mask is None:
-        q_pos = torch.arange(layer.logical_length - q_len, layer.logical_length, device=positions.device)
         allowed = positions[:, :, None, :] <= q_pos[None, None, :, None]
     else:
         rows = mask[:, 0]  # [B, Q, T]: the model's mask is shared by all heads
         idx = positions.clamp(min=0).long()[:, :, None, :].expand(batch, heads, q_len, slots)
         allowed = rows[:, None].expand(batch, heads, q_len, rows.shape[-1]).gather(3, idx)
+    if windowed:  # a later prompt chunk
+        allowed = allowed & _window_band(layer, q_pos, positions)
     return allowed & (positions >= 0)[:, :, None, :]
+
+
+def _window_band(layer: HeadMixedLayer, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """BoolTensor[B, 1 or H, Q, K]: key position `k_pos` [B or 1, 1 or H, K] is at or before query position
+    `q_pos` [Q] and either among the query's last `window` positions or in its row's first `sink` tokens
+    (`window_prefill`: each prompt query sees what a decode step at its position would)."""
+    settings = layer.settings
+    q = q_pos[:, None]
+    k = k_pos[:, :, None, :]
+    causal = k <= q
+    near = q - k <= settings.window
+    row_start = layer.row_start.to(k_pos.device)[:, None, None, None]  # [B]: each row's first real column
+    sink = k - row_start < settings.sink
+    return causal & (near | sink)
 
 
 def _sdpa_compressed(

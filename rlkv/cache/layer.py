@@ -217,11 +217,12 @@ class HeadMixedCache(PolicyCache):
         budget: int | float | None = None,
         protect_prompt: bool = True,
         batch_size: int | None = None,
+        window_prefill: bool = False,
     ) -> None:
         geometry = attention_geometry(config)
         num_layers = geometry.num_hidden_layers
         full_heads = full_head_layout(config, full_heads)
-        self.settings = CompressionSettings(policy, sink, window, budget, protect_prompt)
+        self.settings = CompressionSettings(policy, sink, window, budget, protect_prompt, window_prefill)
         self.full_heads = full_heads
         layers = [
             HeadMixedLayer(i, full_heads[i], geometry.num_groups, self.settings) for i in range(num_layers)

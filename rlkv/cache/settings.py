@@ -15,9 +15,13 @@ class CompressionSettings:
         window: int,
         budget: int | float | None,
         protect_prompt: bool,
+        window_prefill: bool = False,
     ) -> None:
         self.policy = policy
         self.sink = int(sink)
         self.window = int(window)
         self.budget = budget if budget is not None else policy.default_budget
         self.protect_prompt = bool(protect_prompt)
+        # compressed heads attend sink + window in the prompt forward too, query by query (vLLM's
+        # sliding-window heads, the gates' training attention) instead of the whole prompt
+        self.window_prefill = bool(window_prefill)

@@ -72,7 +72,7 @@ class StaticHeadMixedCache(PolicyCache):
             raise StaticCacheError(f"max_cache_len={max_cache_len} must be >= 1 (prompt + max_new_tokens)")
         self.settings = CompressionSettings(policy, sink, window, budget, protect_prompt)
         self.form = static_form(self.settings, bool((~full_heads).any()), int(max_cache_len))
-        self.full_heads, self.max_cache_len, self.expected_batch_size = (
+        self.full_heads, self._max_cache_len, self.expected_batch_size = (
             full_heads,
             int(max_cache_len),
             batch_size,
@@ -95,6 +95,12 @@ class StaticHeadMixedCache(PolicyCache):
         super().__init__(layers=layers)
         self.hidden_stash: torch.Tensor | None = None  # the last forward's final hidden state [B, 1, hidden]
         policy.reset()
+
+    @property
+    def max_cache_len(self) -> int:
+        """Columns of the full heads (prompt + tokens to generate). A property because transformers
+        before 5.20 declares a read-only (deprecated) `Cache.max_cache_len` that an attribute cannot shadow."""
+        return self._max_cache_len
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write a layer's new key/value states in place; returns the layer for its `attend`."""

@@ -86,6 +86,11 @@ def make_cache(
                 f"policy {compression.policy!r} needs final hidden states, but the model has no decoder.norm"
             )
     if static:
+        if compression.window_prefill:
+            raise StaticCacheError(
+                "window_prefill=True has no static form yet: use make_cache(..., static=False) "
+                "(generate(..., static_cache=False))"
+            )
         if max_cache_len is None:
             raise StaticCacheError(
                 "make_cache(static=True) needs max_cache_len (prompt tokens + max_new_tokens)"
@@ -113,6 +118,7 @@ def make_cache(
         budget=compression.budget,
         protect_prompt=compression.protect_prompt,
         batch_size=batch_size,
+        window_prefill=compression.window_prefill,
     )
 
 

@@ -37,6 +37,10 @@ class CompressionConfig:
     sink, window: tokens always kept at the start and the end of each row (RLKV inference: 16, 64).
     protect_prompt: never evict prompt tokens (they do not count against the budget).
     min_full_per_layer: keep at least this many full heads in every layer.
+    window_prefill: compressed heads attend sink + window in the prompt forward too, each query to its own
+        last `window` tokens (vLLM's sliding-window heads, DuoAttention's streaming heads), instead of the
+        whole prompt before it is compressed; policy "streaming" only. With sink 0 this is what rlkv's
+        vLLM plugin serves (`rlkv.inference.vllm.matched_compression`).
     """
 
     head_mask: HeadMask | str | os.PathLike | None = None
@@ -48,6 +52,7 @@ class CompressionConfig:
     window: int = 64
     protect_prompt: bool = True
     min_full_per_layer: int = 0
+    window_prefill: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -82,6 +87,13 @@ class CompressionConfig:
             raise CompressionConfigError(
                 f"budget={b} is smaller than sink + window = {self.sink} + {self.window}; raise the budget or "
                 "lower sink/window (the budget counts them)"
+            )
+        if not isinstance(self.window_prefill, bool):
+            raise CompressionConfigError(f"window_prefill={self.window_prefill!r}: must be True or False")
+        if self.window_prefill and self.policy != "streaming":
+            raise CompressionConfigError(
+                f"window_prefill=True with policy={self.policy!r}: a windowed prompt forward is the streaming "
+                "policy's form; use policy='streaming' or window_prefill=False"
             )
         if not isinstance(self.policy_kwargs, dict):
             raise CompressionConfigError(

@@ -1,0 +1,23 @@
+"""rlkv's vLLM plugin: head-mixed forms of vLLM's Llama, Qwen2 and Qwen3, registered with stock vLLM.
+
+vLLM calls `register` through the `vllm.general_plugins` entry point of this package (declared in
+pyproject.toml) in every engine process. It registers the architectures of `split.ARCHITECTURES`
+lazily (by module path: nothing of vLLM's model code is imported until a model names one). A model
+selects one with `architectures` and carries the split under `rlkv_head_split` (`split.py`), both
+from `hf_overrides` or its folder's `config.json`. This room reads only that plain data: it imports
+no other part of rlkv.
+"""
+
+from __future__ import annotations
+
+from rlkv.vllm_plugin.split import ARCHITECTURES
+
+
+def register() -> None:
+    """Register the head-mixed architectures with vLLM's `ModelRegistry` (idempotent)."""
+    from vllm import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    for name in ARCHITECTURES.values():
+        if name not in known:
+            ModelRegistry.register_model(name, f"rlkv.vllm_plugin.models:{name}")

@@ -1,0 +1,75 @@
+"""The head-mixed architectures: vLLM's Llama, Qwen2 and Qwen3 with each layer's attention split by `HeadSplit`.
+
+Each class is the stock vLLM model (subclassed, not patched) whose decoder `Attention` modules are
+replaced, once the stock model is built, by `HeadMixedAttention` over the split read from
+`config.rlkv_head_split`. Weights load as the stock model's (the split changes no parameter), so
+`load_weights` and vLLM's weight reloads are the stock ones. `check_engine` refuses, at engine
+start, what the split cannot honour.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+from rlkv.vllm_plugin.attention import split_attention_layers
+from rlkv.vllm_plugin.split import HeadSplit, HeadSplitError
+
+
+def check_engine(vllm_config: Any) -> HeadSplit:
+    """The split of the model being built, after refusing engine settings it cannot honour (one line each)."""
+    config = vllm_config.model_config.hf_config
+    split = HeadSplit.from_config(config)
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise HeadSplitError(
+            f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}: rlkv's head split is written for one device; use 1"
+        )
+    if vllm_config.speculative_config is not None:
+        raise HeadSplitError(
+            "speculative_config is set: rlkv's head-mixed models do not serve speculative decoding; drop it"
+        )
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        layer_types = set(getattr(config, "layer_types", None) or [])
+        if "sliding_attention" in layer_types:
+            raise HeadSplitError(
+                f"config.sliding_window={config.sliding_window} with sliding layers: rlkv's head split serves "
+                "models whose layers all attend fully"
+            )
+    return split
+
+
+def _kv_heads(vllm_config: Any) -> int:
+    config = vllm_config.model_config.hf_config
+    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
+
+class RlkvLlamaForCausalLM(LlamaForCausalLM):
+    """vLLM's `LlamaForCausalLM` with the head split of `config.rlkv_head_split`."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = ""):
+        split = check_engine(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        split_attention_layers(self, split, _kv_heads(vllm_config))
+
+
+class RlkvQwen2ForCausalLM(Qwen2ForCausalLM):
+    """vLLM's `Qwen2ForCausalLM` with the head split of `config.rlkv_head_split`."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = ""):
+        split = check_engine(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        split_attention_layers(self, split, _kv_heads(vllm_config))
+
+
+class RlkvQwen3ForCausalLM(Qwen3ForCausalLM):
+    """vLLM's `Qwen3ForCausalLM` with the head split of `config.rlkv_head_split`."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = ""):
+        split = check_engine(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        split_attention_layers(self, split, _kv_heads(vllm_config))

@@ -1,0 +1,125 @@
+"""The head split a vLLM engine serves, as plain data in the model's config (no torch, no vLLM, no rlkv).
+
+A head-mixed architecture (`RlkvLlamaForCausalLM`, ...) reads `config.rlkv_head_split`:
+
+    {"format": 1, "full_kv_heads": [[0], [1], [], ...], "sink": 0, "window": 64}
+
+`full_kv_heads[l]` lists the KV heads of layer l that keep their whole history; every other KV head of
+that layer attends to its last `window` tokens and the current one (rlkv's streaming heads with sink 0,
+the prompt included: vLLM's sliding window of `window + 1` tokens). The split reaches vLLM as
+`hf_overrides` (`rlkv.inference.vllm_overrides`) or in a prepared model folder's `config.json`
+(`rlkv export-vllm`). `HeadSplit.from_config` checks it against the model's geometry and raises
+`HeadSplitError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+CONFIG_KEY = "rlkv_head_split"
+FORMAT = 1
+# the stock architecture -> its head-mixed form registered by the plugin
+ARCHITECTURES = {
+    "LlamaForCausalLM": "RlkvLlamaForCausalLM",
+    "Qwen2ForCausalLM": "RlkvQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "RlkvQwen3ForCausalLM",
+}
+
+
+class HeadSplitError(ValueError):
+    """A head split that does not fit the model or the engine (the message names the field and the fix)."""
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """Which KV heads of each layer keep a full cache; the rest keep a window of `window` past tokens.
+
+    full_kv_heads: per layer, the sorted KV-head indices served with full attention.
+    window: past tokens a compressed head attends besides the current one (rlkv's `window`).
+    sink: first tokens a compressed head keeps; vLLM's sliding-window spec keeps none, so it must be 0.
+    """
+
+    full_kv_heads: tuple[tuple[int, ...], ...]
+    window: int
+    sink: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.full_kv_heads)
+
+    @property
+    def vllm_sliding_window(self) -> int:
+        """Tokens vLLM's sliding window holds, the current one included: `window + 1`."""
+        return self.window + 1
+
+    def compressed_kv_heads(self, layer: int, num_kv_heads: int) -> tuple[int, ...]:
+        """KV heads of `layer` served with the window, in order."""
+        full = set(self.full_kv_heads[layer])
+        return tuple(h for h in range(num_kv_heads) if h not in full)
+
+    def unit(self, num_kv_heads: int) -> int:
+        """KV heads per vLLM attention module: the gcd of every layer's full and compressed head counts.
+
+        Equal-sized modules give every KV cache group the same page size, so vLLM's hybrid KV cache
+        manager forms one group per kind (and per multiple of the smaller kind's layer count) instead of
+        one group per distinct head count.
+        """
+        counts = []
+        for layer, full in enumerate(self.full_kv_heads):
+            counts += [len(full), len(self.compressed_kv_heads(layer, num_kv_heads))]
+        return math.gcd(*[c for c in counts if c]) or num_kv_heads
+
+    def to_config(self) -> dict[str, Any]:
+        """The plain-data form stored under `config.rlkv_head_split`."""
+        return {
+            "format": FORMAT,
+            "full_kv_heads": [list(heads) for heads in self.full_kv_heads],
+            "sink": self.sink,
+            "window": self.window,
+        }
+
+    @classmethod
+    def from_config(cls, config: Any) -> HeadSplit:
+        """Read and check `config.rlkv_head_split` (a transformers config, or a dict) against its geometry."""
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        raw = get(CONFIG_KEY)
+        if raw is None:
+            raise HeadSplitError(
+                f"config has no {CONFIG_KEY}: pass hf_overrides=rlkv.inference.vllm_overrides(...) or serve a "
+                "folder made by `rlkv export-vllm`"
+            )
+        if not isinstance(raw, dict):
+            raise HeadSplitError(f"{CONFIG_KEY} must be a mapping, got {type(raw).__name__}")
+        if raw.get("format") != FORMAT:
+            raise HeadSplitError(
+                f"{CONFIG_KEY}.format={raw.get('format')!r}: this rlkv reads format {FORMAT}; re-export the split"
+            )
+        layers = int(get("num_hidden_layers"))
+        kv_heads = int(get("num_key_value_heads") or get("num_attention_heads"))
+        full = raw.get("full_kv_heads")
+        if not isinstance(full, list) or len(full) != layers:
+            got = len(full) if isinstance(full, list) else type(full).__name__
+            raise HeadSplitError(
+                f"{CONFIG_KEY}.full_kv_heads has {got} layers, the model {layers}: the split was made for "
+                "another model; build it from a mask of this model"
+            )
+        for layer, heads in enumerate(full):
+            ok = isinstance(heads, list) and all(isinstance(h, int) and 0 <= h < kv_heads for h in heads)
+            if not ok or len(set(heads)) != len(heads):
+                raise HeadSplitError(
+                    f"{CONFIG_KEY}.full_kv_heads[{layer}]={heads!r}: must list distinct KV heads in "
+                    f"[0, {kv_heads}) (the model has {kv_heads} KV heads per layer)"
+                )
+        for name in ("window", "sink"):
+            value = raw.get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise HeadSplitError(f"{CONFIG_KEY}.{name}={value!r}: must be an integer >= 0")
+        if raw["sink"]:
+            raise HeadSplitError(
+                f"{CONFIG_KEY}.sink={raw['sink']}: vLLM's sliding-window KV cache keeps no sink tokens; use "
+                "sink=0 (the transformers path serves the same heads with CompressionConfig(sink=0, "
+                "window_prefill=True))"
+            )
+        return cls(tuple(tuple(sorted(h)) for h in full), window=raw["window"], sink=raw["sink"])
