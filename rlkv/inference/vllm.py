@@ -108,8 +108,18 @@ def _config(model: Any) -> Any:
     return text_config(model)
 
 
+# a config built in memory (AutoConfig.for_model, from_config) has no `architectures`
+_CAUSAL_LM_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
 def _head_mixed_architecture(config: Any) -> str:
     archs = list(getattr(config, "architectures", None) or [])
+    if not archs and getattr(config, "model_type", None) in _CAUSAL_LM_OF_MODEL_TYPE:
+        archs = [_CAUSAL_LM_OF_MODEL_TYPE[config.model_type]]
     for arch in archs:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]

@@ -1,0 +1,108 @@
+"""The head split handed to vLLM, as plain data: built from a mask, checked against the model, exported.
+
+No vLLM here (the vLLM tier, tests/vllm/, runs the engine): these are the checks a user meets before
+an engine starts.
+"""
+
+import json
+
+import pytest
+import torch
+
+from rlkv import HeadMask
+from rlkv.inference import CompressionConfig, CompressionConfigError
+from rlkv.inference.vllm import export_vllm_folder, head_split, matched_compression, vllm_overrides
+from rlkv.vllm_plugin.split import CONFIG_KEY, HeadSplit, HeadSplitError
+
+DEMO = "data/demo-model"
+
+
+def test_overrides_name_the_head_mixed_architecture_and_carry_the_mask_cut(make_model):
+    model = make_model("qwen2")
+    mask = HeadMask.random(model, seed=3)
+    overrides = vllm_overrides(model.config, mask, 0.5, window=32)
+    assert overrides["architectures"] == ["RlkvQwen2ForCausalLM"]
+    split = overrides[CONFIG_KEY]
+    full = mask.full_heads(0.5)
+    assert split == {
+        "format": 1,
+        "full_kv_heads": [row.nonzero().flatten().tolist() for row in full],
+        "sink": 0,
+        "window": 32,
+    }
+    # the plugin reads back exactly this split, checked against the model's geometry
+    config = model.config.to_dict() | overrides
+    read = HeadSplit.from_config(config)
+    assert read.full_kv_heads == tuple(tuple(row.nonzero().flatten().tolist()) for row in full)
+    assert read.vllm_sliding_window == 33
+
+
+def test_unit_is_the_gcd_of_the_part_sizes():
+    assert HeadSplit(((0, 1), (0, 1, 2, 3), ()), window=8).unit(4) == 2
+    assert HeadSplit(((0,), (1, 2)), window=8).unit(4) == 1
+    assert HeadSplit(((0, 1, 2, 3),), window=8).unit(4) == 4
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"full_kv_heads": [[0]]}, r"full_kv_heads has 1 layers, the model 4"),
+        (
+            {"full_kv_heads": [[0], [2], [], [1]]},
+            r"full_kv_heads\[1\]=\[2\]: must list distinct KV heads in \[0, 2\)",
+        ),
+        ({"full_kv_heads": [[0, 0], [], [], []]}, r"full_kv_heads\[0\]=\[0, 0\]"),
+        ({"sink": 16}, r"sink=16: vLLM's sliding-window KV cache keeps no sink tokens"),
+        ({"window": -1}, r"window=-1: must be an integer >= 0"),
+        ({"format": 2}, r"format=2: this rlkv reads format 1"),
+    ],
+)
+def test_a_split_that_does_not_fit_is_refused_in_one_line(change, message):
+    config = json.loads(open(f"{DEMO}/config.json").read())
+    config[CONFIG_KEY] = {
+        "format": 1,
+        "full_kv_heads": [[0], [1], [], [0, 1]],
+        "sink": 0,
+        "window": 8,
+    } | change
+    with pytest.raises(HeadSplitError, match=message):
+        HeadSplit.from_config(config)
+
+
+def test_no_split_and_unsupported_architectures_are_named(make_model):
+    with pytest.raises(HeadSplitError, match="config has no rlkv_head_split"):
+        HeadSplit.from_config({"num_hidden_layers": 2, "num_attention_heads": 2})
+    model = make_model("llama")
+    config = model.config
+    config.architectures = ["MistralForCausalLM"]
+    with pytest.raises(
+        CompressionConfigError, match=r"architectures=\['MistralForCausalLM'\]: rlkv's vLLM plugin serves"
+    ):
+        vllm_overrides(config, HeadMask.random(model), 0.5)
+
+
+def test_only_the_matched_streaming_form_has_a_split(make_model):
+    model = make_model("llama")
+    mask = HeadMask.random(model)
+    with pytest.raises(CompressionConfigError, match="vLLM serves compressed heads as a sliding window only"):
+        head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, sink=16, window=64))
+    every_head = head_split(model, matched_compression(None, 0.5, window=4))
+    assert all(heads == () for heads in every_head.full_kv_heads)
+
+
+def test_export_writes_a_folder_vllm_serves_without_overrides(tmp_path):
+    from safetensors.torch import load_file
+
+    from rlkv.inference import load
+
+    model, _ = load(DEMO, dtype="float32")
+    mask = HeadMask.random(model, seed=0)
+    out = export_vllm_folder(DEMO, tmp_path / "served", mask, 0.75, window=16)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["RlkvLlamaForCausalLM"]
+    assert config[CONFIG_KEY]["window"] == 16
+    assert sum(len(h) for h in config[CONFIG_KEY]["full_kv_heads"]) == 2  # 8 KV heads at s=0.75
+    weights = load_file(out / "model.safetensors")
+    assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight)
+    assert (out / "tokenizer.json").is_file()
+    assert not list(tmp_path.rglob("*.tmp*"))
