@@ -3,7 +3,6 @@
 import contextlib
 import gc
 
-
 import vllm
 
 DEMO = "data/demo-model"
