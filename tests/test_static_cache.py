@@ -96,7 +96,7 @@ def greedy_generate(model, batch, cache, steps=STEPS, **kwargs):
         attention_mask=attention_mask,
         max_new_tokens=steps,
         do_sample=False,
-        cache=cache,
+        **cache_kwargs(cache),
         output_logits=True,
         return_dict_in_generate=True,
         **kwargs,
@@ -378,7 +378,7 @@ def _teacher_force_kept(model, cache, batch, trace):
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     real = torch.cat([attention_mask, torch.ones(input_ids.shape[0], len(trace), dtype=torch.long)], 1)
     static = isinstance(cache, StaticHeadMixedCache)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **cache_kwargs(cache))
     kept, logits = [], []
     for step, token in enumerate(trace):
         column = input_ids.shape[1] + step
@@ -391,7 +391,7 @@ def _teacher_force_kept(model, cache, batch, trace):
             input_ids=torch.full((input_ids.shape[0], 1), token),
             attention_mask=mask,
             position_ids=positions[:, -1:] + 1 + step,
-            cache=cache,
+            **cache_kwargs(cache),
         )
         logits.append(out.logits[:, -1])
         layers = [layer.kept_positions() if static else layer.store.positions for layer in cache.layers]
@@ -485,7 +485,9 @@ def test_decode_steps_never_read_the_device(left_padded_batch, case):
     real = torch.cat([attention_mask, torch.ones(input_ids.shape[0], steps, dtype=torch.long)], 1).bool()
     counts = []
     with torch.inference_mode():
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache)
+        out = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **cache_kwargs(cache)
+        )
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         for step in range(steps - 1):
             column = input_ids.shape[1] + step
@@ -495,7 +497,7 @@ def test_decode_steps_never_read_the_device(left_padded_batch, case):
                     input_ids=token,
                     attention_mask=mask,
                     position_ids=positions[:, -1:] + 1 + step,
-                    cache=cache,
+                    **cache_kwargs(cache),
                 )
                 token = out.logits[:, -1].argmax(-1, keepdim=True)
             counts.append(syncs.count)

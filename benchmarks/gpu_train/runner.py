@@ -49,6 +49,7 @@ from benchmarks.gpu_train.parts import (
     timed_trainer,
 )
 from benchmarks.gpu_train.report import report_gpu_train  # noqa: F401 (benchmarks/__main__.py: the section)
+from rlkv.compat import activation_checkpointing_kwargs
 
 
 def _qwen2_geometry(name: str, **overrides: int) -> dict:
@@ -114,7 +115,7 @@ def grpo_settings(args, device: torch.device, tokens: int, output_dir: str) -> d
         generation_kwargs={"min_new_tokens": tokens, "top_k": 0},
         # TRL's field: "static" decodes on transformers' StaticCache (compiled with CUDA graphs on CUDA)
         cache_implementation=None if args.train_rollout_cache == "dynamic" else args.train_rollout_cache,
-        activation_checkpointing=True,
+        **activation_checkpointing_kwargs(True),
         max_steps=1,
         logging_steps=1,
         seed=0,

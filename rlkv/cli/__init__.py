@@ -27,6 +27,7 @@ SUBCOMMANDS = [
     "rlkv.cli.compare",
     "rlkv.cli.train",
     "rlkv.cli.bench",
+    "rlkv.cli.serve",
 ]
 
 

@@ -62,7 +62,7 @@ def vllm_overrides(
     model: a model folder, Hub id or transformers config. Returns {"architectures": [...],
     "rlkv_head_split": {...}}, for `vllm.LLM(model, hf_overrides=...)` or `vllm serve --hf-overrides`.
     """
-    config = _config(model)
+    config = model_config(model)
     split = head_split(config, matched_compression(head_mask, sparsity, window))
     return {"architectures": [_head_mixed_architecture(config)], CONFIG_KEY: split.to_config()}
 
@@ -100,7 +100,8 @@ def export_vllm_folder(
     return out
 
 
-def _config(model: Any) -> Any:
+def model_config(model: Any) -> Any:
+    """The transformers config of a model folder, Hub id, model or config."""
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoConfig
 

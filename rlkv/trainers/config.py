@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from trl import GRPOConfig
 
+from rlkv.compat import activation_checkpointing_field
+
 
 @dataclass
 class GateGRPOConfig(GRPOConfig):
@@ -174,6 +176,12 @@ class GateGRPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = False
+        if (
+            activation_checkpointing_field() == "gradient_checkpointing"
+            and self.gradient_checkpointing is None
+        ):
+            # transformers < 5.20 reads only gradient_checkpointing
+            self.gradient_checkpointing = bool(self.activation_checkpointing)
         engine = _requested_sharding_engine()
         if engine and not torch.accelerator.is_available():
             # accelerate selects FSDP / DeepSpeed only on an accelerator: on CPU ranks it would silently run
