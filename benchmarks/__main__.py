@@ -44,6 +44,8 @@ from benchmarks.real import runner as bench_real
 from benchmarks.serve import runner as bench_serve
 from benchmarks.serve.report import plot_serve, report_serve
 from benchmarks.train.runner import report_train, suite_train
+from benchmarks.vllm import runner as bench_vllm
+from benchmarks.vllm.report import report_vllm
 from rlkv._io import atomic_write_text
 
 SECTIONS = {  # the report's sections after the real-model one, in order
@@ -55,6 +57,7 @@ SECTIONS = {  # the report's sections after the real-model one, in order
     "overhead": report_overhead,
     "train": report_train,
     "gpu-train": bench_gpu_train.report_gpu_train,
+    "vllm": report_vllm,
 }
 
 
@@ -120,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of memory,decode,overhead,train,maxbatch or all; real (needs --model) runs a real "
         "LLM; serve: throughput at a fixed KV cap (--model, or a synthetic model); gpu: decode of Qwen2.5-7B's "
         "geometry, plain transformers vs rlkv (--device cuda; --quick: tiny, CPU); gpu-train: one GRPO step on "
-        "Qwen2.5-7B's geometry (--device cuda; --quick: tiny, CPU)",
+        "Qwen2.5-7B's geometry (--device cuda; --quick: tiny, CPU); vllm: stock vLLM vs rlkv on vLLM at a fixed KV "
+        "cache size (run in .venv-vllm)",
     )
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--device", default="cpu")
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_serve.add_options(parser)
     bench_gpu.add_options(parser)
     bench_gpu_train.add_options(parser)
+    bench_vllm.add_options(parser)
     args = parser.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
@@ -174,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             "serve": bench_serve.suite_serve,
             "gpu": bench_gpu.suite_gpu,
             "gpu-train": bench_gpu_train.suite_gpu_train,
+            "vllm": bench_vllm.suite_vllm,
         }[name](args)
     results["wall_seconds"] = time.perf_counter() - started
     text = report(results)

@@ -1,0 +1,36 @@
+"""The vLLM suite's tables: one row per engine run, then the ratios against stock vLLM with PASS/FAIL."""
+
+from __future__ import annotations
+
+
+def report_vllm(result: dict) -> list[str]:
+    """Markdown lines of the vLLM section."""
+    s = result["settings"]
+    lines = [
+        "## vLLM: stock vLLM vs rlkv's head mask on vLLM (one run)",
+        "",
+        f"model {s['model']}, {s['vllm_requests']} requests of {s['vllm_prompt']} prompt + {s['vllm_new_tokens']} "
+        f"generated tokens (EOS ignored), window {s['vllm_window']}; memory-bound: stock holds "
+        f"{s['vllm_bound_rows']} requests at once",
+        "",
+        "| KV cache | method | tokens/s | requests/min | peak blocks used / pool | peak running | preemptions | groups |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        if r["kv"] == "reference":
+            lines.append(f"| reference | {r['method']} | {r['tokens_per_s']:.1f} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['kv']} ({r['kv_bytes'] / 2**20:.0f} MiB) | {r['method']} | {r['tokens_per_s']:.1f} | "
+            f"{r['requests_per_min']:.2f} | {r['peak_blocks_used']} / {r['blocks']} | {r['peak_running']} | "
+            f"{r['preemptions']} | {r['kv_cache_groups']} |"
+        )
+    lines += [
+        "",
+        "| KV cache | sparsity | tokens/s vs stock vLLM | target | |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for c in result["checks"]:
+        verdict = "PASS" if c["pass"] else "FAIL"
+        lines.append(f"| {c['kv']} | {c['sparsity']} | {c['ratio']:.2f}x | >= {c['target']}x | {verdict} |")
+    return lines + [""]

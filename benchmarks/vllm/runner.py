@@ -1,0 +1,215 @@
+"""vLLM benchmark: stock vLLM vs rlkv's head mask on stock vLLM, at a fixed KV cache size, in one run.
+
+    .venv-vllm/bin/python -m benchmarks --suite vllm                    # synthetic model, CPU, ~10 min
+    .venv-vllm/bin/python -m benchmarks --suite vllm --vllm-model models/qwen2.5-coder-0.5b-instruct
+    .venv-vllm/bin/python -m benchmarks --suite vllm --quick            # a smoke run
+
+Every request is a prompt of --vllm-prompt random tokens and --vllm-new-tokens generated tokens with EOS
+ignored. Two KV cache sizes (`kv_cache_memory_bytes`): "memory-bound", where stock vLLM holds
+--vllm-bound-rows requests at once (the rest wait or are preempted), and "unbound", where every request
+fits at once. In each, the engines run the same requests one after the other: stock vLLM, then the head
+split of a random mask at s=0.5 and s=0.75 (window --vllm-window; which heads are full does not change the
+speed). The engine is stepped by hand so that every step reads vLLM's own block pool: decode tokens/s
+(generated tokens over the wall time after the first token of every request... here: over the whole run,
+prefill included), requests finished per minute, peak blocks in use, peak requests running, preemptions.
+For reference, plain transformers `generate` and rlkv's transformers path (`matched_compression`) run the
+same prompts as one batch. The synthetic model has Qwen2.5-0.5B's attention geometry (14 query heads, 2 KV
+heads, head_dim 64, hidden 896) with --vllm-layers layers and random weights (fp32).
+
+Targets (issue 65): memory-bound, rlkv s=0.5 >= 1.5x stock's decode tokens/s and s=0.75 >= 2.0x; unbound,
+rlkv >= 0.95x stock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TARGETS = {("bound", 0.5): 1.5, ("bound", 0.75): 2.0, ("unbound", 0.5): 0.95, ("unbound", 0.75): 0.95}
+SPARSITIES = (0.5, 0.75)
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The vLLM suite's options."""
+    parser.add_argument("--vllm-model", default="synthetic", help="model folder, or synthetic (default)")
+    parser.add_argument("--vllm-layers", type=int, default=6, help="layers of the synthetic model")
+    parser.add_argument("--vllm-prompt", type=int, default=512, help="prompt tokens per request")
+    parser.add_argument("--vllm-new-tokens", type=int, default=2048, help="generated tokens per request")
+    parser.add_argument("--vllm-requests", type=int, default=12, help="requests per engine run")
+    parser.add_argument(
+        "--vllm-bound-rows", type=int, default=3, help="requests stock vLLM holds at once when memory-bound"
+    )
+    parser.add_argument("--vllm-window", type=int, default=64, help="window of the compressed heads")
+
+
+def synthetic_model(folder: Path, layers: int) -> Path:
+    """A random Qwen2 with Qwen2.5-0.5B's attention geometry, saved as a model folder (no tokenizer)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=1024,
+        hidden_size=896,
+        intermediate_size=2432,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _kv_bytes_per_token(config) -> int:
+    from rlkv.geometry import attention_geometry
+
+    g = attention_geometry(config)
+    return g.num_hidden_layers * g.num_key_value_heads * g.head_dim * 2 * 4  # K and V, fp32
+
+
+def run_engine(
+    model: str, prompts: list[list[int]], new_tokens: int, kv_bytes: int, overrides: dict | None
+) -> dict:
+    """One engine over every request, stepped by hand; what vLLM's scheduler and block pool held."""
+    import vllm
+
+    llm = vllm.LLM(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        block_size=32,
+        seed=0,
+        max_model_len=len(prompts[0]) + new_tokens,
+        kv_cache_memory_bytes=kv_bytes,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        hf_overrides=overrides or {},
+    )
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler  # private engine state, read only
+    pool = scheduler.kv_cache_manager.block_pool
+    params = vllm.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    total_blocks = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+    started = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    peak_used = peak_running = preempted = generated = 0
+    finished_at = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                generated += len(out.outputs[0].token_ids)
+                finished_at.append(time.perf_counter() - started)
+        peak_used = max(peak_used, total_blocks - pool.get_num_free_blocks())
+        peak_running = max(peak_running, len(scheduler.running))
+        preempted += len(getattr(scheduler, "reset_preempted_req_ids", ()) or ())
+    wall = time.perf_counter() - started
+    groups = len(scheduler.kv_cache_config.kv_cache_groups)
+    engine.engine_core.shutdown()
+    del llm, engine, scheduler, pool
+    gc.collect()
+    return {
+        "wall_s": wall,
+        "tokens_per_s": generated / wall,
+        "requests_per_min": 60 * len(finished_at) / wall,
+        "peak_blocks_used": peak_used,
+        "blocks": total_blocks,
+        "peak_running": peak_running,
+        "preemptions": preempted,
+        "kv_cache_groups": groups,
+        "generated": generated,
+    }
+
+
+def run_transformers(model_path: str, prompts: list[list[int]], new_tokens: int, compression) -> dict:
+    """Plain transformers `generate` (compression None) or rlkv's cache, all prompts in one batch."""
+    from rlkv.compat import cache_kwargs
+    from rlkv.inference import load, make_cache
+
+    model, _ = load(model_path, dtype="float32") if compression is None else (None, None)
+    if compression is not None:
+        model, _ = load(model_path, dtype="float32")
+    ids = torch.tensor(prompts)
+    extra = {} if compression is None else cache_kwargs(make_cache(model, compression))
+    started = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **extra,
+        )
+    wall = time.perf_counter() - started
+    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return {"wall_s": wall, "tokens_per_s": generated / wall, "generated": generated}
+
+
+def suite_vllm(args: argparse.Namespace) -> dict:
+    """Both KV sizes, stock and rlkv at each sparsity, plus the transformers reference rows."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from rlkv import HeadMask
+    from rlkv.inference import load
+    from rlkv.inference.vllm import matched_compression, vllm_overrides
+
+    if args.quick:
+        args.vllm_layers, args.vllm_prompt, args.vllm_new_tokens, args.vllm_requests = 2, 64, 96, 4
+        args.vllm_bound_rows = 1
+    tmp = tempfile.TemporaryDirectory()
+    model = args.vllm_model
+    if model == "synthetic":
+        model = str(synthetic_model(Path(tmp.name) / "synthetic", args.vllm_layers))
+    hf, _ = load(model, dtype="float32")
+    mask = HeadMask.random(hf, seed=0)
+    per_token = _kv_bytes_per_token(hf.config)
+    vocab = hf.config.vocab_size
+    del hf
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, vocab, (args.vllm_requests, args.vllm_prompt), generator=generator).tolist()
+    row_tokens = args.vllm_prompt + args.vllm_new_tokens
+    row_blocks = -(-row_tokens // 32)
+    sizes = {
+        # + 1: vLLM's null block
+        "bound": (args.vllm_bound_rows * row_blocks + 1) * 32 * per_token,
+        "unbound": ((args.vllm_requests + 1) * row_blocks + 1) * 32 * per_token,
+    }
+    rows = []
+    for bound, kv_bytes in sizes.items():
+        for sparsity in (0.0, *SPARSITIES):
+            overrides = (
+                None if sparsity == 0 else vllm_overrides(model, mask, sparsity, window=args.vllm_window)
+            )
+            name = "stock vLLM" if sparsity == 0 else f"rlkv s={sparsity}"
+            print(f"  vllm: {bound} {name} ...", flush=True)
+            r = run_engine(model, prompts, args.vllm_new_tokens, kv_bytes, overrides)
+            rows.append({"kv": bound, "kv_bytes": kv_bytes, "method": name, "sparsity": sparsity, **r})
+            print(f"  vllm: {bound} {name}: {json.dumps(r)}", flush=True)
+    for sparsity in (0.0, *SPARSITIES):
+        compression = None if sparsity == 0 else matched_compression(mask, sparsity, window=args.vllm_window)
+        name = "transformers generate" if sparsity == 0 else f"rlkv transformers s={sparsity}"
+        r = run_transformers(model, prompts, args.vllm_new_tokens, compression)
+        rows.append({"kv": "reference", "method": name, "sparsity": sparsity, **r})
+        print(f"  vllm: reference {name}: {json.dumps(r)}", flush=True)
+    tmp.cleanup()
+    checks = []
+    for (bound, sparsity), target in TARGETS.items():
+        stock = next(r for r in rows if r["kv"] == bound and r["sparsity"] == 0)
+        mixed = next(r for r in rows if r["kv"] == bound and r["sparsity"] == sparsity)
+        ratio = mixed["tokens_per_s"] / stock["tokens_per_s"]
+        checks.append(
+            {"kv": bound, "sparsity": sparsity, "ratio": ratio, "target": target, "pass": ratio >= target}
+        )
+    settings = {k: v for k, v in vars(args).items() if k.startswith("vllm_")} | {"model": args.vllm_model}
+    return {"rows": rows, "checks": checks, "settings": settings, "passed": all(c["pass"] for c in checks)}
