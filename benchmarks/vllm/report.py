@@ -13,16 +13,18 @@ def report_vllm(result: dict) -> list[str]:
         f"generated tokens (EOS ignored), window {s['vllm_window']}; memory-bound: stock holds "
         f"{s['vllm_bound_rows']} requests at once",
         "",
-        "| KV cache | method | tokens/s | requests/min | peak blocks used / pool | peak running | preemptions | groups |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| KV cache | method | tokens/s | requests/min | peak blocks used / pool | peak KV used | peak running | "
+        "preemptions | groups |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         if r["kv"] == "reference":
-            lines.append(f"| reference | {r['method']} | {r['tokens_per_s']:.1f} | | | | | |")
+            lines.append(f"| reference | {r['method']} | {r['tokens_per_s']:.1f} | | | | | | |")
             continue
         lines.append(
             f"| {r['kv']} ({r['kv_bytes'] / 2**20:.0f} MiB) | {r['method']} | {r['tokens_per_s']:.1f} | "
-            f"{r['requests_per_min']:.2f} | {r['peak_blocks_used']} / {r['blocks']} | {r['peak_running']} | "
+            f"{r['requests_per_min']:.2f} | {r['peak_blocks_used']} / {r['blocks']} | "
+            f"{r['peak_blocks_used'] / r['blocks'] * r['kv_bytes'] / 2**20:.0f} MiB | {r['peak_running']} | "
             f"{r['preemptions']} | {r['kv_cache_groups']} |"
         )
     lines += [

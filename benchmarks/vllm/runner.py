@@ -9,9 +9,9 @@ ignored. Two KV cache sizes (`kv_cache_memory_bytes`): "memory-bound", where sto
 --vllm-bound-rows requests at once (the rest wait or are preempted), and "unbound", where every request
 fits at once. In each, the engines run the same requests one after the other: stock vLLM, then the head
 split of a random mask at s=0.5 and s=0.75 (window --vllm-window; which heads are full does not change the
-speed). The engine is stepped by hand so that every step reads vLLM's own block pool: decode tokens/s
-(generated tokens over the wall time after the first token of every request... here: over the whole run,
-prefill included), requests finished per minute, peak blocks in use, peak requests running, preemptions.
+speed). The engine is stepped by hand so that every step reads vLLM's own block pool and scheduler:
+tokens/s (generated tokens over the whole run, prefill included), requests finished per minute, peak
+blocks in use, peak requests running, preemptions (summed over requests).
 For reference, plain transformers `generate` and rlkv's transformers path (`matched_compression`) run the
 same prompts as one batch. The synthetic model has Qwen2.5-0.5B's attention geometry (14 query heads, 2 KV
 heads, head_dim 64, hidden 896) with --vllm-layers layers and random weights (fp32).
@@ -103,7 +103,8 @@ def run_engine(
     started = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    peak_used = peak_running = preempted = generated = 0
+    peak_used = peak_running = generated = 0
+    preemptions: dict[str, int] = {}
     finished_at = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -112,7 +113,8 @@ def run_engine(
                 finished_at.append(time.perf_counter() - started)
         peak_used = max(peak_used, total_blocks - pool.get_num_free_blocks())
         peak_running = max(peak_running, len(scheduler.running))
-        preempted += len(getattr(scheduler, "reset_preempted_req_ids", ()) or ())
+        for request in scheduler.requests.values():  # every live request: its own preemption count
+            preemptions[request.request_id] = request.num_preemptions
     wall = time.perf_counter() - started
     groups = len(scheduler.kv_cache_config.kv_cache_groups)
     engine.engine_core.shutdown()
@@ -125,7 +127,7 @@ def run_engine(
         "peak_blocks_used": peak_used,
         "blocks": total_blocks,
         "peak_running": peak_running,
-        "preemptions": preempted,
+        "preemptions": sum(preemptions.values()),
         "kv_cache_groups": groups,
         "generated": generated,
     }

@@ -80,12 +80,13 @@ class HeadMixedAttention(nn.Module):
         if len(self.parts) == 1:
             return getattr(self, self.parts[0][0])(query, key, value)
         out = torch.empty_like(q)
-        for (name, heads), pick in zip(self.parts, self._picks):
-            n = len(heads)
+        for i, (name, heads) in enumerate(self.parts):
+            n, pick = len(heads), self._picks[i]
             if isinstance(pick, slice):
                 qs, ks, vs = q[:, pick], k[:, pick], v[:, pick]
             else:
-                pick = pick.to(query.device)
+                if pick.device != query.device:  # moved once, on the first forward (no copy per step)
+                    pick = self._picks[i] = pick.to(query.device)
                 qs, ks, vs = q.index_select(1, pick), k.index_select(1, pick), v.index_select(1, pick)
             part_out = getattr(self, name)(
                 qs.reshape(tokens, -1), ks.reshape(tokens, -1), vs.reshape(tokens, -1)
