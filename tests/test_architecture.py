@@ -4,6 +4,7 @@ included, and every module imports alone in a fresh interpreter."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -136,8 +137,10 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
         sys.exit(1 if failed else 0)
         """
     )
+    # the vLLM plugin's model classes subclass vLLM's: they import where vLLM is installed (make test-vllm)
+    needs_vllm = set() if importlib.util.find_spec("vllm") else {"rlkv.vllm_plugin.models"}
     proc = subprocess.run(
-        [sys.executable, "-c", script, *sorted(_modules())],
+        [sys.executable, "-c", script, *sorted(set(_modules()) - needs_vllm)],
         capture_output=True,
         text=True,
         timeout=600,

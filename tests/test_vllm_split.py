@@ -1,6 +1,6 @@
 """The head split handed to vLLM, as plain data: built from a mask, checked against the model, exported.
 
-No vLLM here (the vLLM tier, tests/vllm/, runs the engine): these are the checks a user meets before
+No vLLM here (the vLLM tier, tests/vllm_tier/, runs the engine): these are the checks a user meets before
 an engine starts.
 """
 
