@@ -138,9 +138,7 @@ def run_transformers(model_path: str, prompts: list[list[int]], new_tokens: int,
     from rlkv.compat import cache_kwargs
     from rlkv.inference import load, make_cache
 
-    model, _ = load(model_path, dtype="float32") if compression is None else (None, None)
-    if compression is not None:
-        model, _ = load(model_path, dtype="float32")
+    model, _ = load(model_path, dtype="float32")
     ids = torch.tensor(prompts)
     extra = {} if compression is None else cache_kwargs(make_cache(model, compression))
     started = time.perf_counter()
