@@ -3,7 +3,8 @@
 rlkv's trainers override private `GRPOTrainer` / `Trainer` methods (`_generate_single_turn`,
 `_calculate_rewards`, `_compute_loss`, `_generate_and_score_completions`, `_load_from_checkpoint`),
 read private attributes (`_tokenizer`, `_metrics`, `_dist`, ...), flip `use_vllm`, and import a few
-TRL helpers. Those change between releases (TRL 1.10's `_generate_single_turn` took other
+TRL helpers. Compressed rollouts on vLLM subclass TRL's `VLLMGeneration` (`_init_vllm`, `sync_weights`) and
+set the trainer's `vllm_generation` / `_last_loaded_step` themselves. Those change between releases (TRL 1.10's `_generate_single_turn` took other
 arguments). `check_private_api` runs at trainer construction, before TRL does any work, and
 raises `UnsupportedVersionError` naming each difference, the installed versions and the
 supported range declared in pyproject.toml, instead of a `TypeError` deep inside a step.
@@ -149,6 +150,41 @@ COMPRESSED_ROLLOUT_API = PrivateAPI(
         "trl.extras.profiling:profiling_context",
         "trl.models:unwrap_model_for_generation",
         "trl.trainer.utils:pad",
+    ),
+)
+
+
+# compressed rollouts on vLLM (`rlkv.rollout.vllm_rollouts`): TRL's colocated generation, subclassed, and the
+# trainer state its `_generate_single_turn` / `_generate` read once the mixin installs it
+VLLM_GENERATION_API = PrivateAPI(
+    methods={
+        "_init_vllm": (),
+        "sync_weights": (),
+        "_iter_named_params": (),
+        "generate": ("prompts", "images", "num_generations", "profiler"),
+    },
+    attributes=(
+        "llm",
+        "model",
+        "accelerator",
+        "enable_sleep_mode",
+        "gpu_memory_utilization",
+        "max_model_length",
+        "max_num_seqs",
+        "trust_remote_code",
+        "_llm_weights_sleeping",
+    ),
+    helpers=("trl.generation.vllm_generation:VLLMGeneration", "trl.trainer.utils:ensure_master_addr_port"),
+)
+COMPRESSED_VLLM_TRAINER_API = PrivateAPI(
+    attributes=(
+        "repetition_penalty",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_completion_length",
+        "vllm_mode",
+        "processing_class",
     ),
 )
 

@@ -22,10 +22,13 @@ from rlkv.vllm_plugin.split import ARCHITECTURES, CONFIG_KEY, HeadSplit
 
 
 def matched_compression(
-    head_mask: Any, sparsity: float, window: int = 64, **kwargs: Any
+    head_mask: Any, sparsity: float, window: int = 64, config_class: type = CompressionConfig, **kwargs: Any
 ) -> CompressionConfig:
-    """The transformers-path `CompressionConfig` whose compressed heads see what vLLM's window heads see."""
-    return CompressionConfig(
+    """The transformers-path `CompressionConfig` whose compressed heads see what vLLM's window heads see.
+
+    config_class: `CompressionConfig` or a subclass (`rlkv.rollout.CompressedRolloutConfig`); kwargs: its other fields.
+    """
+    return config_class(
         head_mask=head_mask,
         sparsity=sparsity,
         policy="streaming",
@@ -43,7 +46,8 @@ def head_split(model_or_config: Any, compression: CompressionConfig) -> HeadSpli
     if c.policy != "streaming" or c.sink != 0 or not c.window_prefill or c.protect_prompt:
         raise CompressionConfigError(
             f"policy={c.policy!r}, sink={c.sink}, window_prefill={c.window_prefill}, protect_prompt={c.protect_prompt}: "
-            "vLLM serves compressed heads as a sliding window only; use matched_compression(mask, sparsity, window)"
+            "vLLM serves compressed heads as a sliding window only; use matched_compression(mask, sparsity, window) "
+            "(rollouts: CompressedRolloutConfig.for_vllm(mask, sparsity, window))"
         )
     geometry = attention_geometry(model_or_config)
     full = compression.full_heads(model_or_config)
@@ -62,8 +66,13 @@ def vllm_overrides(
     model: a model folder, Hub id or transformers config. Returns {"architectures": [...],
     "rlkv_head_split": {...}}, for `vllm.LLM(model, hf_overrides=...)` or `vllm serve --hf-overrides`.
     """
-    config = model_config(model)
-    split = head_split(config, matched_compression(head_mask, sparsity, window))
+    return compression_overrides(model_config(model), matched_compression(head_mask, sparsity, window))
+
+
+def compression_overrides(model_or_config: Any, compression: CompressionConfig) -> dict[str, Any]:
+    """`hf_overrides` of a `CompressionConfig` in vLLM's form (see `head_split`) for a model or its config."""
+    config = model_config(model_or_config)
+    split = head_split(config, compression)
     return {"architectures": [_head_mixed_architecture(config)], CONFIG_KEY: split.to_config()}
 
 

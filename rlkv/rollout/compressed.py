@@ -43,10 +43,12 @@ What changes, per rollout (TRL's transformers path, `use_vllm=False`)
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import inspect
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +56,13 @@ from rlkv.cache import CacheStats
 from rlkv.compat import COMPRESSED_ROLLOUT_API, check_attributes, check_private_api
 from rlkv.inference import CompressionConfig, CompressionConfigError
 from rlkv.rollout.generation import RolloutGenerator
+
+if TYPE_CHECKING:
+    from rlkv.vllm_plugin.meter import KVMeterReading
+
+
+# vllm.LLM arguments the head-mixed rollout engine needs as rlkv sets them
+VLLM_OWNED_KWARGS = ("model", "hf_overrides", "scheduler_cls", "distributed_executor_backend")
 
 
 @dataclasses.dataclass
@@ -67,10 +76,26 @@ class CompressedRolloutConfig(CompressionConfig):
     static_cache: None (default) decodes rollouts with the static-shape cache, compiled with CUDA
         graphs, on CUDA when the layout has a static form (the dynamic cache otherwise); True uses
         it on any device, False never (`rlkv.rollout.generation.RolloutGenerator`).
+    vllm_kwargs: with `GRPOConfig(use_vllm=True)`, extra `vllm.LLM` keyword arguments (e.g.
+        {"dtype": "float32", "enforce_eager": True, "block_size": 32}); they win over TRL's settings
+        but for the four that make the head-mixed engine (`VLLM_OWNED_KWARGS`).
+
+    With `use_vllm=True` the config must be in vLLM's form (compressed heads a sliding window of
+    `window` tokens, sink 0, prompt included): build it with `CompressedRolloutConfig.for_vllm`.
     """
 
     importance_sampling_correction: bool = True
     static_cache: bool | None = None
+    vllm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def for_vllm(
+        cls, head_mask: Any, sparsity: float, window: int = 64, **kwargs: Any
+    ) -> CompressedRolloutConfig:
+        """The config vLLM rollouts serve (`rlkv.inference.vllm.matched_compression`'s fields), plus `kwargs`."""
+        from rlkv.inference.vllm import matched_compression
+
+        return matched_compression(head_mask, sparsity, window, config_class=cls, **kwargs)
 
     def validate(self) -> None:
         """`CompressionConfig.validate` plus the rollout fields."""
@@ -82,6 +107,16 @@ class CompressedRolloutConfig(CompressionConfig):
         if self.static_cache not in (None, True, False):
             raise CompressionConfigError(
                 f"static_cache={self.static_cache!r}: must be None (static on CUDA), True or False"
+            )
+        if not isinstance(self.vllm_kwargs, dict) or not all(isinstance(k, str) for k in self.vllm_kwargs):
+            raise CompressionConfigError(
+                f"vllm_kwargs={self.vllm_kwargs!r}: must be a dict of vllm.LLM keyword arguments"
+            )
+        owned = sorted(set(self.vllm_kwargs) & set(VLLM_OWNED_KWARGS))
+        if owned:
+            raise CompressionConfigError(
+                f"vllm_kwargs sets {owned}: rlkv sets {list(VLLM_OWNED_KWARGS)} to build the head-mixed engine; "
+                "drop them (the model is the trainer's model.name_or_path)"
             )
 
 
@@ -102,10 +137,14 @@ class CompressedRolloutTrainerMixin:
 
     def __init__(self, *args: Any, rollout_compression: CompressedRolloutConfig | None = None, **kwargs: Any):
         check_private_api(type(self), COMPRESSED_ROLLOUT_API, feature="compressed rollouts")
+        vllm_args = None
+        if rollout_compression is not None:
+            args, kwargs, vllm_args = self._construct_without_vllm(args, kwargs)
         super().__init__(*args, **kwargs)
         check_attributes(self, COMPRESSED_ROLLOUT_API, feature="compressed rollouts")
         self.rollout_compression = rollout_compression
-        self.last_rollout_kv: CacheStats | None = None
+        self.last_rollout_kv: CacheStats | KVMeterReading | None = None
+        self._vllm_rollouts = vllm_args is not None
         if rollout_compression is None:
             return
         if not isinstance(rollout_compression, CompressedRolloutConfig):
@@ -122,17 +161,50 @@ class CompressedRolloutTrainerMixin:
             rollout_compression, head_mask=rollout_compression.resolve_head_mask(base)
         )
         self._rollout_cache_config.full_heads(base)
+        self.vllm_importance_sampling_correction = rollout_compression.importance_sampling_correction
+        if self._vllm_rollouts:
+            self._start_vllm(vllm_args, base)
+            return
         self.rollout_generator = RolloutGenerator(
             self._rollout_cache_config, rollout_compression.static_cache
         )
-        self.vllm_importance_sampling_correction = rollout_compression.importance_sampling_correction
+
+    def _construct_without_vllm(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:
+        """The trainer's arguments with a shallow copy of a `use_vllm=True` GRPOConfig whose vLLM is off (so TRL
+        starts no stock engine), and that GRPOConfig (None when vLLM is off)."""
+        bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        train_args = bound.arguments.get("args")
+        if train_args is None or not getattr(train_args, "use_vllm", False):
+            return args, kwargs, None
+        from rlkv.rollout.vllm_rollouts import refuse_unsupported_vllm
+
+        problems = refuse_unsupported_vllm(train_args)
+        if problems:
+            raise ValueError("rollout_compression cannot be used with " + "; ".join(problems))
+        bound.arguments["args"] = copy.copy(train_args)
+        bound.arguments["args"].use_vllm = False
+        return bound.args, bound.kwargs, train_args
+
+    def _start_vllm(self, vllm_args: Any, base: Any) -> None:
+        """Install the head-mixed vLLM generation where TRL keeps its own (TRL's vLLM branches then run on it)."""
+        from rlkv.compat import COMPRESSED_VLLM_TRAINER_API
+        from rlkv.inference.vllm import compression_overrides
+        from rlkv.rollout.vllm_rollouts import FEATURE, make_vllm_generation
+
+        check_attributes(self, COMPRESSED_VLLM_TRAINER_API, feature=FEATURE)
+        overrides = compression_overrides(base, self._rollout_cache_config)
+        self.args.use_vllm = True  # the trainer's copy says what the user configured (saved with checkpoints)
+        self.use_vllm, self.vllm_mode = True, "colocate"
+        self.vllm_generation = make_vllm_generation(
+            self, vllm_args, overrides, self.rollout_compression.vllm_kwargs
+        )
+        self._last_loaded_step = -1  # TRL syncs the weights before the first rollout
+        self.rollout_generator = None
 
     def _refuse_unsupported_setup(self) -> None:
         problems = []
-        if self.use_vllm:
-            problems.append(
-                "use_vllm=True (compressed rollouts replace transformers generation; set use_vllm=False)"
-            )
+        if self.use_vllm:  # vLLM is off during construction unless TRL was not asked for it by GRPOConfig
+            problems.append("use_vllm=True set after construction (set it in GRPOConfig)")
         if self.use_transformers_continuous_batching:
             problems.append("use_transformers_continuous_batching=True (set it to False)")
         if self.rollout_func is not None:
@@ -141,7 +213,7 @@ class CompressedRolloutTrainerMixin:
             problems.append("tools / environment_factory (multi-turn tool loops are not supported)")
         if self._is_vlm:
             problems.append("a vision-language model (text-only models are supported)")
-        if self.args.cache_implementation is not None:
+        if self.args.cache_implementation is not None and not self._vllm_rollouts:
             problems.append(
                 f"cache_implementation={self.args.cache_implementation!r} (the compressed cache replaces it)"
             )
@@ -154,10 +226,16 @@ class CompressedRolloutTrainerMixin:
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ):
-        if self.rollout_compression is None:
-            return super()._generate_single_turn(
+        if self.rollout_compression is None or self._vllm_rollouts:
+            meter = self.vllm_generation.kv_meter() if self._vllm_rollouts else None
+            if meter is not None:
+                meter.reset_meter()
+            result = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
             )
+            if meter is not None:
+                self._log_rollout_kv(meter.meter_reading())
+            return result
         from trl.extras.profiling import profiling_context
         from trl.models import unwrap_model_for_generation
         from trl.trainer.utils import pad
@@ -189,17 +267,26 @@ class CompressedRolloutTrainerMixin:
         self._log_rollout_kv(batch.kv)
         return batch.completion_ids, batch.logprobs
 
-    def _log_rollout_kv(self, kv: CacheStats) -> None:
+    def _log_rollout_kv(self, kv: CacheStats | KVMeterReading) -> None:
         self.last_rollout_kv = kv
         mode = "train" if self.model.training else "eval"
-        values = {
-            "rollout_kv/resident_bytes": kv.resident_bytes,
-            "rollout_kv/peak_bytes": kv.peak_bytes,
-            "rollout_kv/full_bytes": kv.full_resident_bytes,
-            "rollout_kv/resident_ratio": kv.resident_ratio,
-            "rollout_kv/kept_tokens": kv.kept_tokens,
-            "rollout_kv/evictions": kv.evictions,
-        }
+        if isinstance(kv, CacheStats):
+            values = {
+                "rollout_kv/resident_bytes": kv.resident_bytes,
+                "rollout_kv/peak_bytes": kv.peak_bytes,
+                "rollout_kv/full_bytes": kv.full_resident_bytes,
+                "rollout_kv/resident_ratio": kv.resident_ratio,
+                "rollout_kv/kept_tokens": kv.kept_tokens,
+                "rollout_kv/evictions": kv.evictions,
+            }
+        else:  # vLLM: blocks in use at the rollout's peak, against a full cache of the same requests
+            values = {
+                "rollout_kv/peak_bytes": kv.peak_bytes,
+                "rollout_kv/full_bytes": kv.full_bytes,
+                "rollout_kv/resident_ratio": kv.ratio,
+                "rollout_kv/peak_blocks": kv.peak_blocks,
+                "rollout_kv/full_blocks": kv.peak_full_blocks,
+            }
         local = torch.tensor(list(values.values()), dtype=torch.float64, device=self.accelerator.device)
         mean = self.accelerator.gather(local[None]).mean(dim=0).tolist()  # per-process average
         for name, value in zip(values, mean, strict=True):
@@ -219,7 +306,12 @@ class CompressedRolloutTrainerMixin:
             self.use_vllm = False
 
     def _compressed_is_active(self) -> bool:
-        return self.rollout_compression is not None and self.vllm_importance_sampling_correction
+        # on vLLM, use_vllm stays True and TRL's correction runs as for any vLLM rollout
+        return (
+            self.rollout_compression is not None
+            and not self._vllm_rollouts
+            and self.vllm_importance_sampling_correction
+        )
 
     def _generate_and_score_completions(self, inputs):
         with self._trl_importance_sampling(self._compressed_is_active()):

