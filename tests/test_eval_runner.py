@@ -367,7 +367,7 @@ def test_the_committed_grid_resumes_with_the_shipped_masks(tmp_path, monkeypatch
     full heads at the grid's sparsities are the ones its rows were made with, so it still resumes."""
     from shutil import copyfile
 
-    from rlkv.eval.runner import _check_resume
+    from rlkv.eval.resume import check_resume as _check_resume
 
     root = Path(__file__).resolve().parents[1]
     grid = root / "data" / "eval" / "qwen2.5-coder-0.5b-instruct"

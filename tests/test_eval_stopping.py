@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlkv.eval import EvalConfig, read_results, run_eval
-from rlkv.eval.runner import CONFIG_FILE
+from rlkv.eval.results import CONFIG_FILE
 from rlkv.eval.stopping import CodeBlockStop, StopRule, closes_first_code_block, stop_criteria, stop_rule
 from rlkv.testing import tiny_model, tiny_tokenizer
 

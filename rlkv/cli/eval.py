@@ -43,6 +43,7 @@ _OVERRIDES = (
     "out",
     "dtype",
     "device",
+    "engine",
 )
 
 
@@ -92,6 +93,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", help="output folder (default eval-out)")
     parser.add_argument("--dtype", help="auto, bfloat16, float16 or float32")
     parser.add_argument("--device", help="e.g. cuda, cpu")
+    parser.add_argument(
+        "--engine",
+        choices=("transformers", "vllm"),
+        help="vllm: full and the head-mask methods on vLLM with rlkv's plugin (compressed heads a sliding window "
+        "of sink + window tokens, no sink), the other methods on transformers (default transformers)",
+    )
+    parser.add_argument(
+        "--window-only",
+        action="store_true",
+        help="on transformers, the head-mask methods in vLLM's form (the same rows as --engine vllm)",
+    )
     parser.add_argument(
         "--no-static-cache",
         action="store_true",
@@ -163,6 +175,8 @@ def _run(args: argparse.Namespace) -> int:
             base[name] = value
     if args.no_static_cache:
         base["static_cache"] = False
+    if args.window_only:
+        base["window_only"] = True
     if args.no_early_stop:
         base["early_stop_repetition"] = False
     if args.no_progress:

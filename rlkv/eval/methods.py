@@ -210,8 +210,12 @@ def method_config(
     rule: BudgetRule | None = None,
     policy_kwargs: dict[str, dict[str, Any]] | None = None,
     tokenizer: Any = None,
+    window_only: bool = False,
 ) -> CompressionConfig | None:
     """The `CompressionConfig` of `method` at `sparsity` for `model` (None for `full`).
+
+    window_only: head-mask methods in vLLM's form (`rlkv.inference.vllm.matched_compression`): compressed
+        heads a sliding window of sink + window tokens (the same count), sink 0, prompt included.
 
     masks: head masks by mask-method name ("rlkv", "ablation-mask", "random-mask", "duo"), as needed by `method`.
     policy_kwargs: constructor arguments per policy name (e.g. {"rkv": {"lam": 0.1}}); they win
@@ -236,6 +240,10 @@ def method_config(
         )
     mask = masks[method.mask]
     mask.check_compatible(model)
+    if method.policy == "streaming" and window_only:
+        from rlkv.inference.vllm import matched_compression
+
+        return matched_compression(mask, sparsity, window=rule.overhead)
     if method.policy == "streaming":
         return CompressionConfig(
             head_mask=mask, sparsity=sparsity, sink=rule.sink, window=rule.window, **common

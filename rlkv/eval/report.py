@@ -125,6 +125,25 @@ def _table_rows(
     ]
 
 
+def _engine_lines(rows: list[Row]) -> list[str]:
+    """Which engine generated each method's rows (rows before engines were recorded: transformers)."""
+    by_engine: dict[str, list[str]] = {}
+    for r in rows:
+        methods = by_engine.setdefault(r.get("engine", "transformers"), [])
+        if r["method"] not in methods:
+            methods.append(r["method"])
+    if list(by_engine) == ["transformers"]:
+        return []
+    parts = [f"{engine} ({', '.join(methods)})" for engine, methods in by_engine.items()]
+    note = (
+        "; head-mask methods in vLLM's form (compressed heads: a window of the last sink + window tokens, "
+        "no sink, prompt included); methods without a vLLM form ran on transformers"
+        if "vllm" in by_engine
+        else ""
+    )
+    return [f"- engine: {'; '.join(parts)}{note}"]
+
+
 def render_markdown(
     rows: list[Row],
     config: dict[str, Any],
@@ -150,6 +169,7 @@ def render_markdown(
             else "greedy pass@1"
         ),
         f"- rows: {len(rows)}; generation wall time {sum(r.get('seconds', 0) for r in rows):.0f} s",
+        *_engine_lines(rows),
         *_stop_lines(rows, benches, config),
         "",
         "**Budget matching** (`budget_rule: "

@@ -15,14 +15,14 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import MISSING, asdict, dataclass, fields
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlkv._io import atomic_write_text
-from rlkv.eval.config import RESUME_FREE_FIELDS, EvalConfig, benchmark_cap
-from rlkv.eval.errors import RepetitionStop, classify_error
+from rlkv.eval.config import EvalConfig
+from rlkv.eval.errors import RepetitionStop
 from rlkv.eval.methods import (
     MASK_FIELDS,
     BudgetRule,
@@ -32,7 +32,6 @@ from rlkv.eval.methods import (
     random_mask_seed,
 )
 from rlkv.eval.results import (
-    CONFIG_FILE,
     KEYS_FILE,
     RESULTS_FILE,
     current_results,
@@ -40,7 +39,10 @@ from rlkv.eval.results import (
     read_results,
     row_key,
 )
+from rlkv.eval.resume import check_resume, record_host
+from rlkv.eval.rows import RowContext, eval_row
 from rlkv.eval.stopping import stop_criteria
+from rlkv.eval.vllm_tasks import runs_on_vllm
 from rlkv.head_mask import ModelFingerprint
 
 logger = logging.getLogger(__name__)
@@ -76,147 +78,6 @@ def build_masks(cfg: EvalConfig, model: Any) -> dict[str, Any]:
     for mask in masks.values():
         mask.check_compatible(model)
     return masks
-
-
-def mask_digest(path: str | os.PathLike) -> str | None:
-    """sha1 of what defines a head mask at `path`: the file, or a folder's head_mask.json (else its TSVs).
-
-    A mask card (README.md) rewritten with an eval table leaves it unchanged; None: nothing to hash.
-    """
-    path = Path(path)
-    if path.is_file():
-        files = [path]
-    elif (path / "head_mask.json").is_file():
-        files = [path / "head_mask.json"]
-    else:
-        files = sorted(path.glob("*.tsv")) if path.is_dir() else []
-    if len(files) == 1:  # a mask file's digest as eval_config.json has always recorded it
-        return hashlib.sha1(files[0].read_bytes()).hexdigest()
-    digest = hashlib.sha1()
-    for f in files:
-        digest.update(f.name.encode() + b"\x00" + f.read_bytes())
-    return digest.hexdigest() if files else None
-
-
-def mask_layouts(path: str | os.PathLike, sparsities: Iterable[float], model: Any = None) -> dict[str, str]:
-    """The full heads of the mask at `path` at each sparsity, as `{"0.75": "9.1 10.1 11.0 ..."}`
-    ("layer.head", in order): all that a mask method's rows depend on (the eval sets sink and window).
-
-    model: the evaluated model (or its config); required when `path` is a scores-only TSV or TSV folder.
-    """
-    from rlkv.head_mask import HeadMask
-
-    mask = HeadMask.from_pretrained(path, model)
-    layouts = {}
-    for s in sparsities:
-        full = mask.full_heads(float(s)).nonzero().tolist()
-        layouts[_sparsity_key(s)] = " ".join(f"{layer}.{head}" for layer, head in full)
-    return layouts
-
-
-def _sparsity_key(sparsity: float) -> str:
-    return f"{float(sparsity):g}"
-
-
-def _check_resume(out: Path, cfg: EvalConfig, model: Any = None) -> None:
-    """Refuse to add rows to `out` made with other settings than its saved ones; then save `cfg`'s."""
-    path = out / CONFIG_FILE
-    rows = read_results(out / RESULTS_FILE) if path.exists() else []
-    current = _settings(cfg, {r["sparsity"] for r in rows}, model)
-    saved = read_json(path, what=CONFIG_FILE) if path.exists() else {}
-    current["hosts"] = saved.get("hosts", [])
-    if rows:
-        saved = _upgraded(saved, cfg, current)
-        diff = _differences(saved, current, cfg, rows)
-        if diff:
-            raise ValueError(
-                f"{out}: results there were made with other settings ({'; '.join(diff)} differ); "
-                "use another --out or the same settings to resume"
-            )
-    atomic_write_text(path, json.dumps(current, indent=1, sort_keys=True) + "\n")
-
-
-def _record_host(out: Path, device: Any) -> str:
-    """Add this machine (`host_description`) to `eval_config.json`'s `hosts`, the machines its rows were
-    generated on: greedy bf16 results differ across CPUs, so cells compare within one host only."""
-    from rlkv.inference.dtypes import host_description
-
-    host = host_description(device)
-    path = out / CONFIG_FILE
-    settings = read_json(path, what=CONFIG_FILE)
-    if host not in settings.setdefault("hosts", []):
-        settings["hosts"].append(host)
-        atomic_write_text(path, json.dumps(settings, indent=1, sort_keys=True) + "\n")
-    return host
-
-
-def _settings(cfg: EvalConfig, row_sparsities: set[float] = frozenset(), model: Any = None) -> dict[str, Any]:
-    """The fields of `cfg` that change results, plus each mask's digest (a retrained mask at the same
-    path changes results too) and its full heads at the sparsities of `cfg` and of `row_sparsities`
-    (`model` reads a scores-only TSV mask)."""
-    current = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE_FIELDS}
-    sparsities = sorted({*map(float, cfg.sparsities), *row_sparsities} - {0.0})
-    for name in MASK_FIELDS.values():
-        source = getattr(cfg, name)
-        digest = mask_digest(source) if source else None
-        if digest:
-            current[f"{name}_sha1"] = digest
-            current[f"{name}_layouts"] = mask_layouts(source, sparsities, model)
-    return current
-
-
-def _upgraded(saved: dict[str, Any], cfg: EvalConfig, current: dict[str, Any]) -> dict[str, Any]:
-    """A settings file saved by an older rlkv, completed with what its runs did for fields it lacks."""
-    for f in fields(EvalConfig):  # fields added later: their runs had the default's behaviour
-        if f.name not in saved and f.name in current and f.name != "stop":
-            saved[f.name] = f.default_factory() if f.default_factory is not MISSING else f.default
-    if "stop" not in saved and not any(cfg.stop_rule(b) for b in cfg.benchmarks):
-        saved["stop"] = current["stop"]  # saved before stop rules existed: none applied, as now
-    for name in MASK_FIELDS.values():
-        if f"{name}_sha1" not in saved and saved.get(name) == current.get(name):
-            saved[f"{name}_sha1"] = current.get(f"{name}_sha1")  # saved before folders were hashed
-        same_file = all(saved.get(k) == current.get(k) for k in (name, f"{name}_sha1"))
-        if f"{name}_layouts" not in saved and same_file:
-            saved[f"{name}_layouts"] = current.get(f"{name}_layouts")  # saved before layouts were recorded
-    return saved
-
-
-def _differences(
-    saved: dict[str, Any], current: dict[str, Any], cfg: EvalConfig, rows: list[dict[str, Any]]
-) -> list[str]:
-    """The settings whose change would mix results. Caps compare per benchmark that has rows, masks
-    per method that has rows: a cap or a mask that no row was made with changes no row."""
-    per_row = {"max_new_tokens", "max_new_tokens_by_benchmark", "hosts"}
-    for name in MASK_FIELDS.values():
-        per_row |= {name, f"{name}_sha1", f"{name}_layouts"}
-    diff = sorted(k for k in set(saved) | set(current) if k not in per_row and saved.get(k) != current.get(k))
-    diff += sorted(
-        f"max_new_tokens of {bench}"
-        for bench in {r["benchmark"] for r in rows}
-        if benchmark_cap(saved, bench) != cfg.new_tokens(bench)
-    )
-    for mask, name in MASK_FIELDS.items():
-        made_with = [r for r in rows if parse_method(r["method"]).mask == mask]
-        stale = sorted({r["method"] for r in made_with})
-        if stale and _mask_changed(saved, current, name, {r["sparsity"] for r in made_with}):
-            diff.append(
-                f"{name} (the mask of the rows of {', '.join(stale)}: drop them with "
-                f"--redo {','.join(stale)} to rerun them with the new mask)"
-            )
-    return diff
-
-
-def _mask_changed(saved: dict[str, Any], current: dict[str, Any], name: str, sparsities: set[float]) -> bool:
-    """Whether the rows at `sparsities` were made with other full heads than the mask `name` has now.
-
-    Where both settings record the layouts at those sparsities, only they count: a mask re-saved with
-    new metadata, a card or a tie-break below the cut still matches its rows. Else the path and digest.
-    """
-    keys = {_sparsity_key(s) for s in sparsities}
-    old, new = saved.get(f"{name}_layouts") or {}, current.get(f"{name}_layouts") or {}
-    if keys <= old.keys() and keys <= new.keys():
-        return any(old[k] != new[k] for k in keys)
-    return any(saved.get(k) != current.get(k) for k in (name, f"{name}_sha1"))
 
 
 def _task_cache(
@@ -256,6 +117,8 @@ def _tasks(cfg: EvalConfig) -> list[_Task]:
             for m in cfg.methods:
                 if m != "full":
                     tasks.extend(_Task(b, m, s, k) for k in samples)
+    if cfg.engine == "vllm":  # a head split's tasks side by side: each vLLM engine starts once
+        tasks.sort(key=lambda t: (t.method != "full", t.method, t.sparsity))
     return tasks
 
 
@@ -277,6 +140,7 @@ def _preflight(
                 rule=rule,
                 policy_kwargs=cfg.policy_kwargs,
                 tokenizer=tokenizer,
+                window_only=cfg.window_only,
             )
             if configs[key] is not None:
                 try:
@@ -347,8 +211,6 @@ def run_eval(
     """
     from tqdm.auto import tqdm
 
-    from rlkv.data import verify
-    from rlkv.data.verify import extract_boxed, strip_thinking
     from rlkv.inference import generate
 
     out = Path(cfg.out)
@@ -361,12 +223,12 @@ def run_eval(
     out.mkdir(parents=True, exist_ok=True)
     if model is None:  # before the resume check: a scores-only TSV mask is read against the model
         model, tokenizer = load_model(cfg)
-    _check_resume(out, cfg, model)
+    check_resume(out, cfg, model)
     results_path = out / RESULTS_FILE
     done_rows = read_results(results_path, repair=True)
     done = {r["key"] for r in done_rows}
     masks = build_masks(cfg, model)
-    _record_host(out, next(model.parameters()).device)
+    record_host(out, next(model.parameters()).device)
     rule, repetition = cfg.budget(), cfg.repetition_rule()
     num_heads = num_kv_heads_total(model)
     # K and V of one token in one KV head (configs without head_dim derive it from hidden size / heads)
@@ -395,13 +257,51 @@ def run_eval(
         tally[r["method"]][1] += 1
     bar = tqdm(total=total, desc="eval", disable=not cfg.progress, dynamic_ncols=True)
     sampling = cfg.temperature > 0
+    context = RowContext(tokenizer, repetition, num_heads, bytes_per_entry)
+    vllm_runner = _vllm_runner(cfg, model, problems, tasks)
     with open(results_path, "a", encoding="utf-8") as sink:
+
+        def write(row: dict[str, Any]) -> None:
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            tally[row["method"]][0] += int(row["correct"])
+            tally[row["method"]][1] += 1
+            bar.update(1)
+            if on_row is not None:
+                on_row(row)
+
+        def synced() -> None:
+            os.fsync(sink.fileno())
+            bar.set_postfix_str(
+                " ".join(f"{m}={c / n:.0%}" for m, (c, n) in tally.items() if n), refresh=False
+            )
+
         for task in tasks:
             todo = [c for c in batches[task.benchmark] if any(key_of(task, e) not in done for e in c)]
             if not todo:
                 continue
             compression = configs[(task.method, task.sparsity)]
             ending = cfg.stop_rule(task.benchmark)
+            if vllm_runner is not None and runs_on_vllm(task.method):
+                entries = [e for c in todo for e in c if key_of(task, e) not in done]
+                seeds = [
+                    _seed_for(cfg, task.benchmark, task.method, task.sparsity, task.sample, e[0])
+                    for e in entries
+                ]
+                for row in vllm_runner.rows(
+                    task,
+                    compression,
+                    entries,
+                    context=context,
+                    new_tokens=cfg.new_tokens(task.benchmark),
+                    ending=ending,
+                    repetition=repetition if cfg.early_stop_repetition else None,
+                    sampling={"temperature": cfg.temperature, "top_p": cfg.top_p},
+                    seeds=seeds if sampling else [None] * len(entries),
+                ):
+                    write(row)
+                    synced()
+                continue
             cache = _task_cache(model, compression, cfg, todo, cfg.new_tokens(task.benchmark))
             for chunk in todo:
                 stop = RepetitionStop(repetition) if cfg.early_stop_repetition else None
@@ -424,58 +324,47 @@ def run_eval(
                     cache=cache,
                 )
                 seconds = (time.perf_counter() - began) / len(chunk)
-                for row_idx, ((pid, example, _, _), output) in enumerate(zip(chunk, outputs)):
-                    if key_of(task, chunk[row_idx]) in done:
+                for row_idx, (entry, output) in enumerate(zip(chunk, outputs)):
+                    if key_of(task, entry) in done:
                         continue
-                    token_ids, finish = output.token_ids, output.finish_reason
-                    if stop is not None and finish == "stop" and stop.ended(row_idx, len(token_ids)):
+                    finish = output.finish_reason
+                    if stop is not None and finish == "stop" and stop.ended(row_idx, len(output.token_ids)):
                         finish = "repetition"
-                    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-                    correct = bool(verify(text, dict(example)))
-                    stats = output.cache_stats
-                    row = {
-                        "key": row_key(task.benchmark, pid, task.method, task.sparsity, task.sample),
-                        "benchmark": task.benchmark,
-                        "problem_id": pid,
-                        "method": task.method,
-                        "sparsity": task.sparsity,
-                        "sample": task.sample,
-                        "answer": example["answer"],
-                        "prediction": extract_boxed(strip_thinking(text)),
-                        "correct": correct,
-                        "completion": text,
-                        "num_prompt_tokens": output.num_prompt_tokens,
-                        "num_generated_tokens": len(token_ids),
-                        "finish_reason": finish,
-                        "error_mode": classify_error(
-                            correct=correct, finish_reason=finish, token_ids=token_ids, rule=repetition
-                        ),
-                        "logical_length": stats and stats.logical_length,
-                        "kv_tokens": stats and stats.kept_tokens,
-                        "kv_tokens_per_head": (stats.kept_tokens if stats else 0) / num_heads,
-                        "kv_bytes": (stats.kept_tokens if stats else 0) * bytes_per_entry,
-                        "resident_bytes": stats and stats.resident_bytes,
-                        "full_resident_bytes": stats and stats.full_resident_bytes,
-                        "evictions": stats and stats.evictions,
-                        "seconds": round(seconds, 4),
-                    }
-                    sink.write(json.dumps(row) + "\n")
-                    sink.flush()
-                    tally[task.method][0] += int(correct)
-                    tally[task.method][1] += 1
-                    bar.update(1)
-                    if on_row is not None:
-                        on_row(row)
-                os.fsync(sink.fileno())
-                bar.set_postfix_str(
-                    " ".join(f"{m}={c / n:.0%}" for m, (c, n) in tally.items() if n), refresh=False
-                )
+                    write(
+                        eval_row(
+                            context,
+                            task,
+                            entry,
+                            output.token_ids,
+                            finish,
+                            num_prompt_tokens=output.num_prompt_tokens,
+                            stats=output.cache_stats,
+                            seconds=seconds,
+                            engine="transformers",
+                        )
+                    )
+                synced()
+    if vllm_runner is not None:
+        engines = vllm_runner.engines
+        logger.info("vLLM engine: %d starts, %.1f s in all", engines.starts, engines.start_seconds)
+        vllm_runner.close()
     bar.close()
     if write_report:
         from rlkv.eval.report import write_report as _write_report
 
         _write_report(out, head_mask=masks.get("rlkv"))
     return out
+
+
+def _vllm_runner(cfg: EvalConfig, model: Any, problems: dict, tasks: list[_Task]) -> Any:
+    """The vLLM task runner of an `engine: vllm` run that has vLLM tasks (else None)."""
+    if cfg.engine != "vllm" or not any(runs_on_vllm(t.method) for t in tasks):
+        return None
+    from rlkv.eval.vllm_tasks import VLLMTaskRunner
+
+    widest = max(e[3] for entries in problems.values() for e in entries)
+    longest = max(cfg.new_tokens(b) for b in cfg.benchmarks)
+    return VLLMTaskRunner(cfg, model, max_model_len=widest + longest)
 
 
 def run_sensitivity(

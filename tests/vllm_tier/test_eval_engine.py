@@ -1,0 +1,98 @@
+"""`rlkv eval --engine vllm` against the transformers engine with the same head split (`window_only`).
+
+Demo model, fp32, 48 held-out chain problems, greedy, 200 new tokens, full + a seeded random head mask at
+s = 0.5 and 0.75. Equal rows: the same generated text, length and finish reason.
+"""
+
+import json
+import logging
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
+
+from vllm_engines import DEMO  # noqa: E402
+
+from rlkv.eval import EvalConfig, run_eval  # noqa: E402
+from rlkv.eval.results import read_results  # noqa: E402
+
+GRID = dict(
+    model=DEMO,
+    benchmarks=["chain"],
+    num_problems=48,
+    methods=["full", "random-mask"],
+    sparsities=[0.5, 0.75],
+    max_new_tokens=200,
+    dtype="float32",
+    batch_size=16,
+    window_only=True,
+    vllm_kwargs={"enforce_eager": True, "block_size": 32},
+    progress=False,
+)
+
+
+def rows_of(out):
+    return {r["key"]: r for r in read_results(out / "results.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def both_engines(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    run_eval(EvalConfig(**GRID, engine="transformers", out=str(out / "transformers")))
+    logger = logging.getLogger("rlkv.eval.runner")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        run_eval(EvalConfig(**GRID, engine="vllm", out=str(out / "vllm")))
+    finally:
+        logger.removeHandler(handler)
+    return out, rows_of(out / "transformers"), rows_of(out / "vllm"), [r.getMessage() for r in records]
+
+
+@pytest.mark.parametrize("cell", [("full", 0.0), ("random-mask", 0.5), ("random-mask", 0.75)])
+def test_vllm_rows_equal_the_transformers_engines(both_engines, cell):
+    _, reference, served, _ = both_engines
+    method, sparsity = cell
+    keys = [k for k, r in reference.items() if (r["method"], r["sparsity"]) == cell]
+    assert len(keys) == 48 and set(keys) <= set(served)
+    fields = ("completion", "num_generated_tokens", "finish_reason")
+    equal = [k for k in keys if all(served[k][f] == reference[k][f] for f in fields)]
+    assert len(equal) >= 46, f"{len(equal)} of 48 rows equal at {method} s={sparsity}"
+    solved = sum(served[k]["correct"] for k in keys), sum(reference[k]["correct"] for k in keys)
+    assert abs(solved[0] - solved[1]) * 100 / 48 <= 1.0, f"pass@1 (solved of 48) vllm, transformers: {solved}"
+    assert all(served[k]["engine"] == "vllm" and reference[k]["engine"] == "transformers" for k in keys)
+    # the KV a row reaches: the transformers cache's kept tokens at the row's end
+    assert all(served[k]["kv_tokens"] == reference[k]["kv_tokens"] for k in equal)
+
+
+def test_each_head_split_starts_one_engine_and_the_report_names_it(both_engines):
+    out, _, served, messages = both_engines
+    assert any("3 starts" in m for m in messages), messages  # full, s=0.5, s=0.75: not one per batch
+    assert sum(r["seconds"] for r in served.values()) > 0
+    report = (out / "vllm" / "report.md").read_text()
+    assert "- engine: vllm (full, random-mask)" in report
+
+
+def test_a_rerun_resumes_and_another_engine_is_refused(both_engines):
+    out, _, served, _ = both_engines
+    lines = (out / "vllm" / "results.jsonl").read_text().splitlines()
+    (out / "vllm" / "results.jsonl").write_text("\n".join(lines[:-5]) + "\n")  # as if killed 5 rows early
+    run_eval(EvalConfig(**GRID, engine="vllm", out=str(out / "vllm")))
+    again = rows_of(out / "vllm")
+    assert set(again) == set(served)
+    assert all(again[k]["completion"] == served[k]["completion"] for k in served)
+    with pytest.raises(ValueError, match="engine"):
+        run_eval(EvalConfig(**GRID, engine="transformers", out=str(out / "vllm")))
+
+
+def test_methods_without_a_vllm_form_stay_on_transformers(tmp_path):
+    grid = GRID | {"methods": ["full", "h2o"], "sparsities": [0.5], "num_problems": 4}
+    out = run_eval(EvalConfig(**grid, engine="vllm", out=str(tmp_path / "mixed")))
+    engines = {r["method"]: r["engine"] for r in read_results(out / "results.jsonl")}
+    assert engines == {"full": "vllm", "h2o": "transformers"}
+    assert "- engine: vllm (full); transformers (h2o)" in (out / "report.md").read_text()
+    saved = json.loads((out / "eval_config.json").read_text())
+    assert saved["engine"] == "vllm" and saved["window_only"] is True
