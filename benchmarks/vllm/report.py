@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from benchmarks.vllm.engines import report_engines
+
 
 def report_vllm(result: dict) -> list[str]:
-    """Markdown lines of the vLLM section."""
+    """Markdown lines of the vLLM section: the parts that ran."""
+    lines = report_serving(result) if "rows" in result else ["## vLLM (one run)", ""]
+    if "engines" in result:
+        lines += report_engines(result["engines"], result["settings"]["model"])
+    return lines
+
+
+def report_serving(result: dict) -> list[str]:
+    """Markdown lines of the serving part."""
     s = result["settings"]
     lines = [
         "## vLLM: stock vLLM vs rlkv's head mask on vLLM (one run)",

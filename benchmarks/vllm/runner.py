@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.vllm import engines
+
 TARGETS = {("bound", 0.5): 1.5, ("bound", 0.75): 2.0, ("unbound", 0.5): 0.95, ("unbound", 0.75): 0.95}
 SPARSITIES = (0.5, 0.75)
 
@@ -47,6 +49,13 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "--vllm-bound-rows", type=int, default=3, help="requests stock vLLM holds at once when memory-bound"
     )
     parser.add_argument("--vllm-window", type=int, default=64, help="window of the compressed heads")
+    parser.add_argument(
+        "--vllm-parts",
+        default="serving,engines",
+        help="serving (stock vLLM vs rlkv at a fixed KV size) and/or engines (vLLM as rlkv's eval and GRPO "
+        "rollout engine, benchmarks/vllm/engines.py; needs --vllm-model)",
+    )
+    engines.add_options(parser)
 
 
 def synthetic_model(folder: Path, layers: int) -> Path:
@@ -158,6 +167,31 @@ def run_transformers(model_path: str, prompts: list[list[int]], new_tokens: int,
 
 
 def suite_vllm(args: argparse.Namespace) -> dict:
+    """The parts of --vllm-parts: serving (`suite_serving`) and engines (`engines.suite_engines`)."""
+    parts = args.vllm_parts.split(",")
+    unknown = sorted(set(parts) - {"serving", "engines"})
+    if unknown:
+        raise SystemExit(f"--vllm-parts {unknown}: choose serving and/or engines")
+    result: dict = {
+        "settings": {k: v for k, v in vars(args).items() if k.startswith("vllm_")}
+        | {"model": args.vllm_model}
+    }
+    if "serving" in parts:
+        result |= suite_serving(args)
+    if "engines" in parts:
+        if args.vllm_model == "synthetic" and not args.quick:
+            raise SystemExit(
+                "--vllm-parts engines needs a real model: --vllm-model models/qwen2.5-coder-0.5b-instruct"
+            )
+        model = args.vllm_model if args.vllm_model != "synthetic" else "data/demo-model"
+        args.vllm_model = result["settings"]["model"] = model
+        result["engines"] = engines.suite_engines(args, Path(args.out))
+    checks = result.get("checks", []) + result.get("engines", {}).get("checks", [])
+    result["passed"] = all(c["pass"] for c in checks)
+    return result
+
+
+def suite_serving(args: argparse.Namespace) -> dict:
     """Both KV sizes, stock and rlkv at each sparsity, plus the transformers reference rows."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rlkv import HeadMask
@@ -211,5 +245,4 @@ def suite_vllm(args: argparse.Namespace) -> dict:
         checks.append(
             {"kv": bound, "sparsity": sparsity, "ratio": ratio, "target": target, "pass": ratio >= target}
         )
-    settings = {k: v for k, v in vars(args).items() if k.startswith("vllm_")} | {"model": args.vllm_model}
-    return {"rows": rows, "checks": checks, "settings": settings, "passed": all(c["pass"] for c in checks)}
+    return {"rows": rows, "checks": checks}
