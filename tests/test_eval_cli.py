@@ -1,5 +1,6 @@
 """`rlkv eval` from the command line: recipes parse, a SIGKILLed run resumes to the uninterrupted result."""
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -91,6 +92,27 @@ def test_missing_head_mask_fails_before_any_work(tmp_path, capsys):
         main(["eval", "--model", "tiny:llama", "--methods", "full,rlkv", "--out", str(tmp_path / "x")]) == 2
     )
     assert "rlkv eval: error: " in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vLLM installed: the vLLM tier runs it"
+)
+def test_the_vllm_engine_without_vllm_is_one_line_naming_the_install(tmp_path, capsys):
+    args = [
+        "eval",
+        "--model",
+        "tiny:llama",
+        "--engine",
+        "vllm",
+        "--methods",
+        "full",
+        "--out",
+        str(tmp_path / "x"),
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'rlkv[vllm]'" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
 
 

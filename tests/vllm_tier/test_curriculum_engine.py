@@ -34,7 +34,10 @@ def test_vllm_curriculum_records_equal_the_transformers_engines(tmp_path, sparsi
     mask = HeadMask.random(model, seed=0)
     compression = None if sparsity is None else matched_compression(mask, sparsity, window=80)
     build_curriculum(
-        TransformersEngine(model, tokenizer, compression=compression, batch_size=16), pool, tmp_path / "t", CONFIG
+        TransformersEngine(model, tokenizer, compression=compression, batch_size=16),
+        pool,
+        tmp_path / "t",
+        CONFIG,
     )
     build_curriculum(VLLMEngine(DEMO, compression=compression, **ENGINE), pool, tmp_path / "v", CONFIG)
     reference, served = completions(tmp_path / "t"), completions(tmp_path / "v")
@@ -54,7 +57,16 @@ def test_cli_curriculum_on_vllm_with_a_head_mask(tmp_path, capsys):
     pool = tmp_path / "pool.jsonl"
     load_chain_task("test", 8).to_json(str(pool))
     args = ["data", "curriculum", "--model", DEMO, "--problems", str(pool), "--engine", "vllm"]
-    args += ["--head-mask", str(tmp_path / "mask"), "--sparsity", "0.5", "--buckets", "0-200:4", "--keep", "all"]
+    args += [
+        "--head-mask",
+        str(tmp_path / "mask"),
+        "--sparsity",
+        "0.5",
+        "--buckets",
+        "0-200:4",
+        "--keep",
+        "all",
+    ]
     assert main([*args, "--max-new-tokens", "64", "--dtype", "float32", "--out", str(tmp_path / "cur")]) == 0
     assert len(read_shards(tmp_path / "cur" / "shards")) == 8
     assert "selected" in capsys.readouterr().out

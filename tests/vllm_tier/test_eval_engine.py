@@ -96,3 +96,14 @@ def test_methods_without_a_vllm_form_stay_on_transformers(tmp_path):
     assert "- engine: vllm (full); transformers (h2o)" in (out / "report.md").read_text()
     saved = json.loads((out / "eval_config.json").read_text())
     assert saved["engine"] == "vllm" and saved["window_only"] is True
+
+
+def test_cli_eval_engine_vllm(tmp_path, capsys):
+    from rlkv.cli import main
+
+    args = ["eval", "--model", DEMO, "--benchmarks", "chain", "--num-problems", "4", "--methods", "full"]
+    args += ["--max-new-tokens", "64", "--dtype", "float32", "--engine", "vllm", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "cli")]) == 0
+    rows = read_results(tmp_path / "cli" / "results.jsonl")
+    assert len(rows) == 4 and {r["engine"] for r in rows} == {"vllm"}
+    assert str(tmp_path / "cli" / "report.md") in capsys.readouterr().out
