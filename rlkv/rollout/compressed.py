@@ -17,6 +17,12 @@ turns token ids into completions; overriding only it keeps everything else TRL's
 handling, rewards, advantages, logging, the loss). `with_compressed_rollouts(cls)` builds that
 subclass for any `GRPOTrainer` subclass, so it composes with other customised trainers.
 
+On TRL's vLLM path (`GRPOConfig(use_vllm=True, vllm_mode="colocate")`, a config from
+`CompressedRolloutConfig.for_vllm`) the trainer is built with vLLM off and then gets the head-mixed
+vLLM generation of `rlkv.rollout.vllm_rollouts`; TRL's own vLLM code samples, syncs weights and
+corrects from then on, and `last_rollout_kv` is the engine's block meter reading. The rest of this
+docstring is the transformers path.
+
 What changes, per rollout (TRL's transformers path, `use_vllm=False`)
 ---------------------------------------------------------------------
 - `generate` runs with a compressed cache passed as its cache (`rlkv.rollout.generation.RolloutGenerator`:
