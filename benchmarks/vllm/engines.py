@@ -11,7 +11,8 @@
 2. One GRPO step (--vllm-grpo-prompts prompts x --vllm-grpo-generations completions of
    --vllm-grpo-tokens tokens, forced by a minimum length; micro-batches of 4) with compressed rollouts at
    s=0.5: TRL's transformers path with rlkv's cache, then TRL's colocated vLLM with the head-mixed engine.
-   Step wall time (rollouts, weight sync, loss), and the vLLM engine's start apart.
+   Step wall time (rollouts, weight sync, loss), the part spent generating (TRL's
+   `_generate_single_turn`) and in the weight sync, and the vLLM engine's start apart.
 
 Each measurement is saved under --out/vllm-engines as it finishes; a rerun skips finished ones (the eval
 folders resume row by row). Targets (issue 66): eval generation per problem, vLLM >= 2x faster; GRPO step,
@@ -139,6 +140,10 @@ def grpo_step(args: argparse.Namespace, folder: Path, use_vllm: bool) -> dict:
         rollout_compression=compression,
     )
     start = time.perf_counter() - began
+    spent = {"rollout_s": 0.0, "sync_s": 0.0}
+    _time_calls(trainer, "_generate_single_turn", spent, "rollout_s")
+    if use_vllm:
+        _time_calls(trainer.vllm_generation, "sync_weights", spent, "sync_s")
     began = time.perf_counter()
     trainer.train()
     step = time.perf_counter() - began
@@ -149,10 +154,25 @@ def grpo_step(args: argparse.Namespace, folder: Path, use_vllm: bool) -> dict:
         "step_s": step,
         "trainer_start_s": start,
         "completions": n * args.vllm_grpo_generations,
+        **spent,
         "mean_completion_tokens": log.get("completions/mean_length"),
         "rollout_kv_ratio": log.get("rollout_kv/resident_ratio"),
         "rollout_peak_bytes": getattr(kv, "peak_bytes", None),
     }
+
+
+def _time_calls(owner: Any, method: str, spent: dict[str, float], key: str) -> None:
+    """Add the wall time of every call of `owner.method` (this object only) to `spent[key]`."""
+    inner = getattr(owner, method)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - began
+
+    setattr(owner, method, timed)
 
 
 def suite_engines(args: argparse.Namespace, out: Path) -> dict:
@@ -214,14 +234,16 @@ def report_engines(result: dict[str, Any], model: str) -> list[str]:
         )
     lines += [
         "",
-        "| GRPO rollouts | step s | trainer start s | completions | mean tokens | rollout KV / full |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| GRPO rollouts | step s | of which generation s / weight sync s | trainer start s | completions | "
+        "mean tokens | rollout KV / full |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for s in steps.values():
         ratio = s["rollout_kv_ratio"]
         lines.append(
-            f"| {s['rollouts']} | {s['step_s']:.0f} | {s['trainer_start_s']:.0f} | {s['completions']} | "
-            f"{s['mean_completion_tokens']} | {'' if ratio is None else f'{ratio:.2f}'} |"
+            f"| {s['rollouts']} | {s['step_s']:.0f} | {s.get('rollout_s', 0):.0f} / {s.get('sync_s', 0):.1f} | "
+            f"{s['trainer_start_s']:.0f} | {s['completions']} | {s['mean_completion_tokens']} | "
+            f"{'' if ratio is None else f'{ratio:.2f}'} |"
         )
     lines += ["", "| check | value | target | |", "| --- | ---: | --- | --- |"]
     for c in result["checks"]:
