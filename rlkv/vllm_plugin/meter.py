@@ -2,9 +2,11 @@
 
 vLLM allocates KV memory as blocks from one pool; a request holds blocks in every KV cache group
 (rlkv's split: full-attention groups and sliding-window groups, `attention.py`). After each
-`schedule()` the subclass reads how many pool blocks are in use and how many a cache of full attention
-in every group would hold for the same requests (each running request's computed plus scheduled
-tokens, in blocks, times the number of groups), and keeps the peak of each since `reset_meter()`.
+`schedule()` the subclass reads how many pool blocks are in use and how many blocks a full cache would
+hold for the same requests (each running request's computed plus scheduled tokens, in blocks), and
+keeps the peak of each since `reset_meter()`. Bytes come from the groups' specs (a pool block is a page
+in each layer of one group; the groups' buffers overlay one another, so the buffer sizes would count
+each byte once per group).
 Blocks of finished requests kept only for prefix caching count as free, as they do for vLLM.
 
 `engine_meter(llm)` finds the scheduler of an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
@@ -25,12 +27,17 @@ from rlkv.vllm_plugin.fence import in_process_scheduler
 
 @dataclass(frozen=True)
 class KVMeterReading:
-    """Peak KV blocks since the last reset: `peak_blocks` in use (all groups), `peak_full_blocks` that full
-    attention in every group would hold; `block_bytes` of one block (a page in each layer of its group)."""
+    """Peak KV memory since the last reset.
+
+    peak_blocks: pool blocks in use (all groups); block_bytes: one pool block (a page in each layer of
+    its group). peak_full_blocks: blocks a full cache (every layer and head, one group) would hold for the
+    same requests; full_block_bytes: one such block (a page of every KV head of every layer).
+    """
 
     peak_blocks: int
-    peak_full_blocks: int
     block_bytes: int
+    peak_full_blocks: int
+    full_block_bytes: int
     num_groups: int
     steps: int
 
@@ -42,12 +49,12 @@ class KVMeterReading:
     @property
     def full_bytes(self) -> int:
         """Peak bytes a full KV cache would hold for the same requests."""
-        return self.peak_full_blocks * self.block_bytes
+        return self.peak_full_blocks * self.full_block_bytes
 
     @property
     def ratio(self) -> float:
         """peak_bytes / full_bytes (1.0 when nothing ran)."""
-        return self.peak_blocks / self.peak_full_blocks if self.peak_full_blocks else 1.0
+        return self.peak_bytes / self.full_bytes if self.full_bytes else 1.0
 
 
 class KVMeteredScheduler(Scheduler):
@@ -65,9 +72,8 @@ class KVMeteredScheduler(Scheduler):
         output = super().schedule(*args, **kwargs)
         pool = self.kv_cache_manager.block_pool
         in_use = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # block 0 is vLLM's null block
-        groups = len(self.kv_cache_config.kv_cache_groups)
         scheduled = output.num_scheduled_tokens
-        full = groups * sum(
+        full = sum(
             math.ceil((r.num_computed_tokens + scheduled.get(r.request_id, 0)) / self.block_size)
             for r in self.running
         )
@@ -78,13 +84,14 @@ class KVMeteredScheduler(Scheduler):
 
     def meter_reading(self) -> KVMeterReading:
         """The peaks since the last `reset_meter()`."""
-        config = self.kv_cache_config
-        total = sum(t.size for t in config.kv_cache_tensors)
+        groups = self.kv_cache_config.kv_cache_groups
+        group_bytes = [g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups]
         return KVMeterReading(
             peak_blocks=self._peak_blocks,
+            block_bytes=max(group_bytes),
             peak_full_blocks=self._peak_full_blocks,
-            block_bytes=total // config.num_blocks,
-            num_groups=len(config.kv_cache_groups),
+            full_block_bytes=sum(group_bytes),
+            num_groups=len(groups),
             steps=self._steps,
         )
 

@@ -152,11 +152,39 @@ def test_rollout_kv_reports_vllm_blocks_against_a_full_cache(tmp_path):
     trainer.train()
     kv = trainer.last_rollout_kv
     assert kv is not None and kv.num_groups == 4  # 1 full and 3 window groups at s=0.75 on the demo
-    # a prompt of ~90 tokens + 64 new: a full group holds 4-5 blocks per request, a 16-token window 1-2
-    assert kv.peak_full_blocks > 0 and kv.peak_blocks < 0.6 * kv.peak_full_blocks
+    # a prompt of ~90 tokens + 64 new: a full head holds 4-5 blocks per request, a 16-token window 1-2
+    assert kv.full_bytes > 0 and kv.peak_bytes < 0.6 * kv.full_bytes
     logged = [r for r in trainer.state.log_history if "rollout_kv/peak_blocks" in r]
     assert logged and logged[0]["rollout_kv/resident_ratio"] == pytest.approx(kv.ratio)
-    assert logged[0]["rollout_kv/full_bytes"] == kv.peak_full_blocks * kv.block_bytes
+    assert logged[0]["rollout_kv/full_bytes"] == kv.full_bytes
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.75])
+def test_the_block_meter_counts_the_bytes_of_the_requests_tokens(sparsity):
+    """One request of 64 + 64 tokens (4 blocks of 32): a full cache holds 4 blocks of every head, whatever the
+    split (the groups' buffers overlay, so bytes come from the specs); the split holds the full heads' 4
+    blocks and the window heads' last 1-2."""
+    import vllm
+    from vllm_engines import engine
+
+    from rlkv.inference.vllm import vllm_overrides
+    from rlkv.vllm_plugin.meter import KVMeteredScheduler, engine_meter
+
+    model, _ = load(DEMO, dtype="float32")
+    mask = HeadMask.random(model, seed=0)
+    c = model.config
+    full = 128 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * 4  # K and V, fp32
+    overrides = vllm_overrides(DEMO, mask, sparsity, window=16)
+    with engine(hf_overrides=overrides, scheduler_cls=KVMeteredScheduler) as llm:
+        meter = engine_meter(llm)
+        meter.reset_meter()
+        params = vllm.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": list(range(5, 69))}], params, use_tqdm=False)
+        kv = meter.meter_reading()
+    assert kv.full_bytes == full
+    kept = mask.full_heads(sparsity).float().mean().item()  # the fraction of heads full
+    assert kept * full <= kv.peak_bytes <= (kept + (1 - kept) * 2 / 4) * full + kv.block_bytes
+    assert kv.peak_bytes == full if sparsity == 0 else kv.peak_bytes < full
 
 
 def test_refusals_name_the_field_before_vllm_starts(tmp_path):
