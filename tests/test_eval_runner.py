@@ -121,6 +121,24 @@ def test_resume_after_kill_reproduces_results(uninterrupted):
     assert results.read_text().endswith("\n") and len(results.read_text().splitlines()) == len(reference)
 
 
+def test_a_last_row_without_its_newline_is_kept_and_terminated(uninterrupted):
+    """A writer killed between a row and its newline: the row counts, and a rerun adds no second copy
+    and loses none (it used to be dropped as torn yet counted as done)."""
+    tmp_path, _, reference = uninterrupted
+    cfg, model = _config(tmp_path, "c")
+    tok = tiny_tokenizer()
+    run_eval(cfg, model=model, tokenizer=tok)
+    results = tmp_path / "c" / "results.jsonl"
+    lines = results.read_text().splitlines()
+    results.write_text("\n".join(lines[:-3]))  # the last 3 rows gone, the new last one unterminated
+    assert len(read_results(results)) == len(lines) - 3
+    run_eval(cfg, model=model, tokenizer=tok)
+    rows = read_results(results)
+    assert _strip_timing(rows) == _strip_timing(reference)
+    assert len({r["key"] for r in rows}) == len(rows) == len(reference)
+    assert results.read_text().endswith("\n")
+
+
 def test_resume_refuses_other_settings(uninterrupted):
     tmp_path, out, _ = uninterrupted
     cfg, model = _config(tmp_path, "a", max_new_tokens=41)

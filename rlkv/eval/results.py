@@ -37,14 +37,18 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
 
 
 def read_results(path: str | os.PathLike, repair: bool = False) -> list[dict[str, Any]]:
-    """Rows of a results.jsonl. A torn last line (killed writer) is ignored, and cut off when `repair`."""
+    """Rows of a results.jsonl. A torn last line (killed writer) is ignored, and cut off when `repair`.
+
+    A last line that is a whole row but lacks its newline (the writer was killed between the two) is a
+    row: it is kept, and `repair` ends it with its newline, so the next row appended stays a line of its own.
+    """
     path = Path(path)
     if not path.exists() and not path.is_symlink():
         return []
     data = check_regular_file(
         path, what="results.jsonl", error=UserInputError, max_bytes=MAX_RESULTS_BYTES
     ).read_bytes()
-    rows, good_end, start = [], 0, 0
+    rows, good_end, start, unterminated = [], 0, 0, False
     while start < len(data):
         end = data.find(b"\n", start)
         line = data[start:] if end < 0 else data[start:end]
@@ -58,9 +62,12 @@ def read_results(path: str | os.PathLike, repair: bool = False) -> list[dict[str
                 ) from None
             break
         if end < 0:
-            good_end = len(data) if line.strip() == b"" else good_end
+            good_end, unterminated = len(data), bool(line.strip())
             break
         start = good_end = end + 1
+    if repair and unterminated:
+        with open(path, "ab") as f:
+            f.write(b"\n")
     if repair and good_end < len(data):
         logger.warning(
             "%s: dropping a torn last line (%d bytes) left by an interrupted run", path, len(data) - good_end
