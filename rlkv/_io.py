@@ -135,3 +135,66 @@ def check_output_path(
     os.close(fd)
     os.unlink(probe)
     return path
+
+
+LOCK_FILE = ".rlkv.lock"
+
+
+class FolderLock:
+    """An exclusive, advisory lock on an output folder for one long job (`with FolderLock(folder, "rlkv eval"):`).
+
+    `flock` on `folder/.rlkv.lock`: the kernel drops it when the holder exits, however it dies
+    (kill -9 included), so a stale lock never blocks a rerun. The file names its holder (job, pid,
+    host, start time) so a second job refuses with one line naming it; the holder removes it on exit.
+    """
+
+    def __init__(self, folder: str | os.PathLike, job: str, error: type[Exception] = ValueError) -> None:
+        self.path = Path(folder) / LOCK_FILE
+        self.job, self.error = job, error
+        self.fd: int | None = None
+
+    def __enter__(self) -> FolderLock:
+        import fcntl
+        import json
+        import socket
+        import time
+
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.read(fd, 4096).decode("utf-8", "replace").strip()
+                os.close(fd)
+                raise self.error(
+                    f"{self.path.parent}: another job is writing this folder ({holder or 'holder unknown'}); "
+                    "wait for it to finish, stop it, or give another output folder"
+                ) from None
+            if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                break
+            os.close(fd)  # the holder removed the file between our open and lock: take the new one
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        holder = {"job": self.job, "pid": os.getpid(), "host": socket.gethostname(), "since": started}
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder).encode())
+        self.fd = fd
+        remove_stale_temps(self.path.parent)  # the only writer now: what a killed one left is stale
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # while held: a waiting job then locks a new file
+            os.close(self.fd)
+            self.fd = None
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> int:
+    """Delete the temp files a killed atomic write left under `folder` (`.NAME.*.tmp`, `.NAME.tmp.png`);
+    call it only while no other writer uses the folder (under its `FolderLock`). Returns how many."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return 0
+    stale = [p for pattern in (".*.tmp", ".*.tmp.png") for p in folder.rglob(pattern) if p.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)

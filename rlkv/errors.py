@@ -8,6 +8,7 @@ is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -38,10 +39,21 @@ def run_reporting_user_errors(prog: str, fn: Callable[[], int | None]) -> int:
     try:
         return int(fn() or 0)
     except Exception as e:
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            where = f" writing {e.filename}" if e.filename else ""
+            print(
+                f"{prog}: error: no space left on the device{where}: free some space and run the same "
+                "command again (what was written before is kept; a resumable job continues)",
+                file=sys.stderr,
+            )
+            return 2
         if not is_user_error(e):
             raise
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
 
 class OneLineErrors:

@@ -49,5 +49,6 @@ POLICY_MATRIX: dict[str, MatrixEntry] = {
         evicting={"budget": 12, "sink": 1, "window": 2},
         evicting_tokens=30,
     ),
+    "random": MatrixEntry(evicting={"budget": 8, "sink": 1, "window": 2}, evicting_tokens=16),
     "knorm": MatrixEntry(evicting={"budget": 8, "sink": 1, "window": 2}, evicting_tokens=16),
 }

@@ -18,14 +18,8 @@ import torch
 from datasets import Dataset, load_from_disk
 
 from rlkv.data import ProblemDataError, build_prompt, register_verifier
-from rlkv.data.curriculum import (
-    Bucket,
-    CurriculumConfig,
-    CurriculumError,
-    build_curriculum,
-    parse_buckets,
-    read_shards,
-)
+from rlkv.data.buckets import Bucket, parse_buckets
+from rlkv.data.curriculum import CurriculumConfig, CurriculumError, build_curriculum, read_shards
 from rlkv.rollout import TransformersEngine
 
 SOURCE = "curriculum_test"
@@ -155,6 +149,15 @@ def test_resume_after_cut_shards_equals_uninterrupted(engine, reference_run, tmp
         assert resumed.stats["throughput"]["problems_generated"] == 24 - (done // 4) * 4
         # Append-only: the cut shard is untouched, the rest went to a new shard.
         assert (out / "shards" / shard.name).read_bytes() == data[:cut]
+        assert _stored_indices(out) == list(range(24))  # the rerun chunk's earlier lines not stored twice
+
+
+def _stored_indices(out: Path) -> list[int]:
+    """Pool indices of every whole shard line, sorted (a kill's cut last line of a shard skipped)."""
+    lines = [
+        line for p in (out / "shards").glob("*.jsonl") for line in p.read_text().splitlines(keepends=True)
+    ]
+    return sorted(json.loads(line)["index"] for line in lines if line.endswith("\n"))
 
 
 def test_rebucketing_a_finished_run_generates_nothing(engine, reference_run, tmp_path):
@@ -237,26 +240,26 @@ def test_killed_process_restarts_without_loss(engine, tmp_path):
     script = tmp_path / "run.py"
     script.write_text(KILL_SCRIPT.format(source=SOURCE, buckets=BUCKETS, max_new=MAX_NEW))
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(pool_file), str(out)],
-        cwd=Path(__file__).resolve().parents[1],
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "."},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.time() + 120
-    delay = random.Random(1).uniform(0.0, 0.3)
-    while time.time() < deadline and proc.poll() is None:
-        shards = list((out / "shards").glob("*.jsonl")) if (out / "shards").exists() else []
-        if shards and shards[0].stat().st_size > 0:
-            time.sleep(delay)
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
-    done = len(read_shards(out / "shards"))
-    assert 0 < done < len(pool) and not (out / "stats.json").exists()
+    rng, done = random.Random(1), 0
+    for _ in range(2):  # killed twice: early in the first run, then a few chunks into its rerun
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(pool_file), str(out)],
+            cwd=Path(__file__).resolve().parents[1],
+            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "."},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline, delay = time.time() + 120, rng.uniform(0.0, 0.3)
+        while time.time() < deadline and proc.poll() is None:
+            if (out / "shards").exists() and len(read_shards(out / "shards")) > done:
+                time.sleep(delay)
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate()
+        assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+        assert done < len(read_shards(out / "shards")) < len(pool) and not (out / "stats.json").exists()
+        done = len(read_shards(out / "shards"))
 
     with pytest.warns(UserWarning, match="shortfall"):
         resumed = build_curriculum(engine, pool, out, _config())
@@ -264,6 +267,7 @@ def test_killed_process_restarts_without_loss(engine, tmp_path):
     assert resumed.dataset.to_list() == uninterrupted.dataset.to_list()
     assert _comparable(resumed.stats) == _comparable(uninterrupted.stats)
     assert resumed.stats["throughput"]["problems_generated"] <= len(pool) - done + 3
+    assert _stored_indices(out) == list(range(len(pool)))  # each problem stored once across the shards
 
 
 def test_zero_solved_and_mismatched_resume_are_clear_errors(engine, tmp_path):

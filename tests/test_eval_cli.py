@@ -55,34 +55,39 @@ def _without_timing(rows):
 
 
 def test_sigkilled_run_resumes_to_the_uninterrupted_result(tmp_path):
+    """Killed twice (after 6 rows, then its rerun after 13), then run again: every row once, as uninterrupted."""
     args = _recipe(tmp_path, "killed")
     results = tmp_path / "killed" / "results.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from rlkv.cli import main; main(sys.argv[1:])", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if results.exists() and len(results.read_bytes().splitlines()) >= 6:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    partial = read_results(results)
     total = 4 * (1 + 2 * 2)
-    assert 6 <= len(partial) < total
+    for rows_before_kill in (6, 13):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from rlkv.cli import main; main(sys.argv[1:])", *args],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if results.exists() and len(results.read_bytes().splitlines()) >= rows_before_kill:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        partial = read_results(results)
+        assert rows_before_kill <= len(partial) < total
+        assert len({row["key"] for row in partial}) == len(partial)  # no row twice
 
     assert main(args) == 0  # resume
     resumed = read_results(results)
     assert len(resumed) == total
     assert main(_recipe(tmp_path, "reference")) == 0  # the same run, uninterrupted
     assert _without_timing(resumed) == _without_timing(read_results(tmp_path / "reference" / "results.jsonl"))
-    assert "## chain: pass@1 (%)" in (tmp_path / "killed" / "report.md").read_text()
+    report = (tmp_path / "killed" / "report.md").read_text()
+    assert "## chain: pass@1 (%)" in report
+    assert report == (tmp_path / "reference" / "report.md").read_text()
 
     assert main(["eval", "--report-only", "--out", str(tmp_path / "killed")]) == 0
 

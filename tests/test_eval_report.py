@@ -257,6 +257,25 @@ def test_each_plot_has_one_panel_per_benchmark(tmp_path):
         assert path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_method_has_one_colour_in_every_panel():
+    """Benchmark "code" lacks the first method of "b": its lines still take the colours they have in "b"."""
+    import matplotlib.pyplot as plt
+
+    from rlkv.eval.plots import accuracy_figure
+
+    first = next(r["method"] for r in ROWS if r["method"] != "full")
+    code = [{**r, "benchmark": "code", "key": "code|" + r["key"]} for r in ROWS if r["method"] != first]
+    fig, benches = accuracy_figure(ROWS + code)
+    try:
+        colours = [{line.get_label(): line.get_color() for line in ax.get_lines()} for ax in fig.axes]
+    finally:
+        plt.close(fig)
+    assert benches == ["b", "code"] and first in colours[0] and first not in colours[1]
+    shared = set(colours[0]) & set(colours[1]) - {"full"}
+    assert shared and all(colours[0][m] == colours[1][m] for m in shared)
+    assert len(set(colours[0].values())) == len(colours[0])  # and distinct methods, distinct colours
+
+
 def test_resident_kv_is_reported_per_benchmark(tmp_path):
     """Benchmark c's sequences are 4x longer: its rlkv cell keeps a smaller share of a full cache (the
     sink + local overhead is fixed), and the two are never pooled into one number."""

@@ -15,8 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Target reached on 2026-11-27: the last 12 tokenizer.json copies left the checkpoint folders, leaving
-# 23.2 MB tracked. The bound only ever goes down.
-MAX_TRACKED_BYTES = 40_000_000
+# 23.2 MB tracked. 2026-12-02 (issue 68, target 30 MiB): the eval folders' compressed-method completions
+# moved to completions.jsonl.gz (scripts/archive_completions.py), 37.1 MB -> 27.6 MB. The bound only goes down.
+MAX_TRACKED_BYTES = 31_000_000
 
 TOKENIZER_FILES = {
     "tokenizer.json",
@@ -43,7 +44,7 @@ def test_tracked_files_stay_under_the_bound():
     total = sum(sizes.values())
     largest = sorted(sizes, key=sizes.get, reverse=True)[:5]
     assert total <= MAX_TRACKED_BYTES, (
-        f"tracked files hold {total:,} bytes, over the bound {MAX_TRACKED_BYTES:,} (target 40 MB); "
+        f"tracked files hold {total:,} bytes, over the bound {MAX_TRACKED_BYTES:,} (target 30 MiB); "
         f"largest: {', '.join(f'{p} ({sizes[p]:,})' for p in largest)}. Keep outputs, weights and data "
         "out of git."
     )

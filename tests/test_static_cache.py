@@ -72,6 +72,9 @@ CASES = {
     # H2O over an unprotected prompt: the prompt's own attention scores it from the prefill on
     "h2o-unprotected": dict(sparsity=0.5, policy="h2o", budget=10, protect_prompt=False),
     "h2o-ratio-unprotected": dict(mask=False, policy="h2o", budget=0.25, protect_prompt=False),
+    # random eviction: priorities hashed from each slot's position in its row, the prompt ranked first
+    "random": dict(sparsity=0.5, policy="random", budget=10),
+    "random-ratio-unprotected": dict(mask=False, policy="random", budget=0.25, protect_prompt=False),
     "rpc-ratio-unprotected": dict(
         sparsity=0.5,
         policy="rpc",
@@ -472,6 +475,7 @@ def test_lengths_beyond_max_cache_len_are_refused(left_padded_batch):
         "rpc-own-target",
         "h2o-unprotected",
         "skipkv",
+        "random-ratio-unprotected",
     ],
 )
 def test_decode_steps_never_read_the_device(left_padded_batch, case):

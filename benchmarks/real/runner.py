@@ -27,8 +27,10 @@ import sys
 import time
 
 import torch
+from transformers.generation import BaseStreamer
 
 from benchmarks.common import ROOT, child_env, module_command
+from rlkv.cli import positive_int
 from rlkv.inference import load
 
 GATE_SINK, GATE_LOCAL = 16, 64
@@ -247,6 +249,19 @@ def worker_step(args) -> dict:
     )
 
 
+class _TokenClock(BaseStreamer):
+    """A `generate` streamer that only stamps the time (perf_counter seconds) of each token batch it gets."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def worker_inference(args) -> dict:
     """Batch-1 greedy decode rate (tokens/s after the first) of `decode_tokens` after a `prompt_tokens`
     prompt: plain transformers (DynamicCache, sdpa) against rlkv's head-mixed cache at `sparsity` (the
@@ -267,12 +282,14 @@ def worker_inference(args) -> dict:
         head_mask=args.inference_head_mask, sparsity=args.inference_sparsity, sink=16, window=64
     )
 
-    def seconds(kind: str, new_tokens: int) -> float:
+    def prefill_and_decode_seconds(kind: str, new_tokens: int) -> tuple[float, float]:
+        """(seconds to the first new token, seconds of the other new_tokens - 1), from one generate call."""
         if kind == "plain":
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
         else:
             cache = make_cache(model, config, static=kind == "static", max_cache_len=total)
+        clock = _TokenClock()
         start = time.perf_counter()
         with torch.no_grad():
             model.generate(
@@ -282,29 +299,37 @@ def worker_inference(args) -> dict:
                 min_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=tok.pad_token_id,
+                streamer=clock,
                 **cache_kwargs(cache),
             )
-        return time.perf_counter() - start
+        # the last new_tokens stamps are the new tokens' (generate may stamp the prompt first)
+        if len(clock.stamps) < new_tokens:
+            raise RuntimeError(
+                f"generate handed {len(clock.stamps)} token batches to its streamer, not {new_tokens}"
+            )
+        first_new, last_new = clock.stamps[-new_tokens], clock.stamps[-1]
+        return first_new - start, last_new - first_new
 
     kinds = ("plain", "dynamic", "static")
     for kind in kinds:
-        seconds(kind, 4)  # warm up kernels and allocations
-    # decode rate = (N - 1) / (time of N new tokens - time of 1): the prefill (and first token) cancels
-    full: dict[str, list[float]] = {kind: [] for kind in kinds}
+        prefill_and_decode_seconds(kind, 4)  # warm up kernels and allocations
+    # decode rate = (N - 1) / (time from the first new token to the last), stamped inside one call: the
+    # prefill is apart by construction, so a noisy machine cannot make the rate negative
     first: dict[str, list[float]] = {kind: [] for kind in kinds}
+    rest: dict[str, list[float]] = {kind: [] for kind in kinds}
     for _ in range(args.inference_repeats):
         for kind in kinds:
-            first[kind].append(seconds(kind, 1))
-            full[kind].append(seconds(kind, args.inference_decode_tokens))
-    decode = {kind: min(full[kind]) - min(first[kind]) for kind in kinds}
+            prefill_s, decode_s = prefill_and_decode_seconds(kind, args.inference_decode_tokens)
+            first[kind].append(prefill_s)
+            rest[kind].append(decode_s)
     return dict(
         prompt_tokens=args.inference_prompt_tokens,
         decode_tokens=args.inference_decode_tokens,
         sparsity=args.inference_sparsity,
         head_mask=args.inference_head_mask,
         **{f"{kind}_prefill_s": min(first[kind]) for kind in kinds},
-        **{f"{kind}_tok_s": (args.inference_decode_tokens - 1) / decode[kind] for kind in kinds},
-        all_s=dict(full=full, first=first),
+        **{f"{kind}_tok_s": (args.inference_decode_tokens - 1) / min(rest[kind]) for kind in kinds},
+        all_s=dict(first=first, decode=rest),
     )
 
 
@@ -434,6 +459,13 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
+def _at_least_two(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 2")
+    return value
+
+
 def add_options(parser: argparse.ArgumentParser) -> None:
     """The real-model options (shared by `python -m benchmarks --suite real and the worker command line)."""
     parser.add_argument("--model", help="model folder for --suite real (make model)")
@@ -450,7 +482,12 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=0, help="torch threads per measurement (0 = every core)"
     )
     parser.add_argument("--inference-prompt-tokens", type=int, default=512, help="inference: prompt length")
-    parser.add_argument("--inference-decode-tokens", type=int, default=128, help="inference: new tokens")
+    parser.add_argument(
+        "--inference-decode-tokens",
+        type=_at_least_two,
+        default=128,
+        help="inference: new tokens (>= 2: the rate is over the tokens after the first)",
+    )
     parser.add_argument(
         "--inference-sparsity", type=float, default=0.5, help="inference: fraction of KV heads compressed"
     )

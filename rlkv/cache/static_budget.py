@@ -5,7 +5,7 @@ A `StaticHeadMixedCache` (rlkv/cache/static.py) lays each layer's compressed hea
 
 - "streaming": a ring of window + 1 slots (no compaction ever runs; the slot a new token
   overwrites holds the position the dynamic cache evicts at that step);
-- "budget" (rkv, snapkv, knorm, sink-recent, h2o, rpc, skipkv): budget + `slack` slots, where
+- "budget" (rkv, snapkv, knorm, sink-recent, h2o, random, rpc, skipkv): budget + `slack` slots, where
   `slack` is how many tokens the policy lets accumulate above the budget before it compresses
   (RPC: its interval P, the region also holding the first P + R). A ratio budget r (RLKV's dynamic
   budget, round(r * real tokens) + sink + window per row) sizes the region for the longest row
@@ -54,6 +54,7 @@ BUDGET_SLACK: dict[str, Callable[[CompressionPolicy], int]] = {
     "knorm": lambda policy: int(policy.buffer) + 1,  # compresses when > budget + buffer
     "sink-recent": lambda policy: 1,  # the base rule: compresses when > budget
     "h2o": lambda policy: 1,  # the base rule; its accumulated attention lives in per-slot buffers
+    "random": lambda policy: 1,  # the base rule; priorities hashed from positions, no state
     "skipkv": lambda policy: max(int(policy.buffer), 1),  # R-KV's rule; sentence sums sized at prefill
 }
 

@@ -278,6 +278,18 @@ class StaticHeadMixedLayer(CacheLayerMixin):
                 self.allocate(key_states, key_states.shape[2])
                 self.pending = (key_states, value_states)
                 return self, self
+        else:
+            # The host bookkeeping (a due compaction, the host length) runs outside the graph; a step
+            # traced or replayed without it would write past the region (an out-of-bounds index on CPU,
+            # a device assert or a silent wrong read on CUDA). Reading `begun` here makes dynamo guard
+            # on it: a call without the bookkeeping fails the guard and the retrace raises, host side.
+            if not self.begun:
+                raise StaticCacheError(
+                    "a compiled decode step reached a StaticHeadMixedCache without its host bookkeeping: "
+                    "call cache.before_forward(1, input_ids) before each compiled forward you run yourself "
+                    "(model.generate and rlkv.inference.generate do it for you)"
+                )
+            self.begun, self.in_flight = False, 0
         b = self.buffers
         pos = b["length"]  # this token's column; the counter moves on once it is written
         if self.full_idx.numel():

@@ -103,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     from rlkv.inference import CompressionConfig, generate, load
 
     for i, prompt in enumerate(args.prompt):
+        if not prompt.strip():
+            raise UserInputError(f"--prompt {i + 1} is empty: give the text the model should answer")
         try:  # argv bytes that are not UTF-8 arrive as lone surrogates, which tokenizers reject with a TypeError
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 import warnings
@@ -37,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlkv._io import atomic_write_text, read_text_file
+from rlkv._io import FolderLock, atomic_write_text, read_text_file
+from rlkv.data.buckets import PAPER_BUCKETS, Bucket, parse_buckets
 from rlkv.data.prompts import build_prompt
 from rlkv.data.verify import check_verifiers, verify
 from rlkv.errors import UserError
@@ -50,63 +50,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TOKENS_PER_K = 1024
-PAPER_BUCKETS = "0-2k:600,2k-4k:600,4k-6k:1000,6k-8k:800"
 KEEP_CHOICES = ("solved", "finished", "all")
-_BOUND_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kK]?)\s*$")
 
 
 class CurriculumError(RuntimeError, UserError):
     """The curriculum cannot be built (nothing solved, or an output folder from a different run)."""
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """Solutions with `low <= solution_tokens < high`, of which `quota` are sampled. `label` is the spec text."""
-
-    low: int
-    high: int
-    quota: int
-    label: str
-
-    def holds(self, num_tokens: int) -> bool:
-        """Whether a solution of `num_tokens` tokens falls in this bucket."""
-        return self.low <= num_tokens < self.high
-
-
-def _parse_bound(text: str, spec: str) -> int:
-    match = _BOUND_RE.match(text)
-    if not match:
-        raise ValueError(f"buckets={spec!r}: bad token bound {text!r}; use e.g. 512, 2k or 1.5k (k = 1024)")
-    value = float(match.group(1)) * (TOKENS_PER_K if match.group(2) else 1)
-    return int(round(value))
-
-
-def parse_buckets(spec: str) -> list[Bucket]:
-    """Parse "0-2k:600,2k-4k:600,..." (token ranges [low, high), k = 1024, `:quota`) into sorted, disjoint buckets."""
-    buckets = []
-    for part in spec.split(","):
-        if not part.strip():
-            continue
-        bounds, sep, quota = part.partition(":")
-        low, dash, high = bounds.partition("-")
-        if not sep or not dash:
-            raise ValueError(
-                f"buckets={spec!r}: bad entry {part.strip()!r}; expected LOW-HIGH:QUOTA, e.g. 0-2k:600"
-            )
-        if not quota.strip().isdigit():
-            raise ValueError(f"buckets={spec!r}: quota {quota.strip()!r} must be a non-negative integer")
-        bucket = Bucket(_parse_bound(low, spec), _parse_bound(high, spec), int(quota), bounds.strip())
-        if bucket.low >= bucket.high:
-            raise ValueError(f"buckets={spec!r}: range {bucket.label!r} is empty (low >= high)")
-        buckets.append(bucket)
-    if not buckets:
-        raise ValueError(f"buckets={spec!r}: no buckets given")
-    buckets.sort(key=lambda b: b.low)
-    for prev, nxt in zip(buckets, buckets[1:]):
-        if nxt.low < prev.high:
-            raise ValueError(f"buckets={spec!r}: ranges {prev.label!r} and {nxt.label!r} overlap")
-    return buckets
 
 
 @dataclass
@@ -299,9 +247,13 @@ def _generate_pool(
                     "solution_tokens": int(out.num_generated_tokens),
                     "completion": out.text,
                 }
-                solved += record["correct"] and record["finish_reason"] == "eos" and i not in records
-                records.setdefault(i, record)
                 generated_tokens += record["solution_tokens"]
+                if (
+                    i in records
+                ):  # written before a kill cut its chunk short: the chunk reran whole, kept once
+                    continue
+                solved += record["correct"] and record["finish_reason"] == "eos"
+                records[i] = record
                 lines.append(json.dumps(record) + "\n")
             # One write per chunk, then fsync: a kill leaves whole chunks plus at most one cut line.
             shard.write("".join(lines))
@@ -399,7 +351,6 @@ def build_curriculum(
     Raises CurriculumError when no problem is solved or `out_dir` holds a different run; warns
     (UserWarning) for each bucket with fewer solved problems than its quota.
     """
-    from datasets import Dataset
 
     config = config or CurriculumConfig()
     buckets = parse_buckets(config.buckets)
@@ -413,6 +364,20 @@ def build_curriculum(
     check_verifiers(problems.unique("source"), "the problem pool")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    with FolderLock(out_dir, "rlkv data curriculum", CurriculumError):
+        return _build_locked(engine, problems, out_dir, config, buckets)
+
+
+def _build_locked(
+    engine: GenerationEngine,
+    problems: Dataset,
+    out_dir: Path,
+    config: CurriculumConfig,
+    buckets: list,
+) -> CurriculumResult:
+    """`build_curriculum` once it holds the folder's lock: generate (resuming), select, write."""
+    from datasets import Dataset
+
     _check_or_write_manifest(out_dir, problems, config, engine)
 
     prompt_kwargs = {"open_think": config.open_think, "chat_template_kwargs": config.chat_template_kwargs}

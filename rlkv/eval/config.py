@@ -141,6 +141,13 @@ class EvalConfig:
             list(dict.fromkeys(self.benchmarks)),
             list(dict.fromkeys(self.methods)),
         )
+        if self.num_problems is not None and (
+            isinstance(self.num_problems, bool) or int(self.num_problems) < 1
+        ):
+            raise ValueError(
+                f"EvalConfig.num_problems={self.num_problems!r} (--num-problems): give a count >= 1, "
+                "or leave it out for every problem"
+            )
         if self.num_samples < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("EvalConfig: num_samples, max_new_tokens and batch_size must be >= 1")
         if not isinstance(self.max_new_tokens_by_benchmark, dict):

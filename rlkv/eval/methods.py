@@ -12,7 +12,9 @@ Method names
   `policy` runs on the compressed heads with the same per-head token count, sink + window (80): a
   smaller forced set (`combo_sink` + `combo_window`, default 16 + 8) leaves the policy real choices.
 - any other registered policy (``rkv``, ``h2o``, ``snapkv``, ``rpc``, ``skipkv``; ``streaming`` is
-  sink + the most recent tokens, policy ``sink-recent``): the policy on every head (baseline).
+  sink + the most recent tokens, policy ``sink-recent``; ``random-evict`` is policy ``random``: the
+  prompt kept, the other tokens evicted uniformly at random): the policy on every head (baseline).
+  ``rlkv+random-evict`` works too.
 
 Matching rule (``budget_rule="matched"``, the default)
 -----------------------------------------------------
@@ -48,7 +50,7 @@ MASK_METHODS = ("rlkv", "ablation-mask", "random-mask", "duo")
 MASK_FIELDS = {"rlkv": "head_mask", "ablation-mask": "ablation_mask", "duo": "duo_mask"}
 BUDGET_RULES = ("matched", "paper", "fixed")
 # Baseline method name -> registered policy, where they differ.
-BASELINE_POLICY_ALIASES = {"streaming": "sink-recent"}
+BASELINE_POLICY_ALIASES = {"streaming": "sink-recent", "random-evict": "random"}
 
 
 class MethodError(ValueError, UserError):
@@ -130,6 +132,7 @@ def parse_method(name: str) -> Method:
         return Method(name, name, "streaming")
     mask, plus, policy = name.partition("+")
     if plus:
+        policy = "random" if policy == "random-evict" else policy  # `<mask>+streaming` stays the ring
         if _is_mask(mask) and policy in policies:
             return Method(name, mask, policy)
     else:

@@ -34,10 +34,35 @@ def benchmark_panels(
     return fig, [(ax, b, [r for r in rows if r["benchmark"] == b]) for ax, b in zip(axes[0], benches)]
 
 
+class MethodColors:
+    """One colour per method across a figure's panels (in first-seen order), so a method reads the
+    same in every benchmark's panel even when a panel lacks some methods."""
+
+    def __init__(self) -> None:
+        import matplotlib
+
+        # tab10 first (ten clearly different hues), then tab20's light shades for an 11th method on
+        self.palette = matplotlib.colormaps["tab10"].colors + matplotlib.colormaps["tab20"].colors[1::2]
+        self.assigned: dict[str, Any] = {}
+
+    def __call__(self, method: str) -> Any:
+        if method not in self.assigned:
+            self.assigned[method] = self.palette[len(self.assigned) % len(self.palette)]
+        return self.assigned[method]
+
+
 def plot_accuracy(rows: list[Row], path: Path) -> list[str]:
     """Accuracy vs sparsity, one line per method, one panel per benchmark (RLKV Figure 5); returns the
     panels' benchmarks."""
+    fig, benches = accuracy_figure(rows)
+    save_figure(fig, path)
+    return benches
+
+
+def accuracy_figure(rows: list[Row]) -> tuple[Any, list[str]]:
+    """The figure `plot_accuracy` saves (open, for the caller to save or close) and its panels' benchmarks."""
     fig, panels = benchmark_panels(rows, 5.0)
+    color = MethodColors()
     for ax, bench, bench_rows in panels:
         acc = accuracy_table(bench_rows)
         averaged = {m for members in _draw_groups(acc).values() for m in members}
@@ -47,13 +72,12 @@ def plot_accuracy(rows: list[Row], path: Path) -> list[str]:
                 ax.axhline(100 * by_s[0.0], color="black", linestyle="--", label="full")
                 continue
             xs = sorted(by_s)
-            ax.plot(xs, [100 * by_s[x] for x in xs], marker="o", label=method)
+            ax.plot(xs, [100 * by_s[x] for x in xs], marker="o", label=method, color=color(method))
         ax.set(title=bench, xlabel="sparsity (fraction of KV heads compressed)", ylabel="pass@1 (%)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)  # per panel: a benchmark may lack some methods, so colours differ
+        ax.legend(fontsize=8)  # per panel: a benchmark may lack some methods
     fig.tight_layout()
-    save_figure(fig, path)
-    return [bench for _, bench, _ in panels]
+    return fig, [bench for _, bench, _ in panels]
 
 
 def plot_error_modes(rows: list[Row], path: Path) -> list[str]:
@@ -90,6 +114,7 @@ def plot_common_length(rows: list[Row], path: Path) -> list[str]:
     """Generated length relative to full on the samples both solve, per method vs sparsity, one panel per
     benchmark (RLKV Figure 10); returns the panels' benchmarks."""
     fig, panels = benchmark_panels(rows, 5.5)
+    color = MethodColors()
     for ax, bench, bench_rows in panels:
         lengths = common_length_table(bench_rows)
         ax.axhline(1.0, color="black", linestyle="--", label="full")
@@ -100,10 +125,11 @@ def plot_common_length(rows: list[Row], path: Path) -> list[str]:
                 [lengths[(method, s)]["method"] / lengths[(method, s)]["full"] for s in xs],
                 marker="o",
                 label=method,
+                color=color(method),
             )
         ax.set(xlabel="sparsity", ylabel="generated tokens / full's", title=f"both solve: {bench}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)  # per panel: a benchmark may lack some methods, so colours differ
+        ax.legend(fontsize=8)  # per panel: a benchmark may lack some methods
     fig.tight_layout()
     save_figure(fig, path)
     return [bench for _, bench, _ in panels]
@@ -130,9 +156,14 @@ def save_figure(fig: Any, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written image behind
+        raise
+    finally:
+        plt.close(fig)
 
 
 def plot_training_curves(history: list[dict[str, Any]], path: Path) -> None:

@@ -57,8 +57,10 @@ def read_results(path: str | os.PathLike, repair: bool = False) -> list[dict[str
                 rows.append(json.loads(line))
         except json.JSONDecodeError:
             if end >= 0 and data[end + 1 :].strip():
-                raise ValueError(
-                    f"{path}: line {len(rows) + 1} is not valid JSON (not a torn last line)"
+                line_no = data.count(b"\n", 0, start) + 1
+                raise UserInputError(
+                    f"{path}: line {line_no} is not valid JSON (not a torn last "
+                    "line): delete that line (its row is generated again by the next run) or restore the file"
                 ) from None
             break
         if end < 0:

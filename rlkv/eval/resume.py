@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlkv._io import atomic_write_text
+from rlkv.errors import UserInputError
 from rlkv.eval.config import RESUME_FREE_FIELDS, EvalConfig, benchmark_cap
 from rlkv.eval.methods import MASK_FIELDS, parse_method
 from rlkv.eval.results import CONFIG_FILE, RESULTS_FILE, read_json, read_results
@@ -71,7 +72,7 @@ def check_resume(out: Path, cfg: EvalConfig, model: Any = None) -> None:
         saved = _upgraded(saved, cfg, current)
         diff = _differences(saved, current, cfg, rows)
         if diff:
-            raise ValueError(
+            raise UserInputError(
                 f"{out}: results there were made with other settings ({'; '.join(diff)} differ); "
                 "use another --out or the same settings to resume"
             )

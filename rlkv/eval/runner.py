@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlkv._io import atomic_write_text
+from rlkv._io import FolderLock, atomic_write_text
 from rlkv.eval.config import EvalConfig
 from rlkv.eval.errors import RepetitionStop
 from rlkv.eval.methods import (
@@ -209,9 +209,6 @@ def run_eval(
     model, tokenizer: an already loaded pair (else loaded from `cfg.model`).
     on_row: called after each row is written (progress hooks, tests).
     """
-    from tqdm.auto import tqdm
-
-    from rlkv.inference import generate
 
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
@@ -229,6 +226,25 @@ def run_eval(
 
             raise UserInputError(f"engine: vllm (--engine vllm) needs vLLM: {VLLM_INSTALL}")
     out.mkdir(parents=True, exist_ok=True)
+    from rlkv.errors import UserInputError
+
+    with FolderLock(out, "rlkv eval", UserInputError):
+        return _run_locked(cfg, out, model, tokenizer, on_row, write_report)
+
+
+def _run_locked(
+    cfg: EvalConfig,
+    out: Path,
+    model: Any,
+    tokenizer: Any,
+    on_row: Callable[[dict[str, Any]], None] | None,
+    write_report: bool,
+) -> Path:
+    """`run_eval` once it holds the output folder's lock."""
+    from tqdm.auto import tqdm
+
+    from rlkv.inference import generate
+
     if model is None:  # before the resume check: a scores-only TSV mask is read against the model
         model, tokenizer = load_model(cfg)
     check_resume(out, cfg, model)

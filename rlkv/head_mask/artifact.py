@@ -31,6 +31,7 @@ from rlkv.head_mask.formats import (
     MODEL_CARD,
     RLKV_AUTHORS_TSV,
     TIE_BREAK_BELOW_ZERO,
+    check_folder_tsv,
     document_fields,
     mask_file_in,
     read_document,
@@ -134,10 +135,13 @@ class HeadMask:
                 f"{path}: no such head-mask file or folder (give a folder written by HeadMask.save_pretrained, "
                 f"a head_mask.json, an {RLKV_AUTHORS_TSV} / {DUO_TSV} file or folder, or a Hub repo id)"
             )
-        if path.is_dir():
+        folder = path if path.is_dir() else None
+        if folder is not None:
             path = mask_file_in(path)
         if path.suffix != ".tsv":
             mask = cls.load(path)
+            if folder is not None:
+                check_folder_tsv(folder, mask.scores)
             if model is not None:
                 mask.check_compatible(model)
             return mask

@@ -69,6 +69,25 @@ def mask_file_in(folder: Path) -> Path:
     )
 
 
+def check_folder_tsv(folder: Path, scores: torch.Tensor) -> None:
+    """Refuse a mask folder whose head_mask.tsv disagrees with its head_mask.json `scores` [L, H_kv]
+    (one file edited or replaced by hand: which one a tool reads would change the mask silently)."""
+    path = folder / MASK_TSV
+    if not path.is_file():
+        return
+    tsv = read_tsv_scores(path)
+    same = tsv.shape == scores.shape and torch.allclose(tsv, scores.float().cpu(), rtol=1e-5, atol=1e-6)
+    if not same:
+        where = f"shape {tuple(tsv.shape)} vs {tuple(scores.shape)}"
+        if tsv.shape == scores.shape:
+            layer, head = divmod(int((tsv - scores.float().cpu()).abs().argmax()), tsv.shape[1])
+            where = f"layer {layer} KV head {head}: {tsv[layer, head]:.6g} vs {scores[layer, head]:.6g}"
+        raise HeadMaskError(
+            f"{folder}: {MASK_TSV} disagrees with {MASK_JSON} ({where}): write the folder again with "
+            f"HeadMask.save_pretrained / rlkv export-mask, or delete the stale file"
+        )
+
+
 def tsv_fields(path: Path) -> dict[str, Any]:
     """What a TSV's name and neighbours say of it: `format` (tsv, rlkv-authors, duo-attention) and, for
     DuoAttention, its config's settings (`sink_size`, `recent_size`, ...)."""

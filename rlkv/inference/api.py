@@ -413,6 +413,7 @@ def generate(
         raise ValueError(f"batch_size={batch_size} and max_new_tokens={max_new_tokens} must be >= 1")
     compression = compression if compression is not None else getattr(model, "rlkv_compression", None)
     encoded = encode_prompts(tokenizer, list(prompts), apply_chat_template)
+    _check_prompt_lengths(model, encoded)
     order = list(range(len(encoded)))
     if group_by_length:
         order.sort(key=lambda i: len(encoded[i]))
@@ -482,3 +483,16 @@ def generate(
                 cache_stats=row_end.stats.get(row, stats[row]),
             )
     return results
+
+
+def _check_prompt_lengths(model: PreTrainedModel, encoded: list[list[int]]) -> None:
+    """Refuse a prompt longer than the model's positions (its output would be garbage)."""
+    from rlkv.errors import UserInputError
+
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    for i, ids in enumerate(encoded):
+        if isinstance(limit, int) and len(ids) > limit:
+            raise UserInputError(
+                f"prompt {i + 1} has {len(ids)} tokens, more than the model's {limit} positions "
+                "(max_position_embeddings): shorten it or use a model with a longer context"
+            )

@@ -81,8 +81,10 @@ class HeadMaskExportCallback(TrainerCallback):
         mask = HeadMask.from_gates(
             SimpleNamespace(alpha=alpha, sink=gates.sink, local=gates.local, below_zero=gates.below_zero),
             config,
-            global_step=state.global_step,
-            **self.metadata,
+            **{
+                **self.metadata,
+                "global_step": state.global_step,
+            },  # the checkpoints' order: byte-equal copies
         )
         mask.save(Path(args.output_dir) / HEAD_MASK_JSON)
         mask.to_tsv(Path(args.output_dir) / HEAD_MASK_TSV)

@@ -1,0 +1,72 @@
+"""Move the completion texts of an eval folder's compressed-method rows into `completions.jsonl.gz`.
+
+Committed eval folders keep results.jsonl as rows (every field a table or a resume reads; `full` rows
+keep their text, which `rlkv mask-nll --solutions-from` re-encodes) and the other rows' texts gzipped
+beside them, key -> text, so the checkout stays small enough to travel (issue 68: tracked files under
+30 MiB). Idempotent: a rerun after more rows arrived merges them. Holds the folder's lock, so it never
+races a running `rlkv eval`.
+
+    .venv/bin/python scripts/archive_completions.py data/eval/qwen2.5-coder-0.5b-instruct [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from rlkv._io import FolderLock, atomic_write_text
+from rlkv.eval.results import RESULTS_FILE, read_results
+
+ARCHIVE_FILE = "completions.jsonl.gz"
+
+
+def read_archive(folder: Path) -> dict[str, str]:
+    """key -> completion text of `folder`'s archive (empty when there is none)."""
+    path = folder / ARCHIVE_FILE
+    if not path.exists():
+        return {}
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return {rec["key"]: rec["completion"] for rec in map(json.loads, f)}
+
+
+def archive(folder: Path) -> tuple[int, int]:
+    """Archive `folder`'s compressed-method completions; returns (rows moved now, bytes of results.jsonl after)."""
+    with FolderLock(folder, "archive_completions"):
+        rows = read_results(folder / RESULTS_FILE, repair=True)
+        texts = read_archive(folder)
+        moved = 0
+        for row in rows:
+            if row["method"] != "full" and row.get("completion") is not None:
+                texts[row["key"]] = row["completion"]
+                row["completion"] = None
+                moved += 1
+        if moved:
+            fd, tmp = tempfile.mkstemp(prefix=f".{ARCHIVE_FILE}.", suffix=".tmp", dir=folder)
+            with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+                for key in sorted(texts):
+                    f.write((json.dumps({"key": key, "completion": texts[key]}) + "\n").encode())
+            os.replace(tmp, folder / ARCHIVE_FILE)
+            atomic_write_text(folder / RESULTS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
+        return moved, (folder / RESULTS_FILE).stat().st_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", type=Path, help="rlkv eval output folders")
+    args = parser.parse_args(argv)
+    for folder in args.folders:
+        if not (folder / RESULTS_FILE).is_file():
+            print(f"archive_completions: error: {folder} holds no {RESULTS_FILE}", file=sys.stderr)
+            return 2
+        moved, size = archive(folder)
+        print(f"{folder}: {moved} completions archived, {RESULTS_FILE} now {size:,} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
