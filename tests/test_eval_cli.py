@@ -32,7 +32,7 @@ def test_unknown_recipe_field_is_named(tmp_path):
         EvalConfig.from_yaml(path)
 
 
-def _recipe(tmp_path, out):
+def _recipe(tmp_path, out, num_problems=4):
     mask = tmp_path / "mask.json"
     HeadMask.random(tiny_model("llama"), seed=5).save(mask)
     recipe = tmp_path / "recipe.yaml"
@@ -42,7 +42,7 @@ def _recipe(tmp_path, out):
         "benchmarks": ["chain"],
         "methods": ["full", "rlkv", "streaming"],
         "sparsities": [0.5, 0.75],
-        "num_problems": 4,
+        "num_problems": num_problems,
         "max_new_tokens": 24,
         "batch_size": 1,
     }
@@ -55,11 +55,13 @@ def _without_timing(rows):
 
 
 def test_sigkilled_run_resumes_to_the_uninterrupted_result(tmp_path):
-    """Killed twice (after 6 rows, then its rerun after 13), then run again: every row once, as uninterrupted."""
-    args = _recipe(tmp_path, "killed")
+    """Killed twice (after 6 rows, then its rerun after 13), then run again: every row once, as uninterrupted.
+    Six problems (30 rows) leave 17 rows after the second kill point: rows come every ~35 ms here, so the
+    poll below has half a second to see the count before the run could finish its last row."""
+    args = _recipe(tmp_path, "killed", num_problems=6)
     results = tmp_path / "killed" / "results.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    total = 4 * (1 + 2 * 2)
+    total = 6 * (1 + 2 * 2)
     for rows_before_kill in (6, 13):
         proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from rlkv.cli import main; main(sys.argv[1:])", *args],
@@ -72,7 +74,7 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(tmp_path):
         while time.time() < deadline and proc.poll() is None:
             if results.exists() and len(results.read_bytes().splitlines()) >= rows_before_kill:
                 break
-            time.sleep(0.05)
+            time.sleep(0.005)
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -83,7 +85,7 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert main(args) == 0  # resume
     resumed = read_results(results)
     assert len(resumed) == total
-    assert main(_recipe(tmp_path, "reference")) == 0  # the same run, uninterrupted
+    assert main(_recipe(tmp_path, "reference", num_problems=6)) == 0  # the same run, uninterrupted
     assert _without_timing(resumed) == _without_timing(read_results(tmp_path / "reference" / "results.jsonl"))
     report = (tmp_path / "killed" / "report.md").read_text()
     assert "## chain: pass@1 (%)" in report
