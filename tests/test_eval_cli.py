@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +55,14 @@ def _without_timing(rows):
     return {r["key"]: {k: v for k, v in r.items() if k != "seconds"} for r in rows}
 
 
+def _report_without_wall_time(report: str) -> str:
+    """report.md less its wall-clock parts (the header's total and the last section, summed row seconds):
+    the rest is results, which a resumed run must reproduce exactly."""
+    body, wall = report.split("## Generation wall time (s)")
+    assert "| full |" in wall  # the section is there, only its numbers vary
+    return re.sub(r"; generation wall time \d+ s\n", "\n", body)
+
+
 def test_sigkilled_run_resumes_to_the_uninterrupted_result(tmp_path):
     """Killed twice (after 6 rows, then its rerun after 13), then run again: every row once, as uninterrupted.
     Six problems (30 rows) leave 17 rows after the second kill point: rows come every ~35 ms here, so the
@@ -89,7 +98,8 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert _without_timing(resumed) == _without_timing(read_results(tmp_path / "reference" / "results.jsonl"))
     report = (tmp_path / "killed" / "report.md").read_text()
     assert "## chain: pass@1 (%)" in report
-    assert report == (tmp_path / "reference" / "report.md").read_text()
+    reference = (tmp_path / "reference" / "report.md").read_text()
+    assert _report_without_wall_time(report) == _report_without_wall_time(reference)  # 3 s vs 2 s seen under load
 
     assert main(["eval", "--report-only", "--out", str(tmp_path / "killed")]) == 0
 
