@@ -99,7 +99,8 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(tmp_path):
     report = (tmp_path / "killed" / "report.md").read_text()
     assert "## chain: pass@1 (%)" in report
     reference = (tmp_path / "reference" / "report.md").read_text()
-    assert _report_without_wall_time(report) == _report_without_wall_time(reference)  # 3 s vs 2 s seen under load
+    # not byte for byte: the wall times differ (3 s vs 2 s seen under load)
+    assert _report_without_wall_time(report) == _report_without_wall_time(reference)
 
     assert main(["eval", "--report-only", "--out", str(tmp_path / "killed")]) == 0
 
