@@ -248,9 +248,8 @@ def _generate_pool(
                     "completion": out.text,
                 }
                 generated_tokens += record["solution_tokens"]
-                if (
-                    i in records
-                ):  # written before a kill cut its chunk short: the chunk reran whole, kept once
+                # written before a kill cut its chunk short: the chunk reran whole, each record kept once
+                if i in records:
                     continue
                 solved += record["correct"] and record["finish_reason"] == "eos"
                 records[i] = record
