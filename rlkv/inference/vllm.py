@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from rlkv._io import atomic_write_text
+from rlkv._io import _current_umask, atomic_write_text, check_output_path
+from rlkv.errors import UserInputError
 from rlkv.geometry import attention_geometry, text_config
 from rlkv.inference.config import CompressionConfig, CompressionConfigError
 from rlkv.vllm_plugin.split import ARCHITECTURES, CONFIG_KEY, HeadSplit
@@ -76,46 +78,100 @@ def compression_overrides(model_or_config: Any, compression: CompressionConfig) 
     return {"architectures": [_head_mixed_architecture(config)], CONFIG_KEY: split.to_config()}
 
 
+# files linked into an export (read-only weights); every other file is copied, so editing the export's
+# generation_config.json or tokenizer files never edits the source model's
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
 def export_vllm_folder(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     head_mask: Any,
     sparsity: float,
     window: int = 64,
+    *,
+    overwrite: bool = False,
 ) -> Path:
     """A copy of the model folder whose `config.json` names the head-mixed architecture and carries the split.
 
-    For tools that pass no `hf_overrides` (TRL's vLLM colocate mode). Weights and tokenizer files are
-    linked (hard links where the file system allows, else copied); `config.json` is written atomically.
+    For tools that pass no `hf_overrides` (TRL's vLLM colocate mode). Weight files are hard-linked (copied
+    where the file system does not link), every other file copied. The folder is written beside `out_dir`
+    and renamed into place at the end, so `out_dir` is either absent, the old folder or the whole new one.
+    `out_dir` may not be the model folder, inside it or around it; an existing non-empty `out_dir` is
+    replaced only with `overwrite=True`. Raises `UserInputError` (one line) before writing anything.
     """
     src, out = Path(model_dir), Path(out_dir)
     if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"model_dir={str(src)!r} has no config.json: pass a local model folder")
+        what = "does not exist" if not src.exists() else "has no config.json"
+        raise UserInputError(f"model folder {str(src)!r} {what}: pass a local model folder (--model)")
+    source, target = src.resolve(), out.resolve()
+    if target == source or source in target.parents or target in source.parents:
+        raise UserInputError(
+            f"--out {str(out)!r} is the model folder, inside it or around it: give a folder of its own "
+            "(the export would overwrite the model's files)"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise UserInputError(
+            f"--out {str(out)!r} exists and is not empty: give a new folder, or pass --overwrite "
+            "(overwrite=True) to replace it"
+        )
+    check_output_path(out, what="export folder (--out)", error=UserInputError)
     overrides = vllm_overrides(src, head_mask, sparsity, window)
-    out.mkdir(parents=True, exist_ok=True)
-    for item in src.iterdir():
-        if item.name == "config.json" or not item.is_file():
-            continue
-        target = out / item.name
-        if target.exists():
-            target.unlink()
-        try:
-            os.link(item, target)
-        except OSError:
-            shutil.copy2(item, target)
-    config = json.loads((src / "config.json").read_text())
-    config.update(overrides)
-    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        for item in src.iterdir():
+            if item.name != "config.json" and item.is_file():
+                _link_or_copy(item, staging / item.name)
+        config = json.loads((src / "config.json").read_text())
+        config.update(overrides)
+        atomic_write_text(staging / "config.json", json.dumps(config, indent=2) + "\n")
+        os.chmod(staging, 0o777 & ~_current_umask())  # mkdtemp makes 0700; the export is a plain folder
+        if out.exists():  # --overwrite: the old folder moves aside, the new one takes its name
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", suffix=".tmp", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(staging, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
     return out
 
 
-def model_config(model: Any) -> Any:
-    """The transformers config of a model folder, Hub id, model or config."""
-    if isinstance(model, (str, os.PathLike)):
-        from transformers import AutoConfig
+def _link_or_copy(item: Path, target: Path) -> None:
+    if item.suffix in _WEIGHT_SUFFIXES:
+        try:
+            os.link(item, target)
+            return
+        except OSError:
+            pass
+    shutil.copy2(item, target)
 
-        return AutoConfig.from_pretrained(str(model))
-    return text_config(model)
+
+def model_config(model: Any) -> Any:
+    """The transformers config of a model folder, Hub id, model or config.
+
+    A path or id that names no loadable model raises `UserInputError` (one line), not Hugging Face's OSError.
+    """
+    if not isinstance(model, (str, os.PathLike)):
+        return text_config(model)
+    from transformers import AutoConfig
+
+    name = str(model)
+    folder = Path(name).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise UserInputError(f"model {name!r}: the folder has no config.json; give a model folder (--model)")
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        where = "no such folder" if not folder.exists() else "not a model folder"
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserInputError(
+            f"model {name!r}: {where}, and not a Hub id available here ({reason[:160]}); give a local "
+            "model folder or a downloaded Hub id (--model)"
+        ) from None
 
 
 # a config built in memory (AutoConfig.for_model, from_config) has no `architectures`

@@ -10,12 +10,16 @@ no other part of rlkv.
 
 from __future__ import annotations
 
+from rlkv.vllm_plugin import lifetime
 from rlkv.vllm_plugin.split import ARCHITECTURES
 
 
 def register() -> None:
-    """Register the head-mixed architectures with vLLM's `ModelRegistry` (idempotent)."""
+    """Register the head-mixed architectures with vLLM's `ModelRegistry` (idempotent); in the processes of
+    an rlkv command, tie them to that command's life (`lifetime.py`)."""
     from vllm import ModelRegistry
+
+    lifetime.install()
 
     known = set(ModelRegistry.get_supported_archs())
     for name in ARCHITECTURES.values():

@@ -9,6 +9,7 @@ start, what the split cannot honour.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -16,7 +17,10 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from rlkv.vllm_plugin.attention import split_attention_layers
-from rlkv.vllm_plugin.split import HeadSplit, HeadSplitError
+from rlkv.vllm_plugin.split import HeadSplit, HeadSplitError, check_full_attention_layers
+
+# a child of vLLM's logger, so the line goes where vLLM's own logs go (and VLLM_LOGGING_LEVEL applies)
+_LOG = logging.getLogger("vllm.rlkv")
 
 
 def check_engine(vllm_config: Any) -> HeadSplit:
@@ -33,19 +37,16 @@ def check_engine(vllm_config: Any) -> HeadSplit:
         raise HeadSplitError(
             "speculative_config is set: rlkv's head-mixed models do not serve speculative decoding; drop it"
         )
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        layer_types = set(getattr(config, "layer_types", None) or [])
-        if "sliding_attention" in layer_types:
-            raise HeadSplitError(
-                f"config.sliding_window={config.sliding_window} with sliding layers: rlkv's head split serves "
-                "models whose layers all attend fully"
-            )
+    check_full_attention_layers(config)
     return split
 
 
-def _kv_heads(vllm_config: Any) -> int:
+def _split_layers(model: Any, split: HeadSplit, vllm_config: Any) -> None:
+    """Split the built model's attention layers and log the split it serves (read from the loaded config)."""
     config = vllm_config.model_config.hf_config
-    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    split_attention_layers(model, split, num_kv_heads)
+    _LOG.info(split.describe(num_kv_heads, type(model).__name__))
 
 
 class RlkvLlamaForCausalLM(LlamaForCausalLM):
@@ -54,7 +55,7 @@ class RlkvLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, *, vllm_config: Any, prefix: str = ""):
         split = check_engine(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        split_attention_layers(self, split, _kv_heads(vllm_config))
+        _split_layers(self, split, vllm_config)
 
 
 class RlkvQwen2ForCausalLM(Qwen2ForCausalLM):
@@ -63,7 +64,7 @@ class RlkvQwen2ForCausalLM(Qwen2ForCausalLM):
     def __init__(self, *, vllm_config: Any, prefix: str = ""):
         split = check_engine(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        split_attention_layers(self, split, _kv_heads(vllm_config))
+        _split_layers(self, split, vllm_config)
 
 
 class RlkvQwen3ForCausalLM(Qwen3ForCausalLM):
@@ -72,4 +73,4 @@ class RlkvQwen3ForCausalLM(Qwen3ForCausalLM):
     def __init__(self, *, vllm_config: Any, prefix: str = ""):
         split = check_engine(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        split_attention_layers(self, split, _kv_heads(vllm_config))
+        _split_layers(self, split, vllm_config)

@@ -32,6 +32,23 @@ class HeadSplitError(ValueError):
     """A head split that does not fit the model or the engine (the message names the field and the fix)."""
 
 
+# hf_overrides keys that decide the split or the geometry it is checked against: rlkv sets or reads them
+SPLIT_KEYS = ("architectures", CONFIG_KEY, "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def check_full_attention_layers(config: Any) -> None:
+    """Refuse a model (transformers config or dict) whose own layers use sliding windows (Qwen2's option):
+    the split serves models whose every layer attends fully."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    if get("sliding_window") and get("use_sliding_window", True):
+        if "sliding_attention" in set(get("layer_types") or []):
+            raise HeadSplitError(
+                f"config.sliding_window={get('sliding_window')} with sliding layers (use_sliding_window=True): "
+                "rlkv's head split serves models whose layers all attend fully; serve this model without "
+                "a head mask, or set use_sliding_window=false if the model was trained without it"
+            )
+
+
 @dataclass(frozen=True)
 class HeadSplit:
     """Which KV heads of each layer keep a full cache; the rest keep a window of `window` past tokens.
@@ -70,6 +87,15 @@ class HeadSplit:
         for layer, full in enumerate(self.full_kv_heads):
             counts += [len(full), len(self.compressed_kv_heads(layer, num_kv_heads))]
         return math.gcd(*[c for c in counts if c]) or num_kv_heads
+
+    def describe(self, num_kv_heads: int, architecture: str) -> str:
+        """One line for logs: how many KV heads are full and what the others keep."""
+        full = sum(len(heads) for heads in self.full_kv_heads)
+        total = self.num_layers * num_kv_heads
+        return (
+            f"rlkv: {architecture} serves {full} of {total} KV heads full, {total - full} with a window of "
+            f"{self.window} + 1 tokens (sink {self.sink})"
+        )
 
     def to_config(self) -> dict[str, Any]:
         """The plain-data form stored under `config.rlkv_head_split`."""

@@ -1,0 +1,181 @@
+"""`rlkv serve` / `rlkv export-vllm` before vLLM starts: a user's --hf-overrides merged (never dropping the
+split), no source file deleted or shared, every refusal one line. No vLLM needed: each check runs before
+the command looks for vLLM (the vLLM tier, tests/vllm_tier/test_serve.py, runs the server itself)."""
+
+import json
+import socket
+
+import pytest
+from test_cli_errors import assert_one_error_line, run_cli
+
+from rlkv import HeadMask
+from rlkv.cli.vllm_args import option, take_hf_overrides
+from rlkv.inference import load
+from rlkv.testing import tiny_config
+
+DEMO = "data/demo-model"
+
+
+@pytest.fixture(scope="module")
+def mask_dir(tmp_path_factory):
+    model, _ = load(DEMO, dtype="float32")
+    folder = tmp_path_factory.mktemp("mask")
+    HeadMask.random(model, seed=0).save_pretrained(folder)
+    return str(folder)
+
+
+def test_every_form_of_hf_overrides_is_taken_out_and_merged_as_vllm_parses_it():
+    args = [
+        "--port",
+        "9",
+        "--hf-overrides",
+        '{"max_position_embeddings": 2048, "rope_parameters": {"rope_theta": 10}}',
+        "--hf_overrides.rope_parameters.factor=2.0",
+        "--hf-overrides.name",
+        "plain text",
+        "--dtype=float32",
+    ]
+    overrides, rest = take_hf_overrides(args)
+    assert overrides == {
+        "max_position_embeddings": 2048,
+        "rope_parameters": {"rope_theta": 10, "factor": 2.0},
+        "name": "plain text",
+    }
+    assert rest == ["--port", "9", "--dtype=float32"]
+    assert option(rest, "--port") == "9" and option(rest, "--dtype") == "float32"
+    assert option(["-tp", "2"], "--tensor-parallel-size", "-tp") == "2"
+
+
+def _serve(mask_dir, *extra):
+    return ["serve", "--model", DEMO, "--head-mask", mask_dir, "--sparsity", "0.5", *extra]
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ('{"architectures": ["LlamaForCausalLM"]}', "architectures"),
+        ('{"rlkv_head_split": {}}', "rlkv_head_split"),
+        ('{"num_key_value_heads": 4}', "num_key_value_heads"),
+        ("[1, 2]", "must be a JSON object"),
+    ],
+)
+def test_overrides_that_touch_the_split_are_refused_in_one_line(capsys, mask_dir, overrides, needle):
+    code, err = run_cli(_serve(mask_dir, "--hf-overrides", overrides, "--port", str(_free_port())), capsys)
+    assert code == 2
+    assert_one_error_line(err, "rlkv serve", needle)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_port_in_use_is_refused_before_vllm_starts(capsys, mask_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = run_cli(_serve(mask_dir, "--host", "127.0.0.1", "--port", str(port)), capsys)
+    assert code == 2
+    assert_one_error_line(err, "rlkv serve", f"--port {port}", "pick a free port")
+
+
+@pytest.mark.parametrize("flag", [["--tensor-parallel-size", "2"], ["-tp=2"], ["--pipeline-parallel-size=2"]])
+def test_parallelism_is_refused_before_vllm_starts(capsys, mask_dir, flag):
+    code, err = run_cli(_serve(mask_dir, *flag, "--port", str(_free_port())), capsys)
+    assert code == 2
+    assert_one_error_line(err, "rlkv serve", "parallel-size", "one device")
+
+
+@pytest.mark.parametrize("command", ["serve", "export-vllm"])
+def test_a_model_that_does_not_exist_is_one_line(capsys, mask_dir, tmp_path, command):
+    argv = [command, "--model", str(tmp_path / "missing"), "--head-mask", mask_dir, "--sparsity", "0.5"]
+    argv += ["--out", str(tmp_path / "out")] if command == "export-vllm" else ["--port", str(_free_port())]
+    code, err = run_cli(argv, capsys)
+    assert code == 2
+    assert_one_error_line(err, f"rlkv {command}", "missing", "--model")
+
+
+def test_a_model_with_its_own_sliding_window_layers_is_refused_before_vllm_starts(capsys, mask_dir, tmp_path):
+    config = tiny_config("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=0)
+    config.save_pretrained(tmp_path / "qwen2-swa")
+    argv = ["serve", "--model", str(tmp_path / "qwen2-swa"), "--head-mask", mask_dir, "--sparsity", "0.5"]
+    code, err = run_cli([*argv, "--port", str(_free_port())], capsys)
+    assert code == 2
+    assert_one_error_line(err, "rlkv serve", "sliding_window=32", "use_sliding_window")
+
+
+def _snapshot(folder):
+    return {p.name: (p.read_bytes(), p.stat().st_ino) for p in sorted(folder.iterdir())}
+
+
+def test_export_never_writes_into_the_model_folder(capsys, mask_dir, tmp_path):
+    import shutil
+    from pathlib import Path
+
+    model = tmp_path / "model"
+    shutil.copytree(DEMO, model)
+    before = _snapshot(model)
+    for out in (model, model / "sub", tmp_path):
+        code, err = run_cli(
+            [
+                "export-vllm",
+                "--model",
+                str(model),
+                "--head-mask",
+                mask_dir,
+                "--sparsity",
+                "0.5",
+                "--out",
+                str(out),
+            ]
+            + ["--overwrite"],
+            capsys,
+        )
+        assert code == 2
+        assert_one_error_line(err, "rlkv export-vllm", "model folder")
+    assert _snapshot(model) == before
+    assert not Path(model / "sub").exists()
+
+
+def test_export_copies_small_files_and_replaces_a_folder_only_when_asked(capsys, mask_dir, tmp_path):
+    out = tmp_path / "served"
+    argv = ["export-vllm", "--model", DEMO, "--head-mask", mask_dir, "--sparsity", "0.5", "--out", str(out)]
+    assert run_cli(argv, capsys)[0] == 0
+    (out / "generation_config.json").write_text("{}")  # editing the export ...
+    from pathlib import Path
+
+    assert json.loads(Path(DEMO, "generation_config.json").read_text())  # ... leaves the model's as it was
+    assert (out / "model.safetensors").stat().st_ino == Path(DEMO, "model.safetensors").stat().st_ino
+    code, err = run_cli(argv, capsys)
+    assert code == 2
+    assert_one_error_line(err, "rlkv export-vllm", "not empty", "--overwrite")
+    assert (out / "generation_config.json").read_text() == "{}"  # the refused run changed nothing
+    assert run_cli([*argv, "--overwrite"], capsys)[0] == 0
+    assert json.loads((out / "generation_config.json").read_text())  # replaced whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]  # no staging or old folder left
+
+
+def test_export_to_an_unwritable_place_is_one_line(capsys, mask_dir):
+    argv = [
+        "export-vllm",
+        "--model",
+        DEMO,
+        "--head-mask",
+        mask_dir,
+        "--sparsity",
+        "0.5",
+        "--out",
+        "/proc/rlkv",
+    ]
+    code, err = run_cli(argv, capsys)
+    assert code == 2
+    assert_one_error_line(err, "rlkv export-vllm", "--out", "cannot be written")
+
+
+def test_a_window_that_covers_every_position_is_noted(capsys, mask_dir, tmp_path):
+    argv = ["export-vllm", "--model", DEMO, "--head-mask", mask_dir, "--sparsity", "0.5"]
+    code, err = run_cli([*argv, "--out", str(tmp_path / "o"), "--window", "100000"], capsys)
+    assert code == 0
+    assert "covers all 1024 positions" in err and "nothing is compressed" in err
