@@ -1,4 +1,6 @@
-"""`rlkv serve`: stock `vllm serve` with the head split, answering /v1/completions over loopback."""
+"""`rlkv serve`: stock `vllm serve` with the head split, answering /v1/completions over loopback; a user's
+--hf-overrides merged, concurrent requests equal to sequential ones, malformed ones a 4xx, and no vLLM
+process outliving `kill -9` of the command (nor of `rlkv eval --engine vllm`)."""
 
 import json
 import os
@@ -6,7 +8,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -57,6 +61,8 @@ def test_rlkv_serve_answers_completions_with_the_offline_engines_tokens(tmp_path
     ]
     command += ["--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager"]
     command += ["--block-size", "32", "--max-model-len", "1024", "--seed", "0"]
+    # a user's own overrides (a common vLLM flag) are merged into rlkv's, never replacing the split
+    command += ["--hf-overrides", json.dumps({"max_position_embeddings": 1024})]
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -71,15 +77,94 @@ def test_rlkv_serve_answers_completions_with_the_offline_engines_tokens(tmp_path
             except OSError:
                 assert time.monotonic() < deadline, "vllm serve did not start"
                 time.sleep(1)
-        body = json.dumps({"model": DEMO, "prompt": prompt, "max_tokens": 40, "temperature": 0}).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=60) as r:
-            answer = json.loads(r.read())
+        answer = _complete(port, prompt)
         assert answer["choices"][0]["text"] == want  # the offline engine's text, same split
         assert "vllm:kv_cache_usage_perc" in _get(f"http://127.0.0.1:{port}/metrics")
-        assert "KV heads full" in (tmp_path / "server.log").read_text()
+        log_text = (tmp_path / "server.log").read_text()
+        # the engine's own line, from the config it loaded: the head-mixed model with the mask's split
+        assert "rlkv: RlkvLlamaForCausalLM serves 4 of 8 KV heads full" in log_text, log_text[-3000:]
+        _concurrent_requests_equal_sequential_ones(port, tokenizer)
+        _malformed_requests_are_4xx_and_the_server_serves_on(port, prompt, want)
+        _no_process_outlives_a_kill(server)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        if server.poll() is None:
+            server.terminate()
+            server.wait(timeout=60)
+
+
+def _complete(port: int, prompt, max_tokens: int = 40) -> dict:
+    body = json.dumps({"model": DEMO, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _concurrent_requests_equal_sequential_ones(port: int, tokenizer) -> None:
+    prompts = [build_prompt(p, tokenizer) for p in load_chain_task("test", 16)]
+    sequential = [_complete(port, p)["choices"][0]["text"] for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        concurrent = [a["choices"][0]["text"] for a in pool.map(lambda p: _complete(port, p), prompts)]
+    assert concurrent == sequential
+
+
+def _status(port: int, body: bytes) -> int:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _malformed_requests_are_4xx_and_the_server_serves_on(port: int, prompt: str, want: str) -> None:
+    bad = [
+        b"{not json",
+        json.dumps({"model": DEMO}).encode(),  # no prompt
+        json.dumps({"model": DEMO, "prompt": prompt, "max_tokens": -1}).encode(),
+        json.dumps({"model": DEMO, "prompt": prompt, "temperature": "hot"}).encode(),
+        json.dumps({"model": "another-model", "prompt": prompt}).encode(),
+        json.dumps({"model": DEMO, "prompt": "x " * 3000, "max_tokens": 8}).encode(),  # over --max-model-len
+    ]
+    codes = [_status(port, body) for body in bad]
+    assert all(400 <= c < 500 for c in codes), codes
+    assert _complete(port, prompt)["choices"][0]["text"] == want
+
+
+def _no_process_outlives_a_kill(process: subprocess.Popen) -> None:
+    """kill -9 of `process`: every process below it (vLLM's engine core and workers) is gone within 10 s."""
+    import psutil
+
+    below = psutil.Process(process.pid).children(recursive=True)
+    assert any("VLLM" in p.name() or "EngineCore" in " ".join(p.cmdline()) for p in below), below
+    process.kill()
+    process.wait(timeout=30)
+    _, alive = psutil.wait_procs(below, timeout=10)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.name()) for p in alive]
+
+
+def test_killed_eval_leaves_no_vllm_process(tmp_path):
+    """`rlkv eval --engine vllm` with vLLM's default engine processes, killed -9 mid-run."""
+    import psutil
+
+    rlkv = Path(sys.executable).parent / "rlkv"
+    command = [str(rlkv), "eval", "--engine", "vllm", "--model", DEMO, "--methods", "full"]
+    command += ["--benchmarks", "chain", "--num-problems", "48", "--max-new-tokens", "200"]
+    command += ["--dtype", "float32", "--out", str(tmp_path / "eval"), "--no-progress"]
+    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    log = open(tmp_path / "eval.log", "w")
+    run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not any("VLLM::Worker" in p.name() for p in psutil.Process(run.pid).children(recursive=True)):
+            assert run.poll() is None, (tmp_path / "eval.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the eval started no vLLM worker"
+            time.sleep(0.5)
+        _no_process_outlives_a_kill(run)
+    finally:
+        if run.poll() is None:
+            run.kill()
