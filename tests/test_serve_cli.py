@@ -104,6 +104,10 @@ def test_a_model_with_its_own_sliding_window_layers_is_refused_before_vllm_start
     code, err = run_cli([*argv, "--port", str(_free_port())], capsys)
     assert code == 2
     assert_one_error_line(err, "rlkv serve", "sliding_window=32", "use_sliding_window")
+    out = ["--out", str(tmp_path / "out")]
+    code, err = run_cli(["export-vllm", *argv[1:], *out], capsys)  # every path to an engine: the same line
+    assert code == 2
+    assert_one_error_line(err, "rlkv export-vllm", "sliding_window=32")
 
 
 def _snapshot(folder):

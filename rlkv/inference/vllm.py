@@ -20,7 +20,13 @@ from rlkv._io import _current_umask, atomic_write_text, check_output_path
 from rlkv.errors import UserInputError
 from rlkv.geometry import attention_geometry, text_config
 from rlkv.inference.config import CompressionConfig, CompressionConfigError
-from rlkv.vllm_plugin.split import ARCHITECTURES, CONFIG_KEY, HeadSplit
+from rlkv.vllm_plugin.split import (
+    ARCHITECTURES,
+    CONFIG_KEY,
+    HeadSplit,
+    HeadSplitError,
+    check_full_attention_layers,
+)
 
 
 def matched_compression(
@@ -72,8 +78,16 @@ def vllm_overrides(
 
 
 def compression_overrides(model_or_config: Any, compression: CompressionConfig) -> dict[str, Any]:
-    """`hf_overrides` of a `CompressionConfig` in vLLM's form (see `head_split`) for a model or its config."""
+    """`hf_overrides` of a `CompressionConfig` in vLLM's form (see `head_split`) for a model or its config.
+
+    A model with sliding-window layers of its own is refused here (`CompressionConfigError`), before an
+    engine starts, as the plugin would refuse it at engine start.
+    """
     config = model_config(model_or_config)
+    try:
+        check_full_attention_layers(config)
+    except HeadSplitError as e:
+        raise CompressionConfigError(str(e)) from None
     split = head_split(config, compression)
     return {"architectures": [_head_mixed_architecture(config)], CONFIG_KEY: split.to_config()}
 
