@@ -11,7 +11,13 @@ import torch
 
 from rlkv import HeadMask
 from rlkv.inference import CompressionConfig, CompressionConfigError
-from rlkv.inference.vllm import export_vllm_folder, head_split, matched_compression, vllm_overrides
+from rlkv.inference.vllm import (
+    export_vllm_folder,
+    head_split,
+    matched_compression,
+    vllm_compression,
+    vllm_overrides,
+)
 from rlkv.vllm_plugin.split import CONFIG_KEY, HeadSplit, HeadSplitError
 
 DEMO = "data/demo-model"
@@ -27,14 +33,22 @@ def test_overrides_name_the_head_mixed_architecture_and_carry_the_mask_cut(make_
     assert split == {
         "format": 1,
         "full_kv_heads": [row.nonzero().flatten().tolist() for row in full],
-        "sink": 0,
+        "sink": 16,  # the eval's form by default: sink 16, the prompt read whole
         "window": 32,
+        "prompt": "full",
     }
     # the plugin reads back exactly this split, checked against the model's geometry
     config = model.config.to_dict() | overrides
     read = HeadSplit.from_config(config)
     assert read.full_kv_heads == tuple(tuple(row.nonzero().flatten().tolist()) for row in full)
-    assert read.vllm_sliding_window == 33
+    assert (read.sink, read.window, read.full_prompt, read.is_sliding_window) == (16, 32, True, False)
+    # the window-only form is vLLM's own sliding window of window + 1 tokens; a split of format 1 without
+    # "prompt" (written before the sink form existed) reads as that form
+    windowed = vllm_overrides(model.config, mask, 0.5, window=32, sink=0, window_prefill=True)[CONFIG_KEY]
+    assert windowed["prompt"] == "window"
+    del windowed["prompt"]
+    old = HeadSplit.from_config(model.config.to_dict() | {CONFIG_KEY: windowed})
+    assert old.is_sliding_window and old.vllm_sliding_window == 33
 
 
 def test_unit_is_the_gcd_of_the_part_sizes():
@@ -52,7 +66,8 @@ def test_unit_is_the_gcd_of_the_part_sizes():
             r"full_kv_heads\[1\]=\[2\]: must list distinct KV heads in \[0, 2\)",
         ),
         ({"full_kv_heads": [[0, 0], [], [], []]}, r"full_kv_heads\[0\]=\[0, 0\]"),
-        ({"sink": 16}, r"sink=16: vLLM's sliding-window KV cache keeps no sink tokens"),
+        ({"prompt": "all"}, r"prompt='all': must be 'full'"),
+        ({"sink": -1}, r"sink=-1: must be an integer >= 0"),
         ({"window": -1}, r"window=-1: must be an integer >= 0"),
         ({"format": 2}, r"format=2: this rlkv reads format 1"),
     ],
@@ -81,11 +96,15 @@ def test_no_split_and_unsupported_architectures_are_named(make_model):
         vllm_overrides(config, HeadMask.random(model), 0.5)
 
 
-def test_only_the_matched_streaming_form_has_a_split(make_model):
+def test_only_streaming_forms_with_an_evictable_prompt_have_a_split(make_model):
     model = make_model("llama")
     mask = HeadMask.random(model)
-    with pytest.raises(CompressionConfigError, match="vLLM serves compressed heads as a sliding window only"):
+    with pytest.raises(CompressionConfigError, match="protect_prompt=True: vLLM serves"):
         head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, sink=16, window=64))
+    with pytest.raises(CompressionConfigError, match="policy='rkv'"):
+        head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, policy="rkv", protect_prompt=False))
+    eval_form = head_split(model, vllm_compression(mask, 0.5))
+    assert (eval_form.sink, eval_form.window, eval_form.full_prompt) == (16, 64, True)
     every_head = head_split(model, matched_compression(None, 0.5, window=4))
     assert all(heads == () for heads in every_head.full_kv_heads)
 

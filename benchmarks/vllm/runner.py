@@ -223,7 +223,11 @@ def suite_serving(args: argparse.Namespace) -> dict:
     for bound, kv_bytes in sizes.items():
         for sparsity in (0.0, *SPARSITIES):
             overrides = (
-                None if sparsity == 0 else vllm_overrides(model, mask, sparsity, window=args.vllm_window)
+                None
+                if sparsity == 0
+                else vllm_overrides(
+                    model, mask, sparsity, window=args.vllm_window, sink=0, window_prefill=True
+                )
             )
             name = "stock vLLM" if sparsity == 0 else f"rlkv s={sparsity}"
             print(f"  vllm: {bound} {name} ...", flush=True)

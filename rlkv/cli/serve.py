@@ -30,13 +30,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-mask", required=True, help="head-mask folder, JSON, TSV or Hub id")
     parser.add_argument("--sparsity", type=float, required=True, help="fraction of KV heads compressed")
     parser.add_argument(
-        "--window", type=int, default=64, help="past tokens a compressed head keeps besides the current one"
+        "--window", type=int, default=64, help="last tokens a compressed head keeps besides the current one"
     )
     parser.add_argument(
-        "--sink",
-        type=int,
-        default=0,
-        help="sink tokens; vLLM's sliding-window cache keeps none, so only 0 is served",
+        "--sink", type=int, default=16, help="first tokens a compressed head keeps (default 16)"
+    )
+    parser.add_argument(
+        "--window-prefill",
+        action="store_true",
+        help="window the prompt too (compressed heads attend sink + window in the prompt forward); default: "
+        "the prompt is read whole in every head, then compressed (rlkv eval's form). With --sink 0 it is "
+        "vLLM's own sliding window",
     )
 
 
@@ -66,19 +70,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.set_defaults(func=run_export)
 
 
-def _check_sink(args: argparse.Namespace) -> None:
-    if args.sink:
-        raise UserInputError(
-            f"--sink {args.sink}: vLLM's sliding-window KV cache keeps no sink tokens; use --sink 0"
-        )
+def _form(args: argparse.Namespace) -> dict[str, Any]:
+    """The compressed heads' form flags as `vllm_overrides` keywords, checked."""
+    for name in ("sink", "window"):
+        if getattr(args, name) < 0:
+            raise UserInputError(f"--{name} {getattr(args, name)}: must be >= 0")
+    return {"window": args.window, "sink": args.sink, "window_prefill": args.window_prefill}
 
 
-def _note_uncompressed(window: int, positions: int | None, where: str) -> None:
-    """A window that covers every position compresses nothing: say so (it is not an error)."""
-    if positions is not None and window + 1 >= positions:
+def _note_uncompressed(kept: int, positions: int | None, where: str) -> None:
+    """Sink + window covering every position compress nothing: say so (it is not an error)."""
+    if positions is not None and kept + 1 >= positions:
         print(
-            f"rlkv: note: --window {window} covers all {positions} positions ({where}): every KV head attends "
-            "to its whole history, nothing is compressed; give a smaller --window to compress",
+            f"rlkv: note: --sink + --window ({kept}) cover all {positions} positions ({where}): every KV head "
+            "attends to its whole history, nothing is compressed; give a smaller --window to compress",
             file=sys.stderr,
             flush=True,
         )
@@ -143,7 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import importlib.metadata
     import importlib.util
 
-    _check_sink(args)
+    form = _form(args)
     user_overrides, extra = take_hf_overrides(args.extra_args)
     _check_engine_flags(extra)
     config = _checked_config(args.model, user_overrides)
@@ -153,12 +158,14 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     from rlkv.inference.vllm import vllm_overrides
 
-    overrides = user_overrides | vllm_overrides(config, args.head_mask, args.sparsity, window=args.window)
+    overrides = user_overrides | vllm_overrides(config, args.head_mask, args.sparsity, **form)
     max_len = option(extra, "--max-model-len")
     positions = (
         int(max_len) if max_len and max_len.isdigit() else getattr(config, "max_position_embeddings", None)
     )
-    _note_uncompressed(args.window, positions, "--max-model-len" if max_len else "max_position_embeddings")
+    _note_uncompressed(
+        args.sink + args.window, positions, "--max-model-len" if max_len else "max_position_embeddings"
+    )
     print(
         f"rlkv: starting vLLM with the head split of {args.head_mask} at sparsity {args.sparsity} (the engine "
         "logs the split it loaded: 'rlkv: Rlkv...ForCausalLM serves N of M KV heads full')",
@@ -179,13 +186,14 @@ def run_export(args: argparse.Namespace) -> int:
     from rlkv.inference.vllm import export_vllm_folder
     from rlkv.vllm_plugin.split import HeadSplit
 
-    _check_sink(args)
     out = export_vllm_folder(
-        args.model, args.out, args.head_mask, args.sparsity, window=args.window, overwrite=args.overwrite
+        args.model, args.out, args.head_mask, args.sparsity, **_form(args), overwrite=args.overwrite
     )
     config = json.loads((out / "config.json").read_text())
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     print(HeadSplit.from_config(config).describe(kv_heads, config["architectures"][0]))
-    _note_uncompressed(args.window, config.get("max_position_embeddings"), "max_position_embeddings")
+    _note_uncompressed(
+        args.sink + args.window, config.get("max_position_embeddings"), "max_position_embeddings"
+    )
     print(f"wrote {out}: serve it with `vllm serve {out}` (rlkv's plugin reads the split from config.json)")
     return 0

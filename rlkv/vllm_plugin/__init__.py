@@ -20,6 +20,9 @@ def register() -> None:
     from vllm import ModelRegistry
 
     lifetime.install()
+    from rlkv.vllm_plugin.sink_window import register_sink_window
+
+    register_sink_window()
 
     known = set(ModelRegistry.get_supported_archs())
     for name in ARCHITECTURES.values():

@@ -15,6 +15,8 @@ runs the part and writes its output columns back in head order.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -30,7 +32,7 @@ class HeadMixedAttention(nn.Module):
     unit: KV heads per part (equal-sized parts keep one page size across KV cache groups).
     """
 
-    def __init__(self, original: nn.Module, full_kv_heads: tuple[int, ...], sliding_window: int, unit: int):
+    def __init__(self, original: nn.Module, full_kv_heads: tuple[int, ...], split: HeadSplit, unit: int):
         super().__init__()
         num_kv, num_heads = original.num_kv_heads, original.num_heads
         self.num_kv_heads, self.groups, self.head_size = num_kv, num_heads // num_kv, original.head_size
@@ -40,7 +42,7 @@ class HeadMixedAttention(nn.Module):
                 "head split serves models whose layers all attend fully"
             )
         backend = original.attn_backend
-        if not backend.supports_sliding_window():
+        if split.is_sliding_window and not backend.supports_sliding_window():
             raise HeadSplitError(
                 f"attention backend {backend.get_name()} does not support sliding windows, so it cannot serve "
                 "rlkv's compressed heads; pick a backend that does (CPU_ATTN, FLASH_ATTN, TRITON_ATTN)"
@@ -50,23 +52,10 @@ class HeadMixedAttention(nn.Module):
         full = tuple(full_kv_heads)
         compressed = tuple(h for h in range(num_kv) if h not in set(full))
         self.parts: list[tuple[str, tuple[int, ...]]] = []
-        for kind, heads, window in (("full", full, None), ("window", compressed, sliding_window)):
+        for kind, heads in (("full", full), ("window", compressed)):
             for i in range(0, len(heads), unit):
                 name, part_heads = f"{kind}_{i // unit}", heads[i : i + unit]
-                self.add_module(
-                    name,
-                    attention_class()(
-                        len(part_heads) * self.groups,
-                        original.head_size,
-                        original.impl.scale,
-                        num_kv_heads=len(part_heads),
-                        cache_config=cache_config,
-                        quant_config=original.quant_config,
-                        per_layer_sliding_window=window,
-                        prefix=f"{original.layer_name}.{name}",
-                        attn_type=original.attn_type,
-                    ),
-                )
+                self.add_module(name, _part(original, kind, len(part_heads), split, cache_config, name))
                 self.parts.append((name, part_heads))
         # each part's heads as a slice (a view of q/k/v) when contiguous, else an index tensor
         self._picks = [_pick(heads) for _, heads in self.parts]
@@ -99,6 +88,30 @@ class HeadMixedAttention(nn.Module):
         return out.view(tokens, -1)
 
 
+def _part(
+    original: nn.Module, kind: str, num_kv: int, split: HeadSplit, cache_config: Any, name: str
+) -> nn.Module:
+    """One attention module over `num_kv` KV heads: stock full attention, vLLM's sliding window, or rlkv's
+    sink/window form."""
+    args = (num_kv * (original.num_heads // original.num_kv_heads), original.head_size, original.impl.scale)
+    kwargs = dict(
+        num_kv_heads=num_kv,
+        cache_config=cache_config,
+        quant_config=original.quant_config,
+        prefix=f"{original.layer_name}.{name}",
+        attn_type=original.attn_type,
+    )
+    if kind == "full":
+        return attention_class()(*args, **kwargs)
+    if split.is_sliding_window:
+        return attention_class()(*args, per_layer_sliding_window=split.vllm_sliding_window, **kwargs)
+    from rlkv.vllm_plugin.sink_window import SinkWindowAttention
+
+    return SinkWindowAttention(
+        *args, sink=split.sink, window=split.window, full_prompt=split.full_prompt, **kwargs
+    )
+
+
 def _pick(heads: tuple[int, ...]) -> slice | torch.Tensor:
     if heads[-1] - heads[0] + 1 == len(heads):
         return slice(heads[0], heads[-1] + 1)
@@ -121,6 +134,6 @@ def split_attention_layers(model: nn.Module, split: HeadSplit, num_kv_heads: int
             full = split.full_kv_heads[layer]
             if len(full) == num_kv_heads and unit == num_kv_heads:
                 continue
-            setattr(parent, child_name, HeadMixedAttention(child, full, split.vllm_sliding_window, unit))
+            setattr(parent, child_name, HeadMixedAttention(child, full, split, unit))
             replaced += 1
     return replaced

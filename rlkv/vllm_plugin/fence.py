@@ -97,3 +97,21 @@ def _version() -> str:
     import vllm
 
     return getattr(vllm, "__version__", "?")
+
+
+def register_kv_cache_spec(spec_class: type, manager_class: type) -> None:
+    """Register a KV cache spec type of rlkv's with its block manager, as a grouping type of its own.
+
+    vLLM registers its built-in specs lazily, only while the registry is empty, so they are registered
+    first (`_ensure_registered`); registering the same pair again is a no-op.
+    """
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    ensure = getattr(KVCacheSpecRegistry, "_ensure_registered", None)
+    if ensure is None:
+        raise RuntimeError(
+            f"vLLM {_version()} has no KVCacheSpecRegistry._ensure_registered; rlkv's sink/window KV cache "
+            f"group was tested with vllm {TESTED_VLLM}"
+        )
+    ensure()
+    KVCacheSpecRegistry.register(spec_class, manager_class, uniform_type_base_spec=spec_class)

@@ -2,11 +2,14 @@
 
 A head-mixed architecture (`RlkvLlamaForCausalLM`, ...) reads `config.rlkv_head_split`:
 
-    {"format": 1, "full_kv_heads": [[0], [1], [], ...], "sink": 0, "window": 64}
+    {"format": 1, "full_kv_heads": [[0], [1], [], ...], "sink": 16, "window": 64, "prompt": "full"}
 
 `full_kv_heads[l]` lists the KV heads of layer l that keep their whole history; every other KV head of
-that layer attends to its last `window` tokens and the current one (rlkv's streaming heads with sink 0,
-the prompt included: vLLM's sliding window of `window + 1` tokens). The split reaches vLLM as
+that layer attends to its first `sink` tokens, its last `window` tokens and the current one (rlkv's
+streaming heads). `prompt` "full" (rlkv's eval form): a prompt query attends the whole prompt, the
+compression starts with the first generated token; "window" (the default when absent): the prompt is
+windowed too. Sink 0 with a windowed prompt is vLLM's own sliding window of `window + 1` tokens;
+every other form is rlkv's sink/window KV cache group (`sink_window.py`). The split reaches vLLM as
 `hf_overrides` (`rlkv.inference.vllm_overrides`) or in a prepared model folder's `config.json`
 (`rlkv export-vllm`). `HeadSplit.from_config` checks it against the model's geometry and raises
 `HeadSplitError` naming the field and the fix.
@@ -55,12 +58,18 @@ class HeadSplit:
 
     full_kv_heads: per layer, the sorted KV-head indices served with full attention.
     window: past tokens a compressed head attends besides the current one (rlkv's `window`).
-    sink: first tokens a compressed head keeps; vLLM's sliding-window spec keeps none, so it must be 0.
+    sink: first tokens a compressed head keeps. full_prompt: prompt queries attend the whole prompt.
     """
 
     full_kv_heads: tuple[tuple[int, ...], ...]
     window: int
     sink: int = 0
+    full_prompt: bool = False
+
+    @property
+    def is_sliding_window(self) -> bool:
+        """True when the form is vLLM's own sliding window (sink 0, the prompt windowed)."""
+        return self.sink == 0 and not self.full_prompt
 
     @property
     def num_layers(self) -> int:
@@ -94,7 +103,7 @@ class HeadSplit:
         total = self.num_layers * num_kv_heads
         return (
             f"rlkv: {architecture} serves {full} of {total} KV heads full, {total - full} with a window of "
-            f"{self.window} + 1 tokens (sink {self.sink})"
+            f"{self.window} + 1 tokens (sink {self.sink}, prompt {'full' if self.full_prompt else 'windowed'})"
         )
 
     def to_config(self) -> dict[str, Any]:
@@ -104,6 +113,7 @@ class HeadSplit:
             "full_kv_heads": [list(heads) for heads in self.full_kv_heads],
             "sink": self.sink,
             "window": self.window,
+            "prompt": "full" if self.full_prompt else "window",
         }
 
     @classmethod
@@ -142,10 +152,14 @@ class HeadSplit:
             value = raw.get(name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise HeadSplitError(f"{CONFIG_KEY}.{name}={value!r}: must be an integer >= 0")
-        if raw["sink"]:
+        prompt = raw.get("prompt", "window")
+        if prompt not in ("full", "window"):
             raise HeadSplitError(
-                f"{CONFIG_KEY}.sink={raw['sink']}: vLLM's sliding-window KV cache keeps no sink tokens; use "
-                "sink=0 (the transformers path serves the same heads with CompressionConfig(sink=0, "
-                "window_prefill=True))"
+                f"{CONFIG_KEY}.prompt={prompt!r}: must be 'full' (prompt read whole) or 'window' (prompt windowed)"
             )
-        return cls(tuple(tuple(sorted(h)) for h in full), window=raw["window"], sink=raw["sink"])
+        return cls(
+            tuple(tuple(sorted(h)) for h in full),
+            window=raw["window"],
+            sink=raw["sink"],
+            full_prompt=prompt == "full",
+        )

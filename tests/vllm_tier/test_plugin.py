@@ -1,4 +1,5 @@
-"""rlkv's head mask in stock vLLM (`rlkv.vllm_plugin`): equal tokens, compressed heads' blocks freed, refusals.
+"""rlkv's head mask in stock vLLM (`rlkv.vllm_plugin`), window-only form: equal tokens, compressed heads'
+blocks freed, refusals. (The eval's form, sink + a whole prompt: test_sink_window.py.)
 
 References: stock vLLM for a split with every head full; rlkv's transformers path under the same
 semantics (`matched_compression`: streaming, sink 0, windowed prompt) for masked splits. Demo model,
@@ -21,6 +22,7 @@ from rlkv.inference.vllm import export_vllm_folder, matched_compression, vllm_ov
 from rlkv.vllm_plugin.split import CONFIG_KEY, HeadSplitError  # noqa: E402
 
 WINDOW = 64
+WINDOW_ONLY = dict(sink=0, window_prefill=True)  # vLLM's own sliding window: sink 0, the prompt windowed
 MASK = "data/masks/demo"  # the demo's shipped mask, if present; else a seeded random mask
 
 
@@ -37,7 +39,7 @@ def test_every_head_full_gives_stock_vllm_tokens(demo):
     _, _, _, prompts, mask = demo
     with engine() as llm:
         stock = greedy(llm, prompts)
-    with engine(hf_overrides=vllm_overrides(DEMO, mask, 0.0, window=WINDOW)) as llm:
+    with engine(hf_overrides=vllm_overrides(DEMO, mask, 0.0, window=WINDOW, **WINDOW_ONLY)) as llm:
         assert llm.llm_engine.model_config.architectures == ["RlkvLlamaForCausalLM"]
         mixed = greedy(llm, prompts)
     assert mixed == stock
@@ -46,7 +48,7 @@ def test_every_head_full_gives_stock_vllm_tokens(demo):
 @pytest.mark.parametrize("sparsity", [0.5, 0.75])
 def test_masked_tokens_equal_rlkv_transformers_path(demo, sparsity):
     model, tokenizer, problems, prompts, mask = demo
-    with engine(hf_overrides=vllm_overrides(DEMO, mask, sparsity, window=WINDOW)) as llm:
+    with engine(hf_overrides=vllm_overrides(DEMO, mask, sparsity, window=WINDOW, **WINDOW_ONLY)) as llm:
         served = greedy(llm, prompts)
     config = matched_compression(mask, sparsity, window=WINDOW)
     reference = generate(
@@ -69,7 +71,7 @@ def test_compressed_group_holds_a_constant_window_of_blocks_while_the_full_group
     _, _, _, _, mask = demo
     from vllm import SamplingParams
 
-    with engine(hf_overrides=vllm_overrides(DEMO, mask, 0.5, window=WINDOW)) as llm:
+    with engine(hf_overrides=vllm_overrides(DEMO, mask, 0.5, window=WINDOW, **WINDOW_ONLY)) as llm:
         managers, pool = kv_groups(llm)
         kinds = [type(m).__name__ for m in managers]
         assert sorted(kinds) == ["FullAttentionManager", "SlidingWindowManager"]  # two KV cache groups
@@ -102,7 +104,7 @@ def test_compressed_group_holds_a_constant_window_of_blocks_while_the_full_group
 
 def test_prefix_caching_gives_the_same_tokens(demo):
     _, _, _, prompts, mask = demo
-    overrides = vllm_overrides(DEMO, mask, 0.5, window=WINDOW)
+    overrides = vllm_overrides(DEMO, mask, 0.5, window=WINDOW, **WINDOW_ONLY)
     with engine(hf_overrides=overrides, enable_prefix_caching=False) as llm:
         plain = greedy(llm, prompts[:8])
     with engine(hf_overrides=overrides, enable_prefix_caching=True) as llm:
@@ -112,10 +114,10 @@ def test_prefix_caching_gives_the_same_tokens(demo):
 
 def test_a_prepared_folder_serves_without_overrides(demo, tmp_path):
     _, _, _, prompts, mask = demo
-    folder = export_vllm_folder(DEMO, tmp_path / "demo-rlkv", mask, 0.5, window=WINDOW)
+    folder = export_vllm_folder(DEMO, tmp_path / "demo-rlkv", mask, 0.5, window=WINDOW, **WINDOW_ONLY)
     with engine(str(folder)) as llm:
         from_folder = greedy(llm, prompts[:6])
-    with engine(hf_overrides=vllm_overrides(DEMO, mask, 0.5, window=WINDOW)) as llm:
+    with engine(hf_overrides=vllm_overrides(DEMO, mask, 0.5, window=WINDOW, **WINDOW_ONLY)) as llm:
         assert greedy(llm, prompts[:6]) == from_folder
 
 
@@ -123,7 +125,7 @@ def test_a_prepared_folder_serves_without_overrides(demo, tmp_path):
     "split, message",
     [
         ({"full_kv_heads": [[0]]}, "full_kv_heads has 1 layers, the model 4"),
-        ({"sink": 16}, "sink=16: vLLM's sliding-window KV cache keeps no sink tokens"),
+        ({"prompt": "all"}, "prompt='all': must be 'full'"),
     ],
 )
 def test_engine_start_refuses_a_split_that_does_not_fit(split, message):

@@ -174,7 +174,7 @@ def test_the_block_meter_counts_the_bytes_of_the_requests_tokens(sparsity):
     mask = HeadMask.random(model, seed=0)
     c = model.config
     full = 128 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * 4  # K and V, fp32
-    overrides = vllm_overrides(DEMO, mask, sparsity, window=16)
+    overrides = vllm_overrides(DEMO, mask, sparsity, window=16, sink=0, window_prefill=True)
     with engine(hf_overrides=overrides, scheduler_cls=KVMeteredScheduler) as llm:
         meter = engine_meter(llm)
         meter.reset_meter()

@@ -1,0 +1,128 @@
+"""rlkv's compressed-head form in vLLM: sink tokens + a window, the prompt read in full, as a KV cache group.
+
+vLLM's sliding-window spec keeps no sink tokens and windows the prompt. rlkv's own form (the one its
+eval and results use) reads the whole prompt in every head, then keeps the first `sink` tokens and the
+last `window` tokens (plus the current one) in each compressed head. Here that form is a KV cache spec
+of its own with its own block manager and attention backend, registered through vLLM's
+`KVCacheSpecRegistry` (no vLLM class patched):
+
+- `SinkWindowSpec`: an attention spec with full attention's page and sizing, carrying `sink`, `window`
+  and `full_prompt`; a type of its own (not a `FullAttentionSpec`, which vLLM would merge with the full
+  heads into one group), so vLLM's hybrid manager puts these layers in groups of their own.
+- `SinkWindowManager`: holds every block while the prompt is computed (chunked prefill reads earlier
+  chunks), then returns to the pool every block that lies wholly between the sink and the window
+  (`_remove_blocks_in_range`, the null block in their place): per request the sink's blocks and
+  `ceil((window + 1) / block) + 1` window blocks at most during decode. With `full_prompt=False` the
+  prompt is windowed too and the gap is freed from the first chunk on.
+- `SinkWindowAttention`: vLLM's `Attention` (subclassed) whose spec is `SinkWindowSpec` and whose
+  backend is `sink_window_backend.SinkWindowBackend` (token-exact masking in torch over the paged cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.model_executor.layers.attention import Attention
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
+
+from rlkv.vllm_plugin.fence import register_kv_cache_spec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SinkWindowSpec(AttentionSpec):
+    """A full-attention page whose blocks between the sink and the window are freed once they are not read.
+
+    sink: first tokens kept; window: past tokens kept besides the current one; full_prompt: the prompt is
+    attended in full (its blocks kept until it is computed) rather than windowed.
+    """
+
+    sink: int = 0
+    window: int = 64
+    full_prompt: bool = True
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """A whole prompt may be held (as full attention): max_model_len tokens of pages."""
+        return cdiv(vllm_config.model_config.max_model_len, self.block_size) * self.page_size_bytes
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
+        return all(isinstance(s, SinkWindowSpec) and s.form == self.form for s in kv_cache_specs.values())
+
+    @property
+    def form(self) -> tuple[int, int, bool]:
+        return self.sink, self.window, self.full_prompt
+
+    def as_full_attention(self) -> FullAttentionSpec:
+        """The same page as a `FullAttentionSpec` (for vLLM's full-attention prefix-cache lookup)."""
+        return FullAttentionSpec(**_attention_fields(self))
+
+
+def _attention_fields(spec: Any) -> dict[str, Any]:
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(AttentionSpec) if f.init}
+
+
+class SinkWindowManager(FullAttentionManager):
+    """Blocks of a `SinkWindowSpec` group: every block during the prompt, then the sink's and the window's."""
+
+    def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.sink, self.window = kv_cache_spec.sink, kv_cache_spec.window
+        self.full_prompt = kv_cache_spec.full_prompt
+
+    @classmethod
+    def find_longest_cache_hit(cls, *args: Any, **kwargs: Any) -> Any:
+        """Full attention's prefix lookup: a hit needs every block from the first (the gap of a finished
+        request is back in the pool, so hits end at its first reused block)."""
+        names = ("block_hashes", "max_length", "kv_cache_group_ids", "block_pool", "kv_cache_spec")
+        bound = dict(zip(names, args)) | kwargs
+        bound["kv_cache_spec"] = bound["kv_cache_spec"].as_full_attention()
+        return super().find_longest_cache_hit(**bound)
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Free the blocks no later query reads: those wholly in [sink, next position - window)."""
+        if self.full_prompt and (num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens):
+            return  # a later prompt chunk attends every earlier prompt token
+        first = cdiv(self.sink, self.block_size)
+        # the next query is at position `processed_computed_tokens` and reads from there minus the window
+        last = max(0, processed_computed_tokens - self.window) // self.block_size
+        self._remove_blocks_in_range(request_id, first, last)
+
+
+BACKEND_NAME = "RLKV_SINK_WINDOW"
+
+
+def register_sink_window() -> None:
+    """Register `SinkWindowSpec` with its manager (vLLM's KV cache spec registry) and the group's attention
+    backend (vLLM's backend registry, by class path: nothing imported until a layer uses it); idempotent."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_kv_cache_spec(SinkWindowSpec, SinkWindowManager)
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, "rlkv.vllm_plugin.sink_window_backend.SinkWindowBackend")
+
+
+class SinkWindowAttention(Attention):
+    """vLLM's decoder `Attention` over compressed KV heads in rlkv's sink + window form.
+
+    sink, window: tokens kept (besides the current one); full_prompt: the prompt is read in full.
+    Other arguments as `Attention`'s (no sliding window: the form is the spec's and the backend's).
+    """
+
+    def __init__(self, *args: Any, sink: int, window: int, full_prompt: bool, **kwargs: Any) -> None:
+        from rlkv.vllm_plugin.sink_window_backend import SinkWindowBackend
+
+        super().__init__(*args, attn_backend=SinkWindowBackend, **kwargs)
+        self.rlkv_sink, self.rlkv_window, self.rlkv_full_prompt = sink, window, full_prompt
+
+    def get_kv_cache_spec(self, vllm_config: Any) -> SinkWindowSpec:
+        spec = super().get_kv_cache_spec(vllm_config)  # full attention's (no sliding window)
+        return SinkWindowSpec(
+            **_attention_fields(spec),
+            sink=self.rlkv_sink,
+            window=self.rlkv_window,
+            full_prompt=self.rlkv_full_prompt,
+        )

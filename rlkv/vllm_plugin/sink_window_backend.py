@@ -1,0 +1,226 @@
+"""The attention backend of rlkv's sink + window KV cache group (`sink_window.py`): exact masks in torch.
+
+The group's pages are vLLM's (its block pool, its block tables, its slot mapping); this backend stores
+each token's key and value in its own page layout, `[block, kv head, slot, (key | value)]`, and reads
+them back by block table, so it never depends on a kernel's packed layout. Per layer and step:
+
+- a query of a request still computing its prompt (`full_prompt`) attends every earlier position of
+  that request, causally (one SDPA per such request: prompts are few per step);
+- every other query at position p attends positions [0, sink) and [p - window, p]: one batched SDPA
+  over all of them, `sink + window + 1` gathered keys each, masked where a position does not exist yet.
+
+Keys are stored after RoPE, so gathering them in any order attends them at their logical positions.
+Prefill and decode numbers match rlkv's transformers path within float tolerance (the vLLM tier).
+On a GPU the same torch ops run without a host sync in decode; CUDA graphs are not captured for this
+group (`AttentionCGSupport.NEVER`), a known cost there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+
+@dataclass
+class SinkWindowMetadata:
+    """What one step's attention needs: host counts, device block tables and positions.
+
+    prefill_requests: (request index, first query token, query tokens, sequence length) of each request
+    read in full this step; window_tokens / window_requests: [W] token and request indices of every other
+    query; positions: [T] logical positions; block_table: [R, max blocks].
+    """
+
+    num_actual_tokens: int
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    prefill_requests: list[tuple[int, int, int, int]]
+    window_tokens: torch.Tensor
+    window_requests: torch.Tensor
+
+
+class SinkWindowMetadataBuilder(AttentionMetadataBuilder[SinkWindowMetadata]):
+    """Splits a step's queries into requests read in full (their prompt) and windowed ones, on the host."""
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.full_prompt = bool(getattr(kv_cache_spec, "full_prompt", True))
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> SinkWindowMetadata:
+        m = common_attn_metadata
+        starts = m.query_start_loc_cpu.tolist()
+        num_reqs = m.num_reqs
+        prefilling = m.is_prefilling
+        flags = (
+            [bool(x) for x in prefilling[:num_reqs].tolist()]
+            if prefilling is not None and self.full_prompt
+            else [False] * num_reqs
+        )
+        seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens.cpu()
+        seq_lens = seq_lens[:num_reqs].tolist()
+        prefill, window_tokens, window_requests = [], [], []
+        for r in range(num_reqs):
+            first, count = starts[r], starts[r + 1] - starts[r]
+            if count == 0:
+                continue
+            if flags[r]:
+                prefill.append((r, first, count, int(seq_lens[r])))
+            else:
+                window_tokens.extend(range(first, first + count))
+                window_requests.extend([r] * count)
+        device = m.block_table_tensor.device
+        positions = m.positions
+        if positions is None:  # older runners: the positions from sequence lengths and query spans
+            positions = torch.cat(
+                [
+                    torch.arange(int(seq_lens[r]) - (starts[r + 1] - starts[r]), int(seq_lens[r]))
+                    for r in range(num_reqs)
+                ]
+            ).to(device)
+        return SinkWindowMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+            positions=positions,
+            prefill_requests=prefill,
+            window_tokens=torch.tensor(window_tokens, dtype=torch.long).to(device, non_blocking=True),
+            window_requests=torch.tensor(window_requests, dtype=torch.long).to(device, non_blocking=True),
+        )
+
+
+class SinkWindowImpl(AttentionImpl[SinkWindowMetadata]):
+    """Attention of a `SinkWindowAttention` layer; the form (sink, window, full_prompt) is read from the layer."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra: Any,
+    ) -> None:
+        if (
+            alibi_slopes is not None
+            or logits_soft_cap
+            or sliding_window is not None
+            or kv_cache_dtype != "auto"
+        ):
+            raise NotImplementedError(
+                "rlkv's sink/window heads attend plain softmax attention over an unquantized cache: no ALiBi, "
+                "soft cap, sliding window or kv_cache_dtype other than auto"
+            )
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def do_kv_cache_update(
+        self,
+        layer: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write key, value [T, H_kv, D] into kv_cache [blocks, H_kv, block, 2 * D] at slot_mapping [T]."""
+        tokens = min(key.shape[0], slot_mapping.shape[0])
+        slots = slot_mapping[:tokens]
+        keep = slots >= 0  # padded tokens carry -1
+        slots, key, value = slots[keep], key[:tokens][keep], value[:tokens][keep]
+        block_size = kv_cache.shape[2]
+        blocks, offsets = slots // block_size, slots % block_size
+        kv_cache[blocks, :, offsets] = torch.cat([key, value], dim=-1).to(kv_cache.dtype)
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: SinkWindowMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of query [T, H_q, D] over the cached keys (written before this call) into output."""
+        if attn_metadata is None:  # profiling run
+            return output
+        m, d = attn_metadata, self.head_size
+        keys, values = kv_cache[..., :d], kv_cache[..., d:]
+        block = kv_cache.shape[2]
+        for r, first, count, length in m.prefill_requests:
+            positions = torch.arange(length, device=query.device)
+            blocks = m.block_table[r, positions // block]
+            k = keys[blocks, :, positions % block].transpose(0, 1)  # [H_kv, L, D]
+            v = values[blocks, :, positions % block].transpose(0, 1)
+            q = query[first : first + count].transpose(0, 1)  # [H_q, Q, D]
+            visible = positions[None, :] <= positions[length - count :, None]  # [Q, L]: causal
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=visible, scale=self.scale, enable_gqa=True
+            )
+            output[first : first + count] = out.transpose(0, 1).to(output.dtype)
+        if m.window_tokens.numel():
+            output[m.window_tokens] = self._window_attention(query, keys, values, block, m, layer).to(
+                output.dtype
+            )
+        return output
+
+    def _window_attention(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block: int, m: Any, layer: Any
+    ) -> torch.Tensor:
+        """[W, H_q, D]: each windowed query over its sink and its window (sink + window + 1 keys, masked)."""
+        sink, window = layer.rlkv_sink, layer.rlkv_window
+        p = m.positions[m.window_tokens][:, None]  # [W, 1]
+        j = torch.arange(sink + window + 1, device=query.device)[None, :]
+        wanted = torch.where(j < sink, j, p - window + (j - sink))  # [W, S]: sink positions, then the window
+        # a sink position inside the window is read there; positions before 0 do not exist yet
+        exists = (wanted >= 0) & ((j >= sink) | (wanted < p - window))
+        wanted = wanted.clamp(min=0)
+        blocks = m.block_table[m.window_requests[:, None], wanted // block]
+        k = keys[blocks, :, wanted % block].permute(0, 2, 1, 3)  # [W, H_kv, S, D]
+        v = values[blocks, :, wanted % block].permute(0, 2, 1, 3)
+        q = query[m.window_tokens][:, :, None, :]  # [W, H_q, 1, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=exists[:, None, None, :], scale=self.scale, enable_gqa=True
+        )
+        return out[:, :, 0, :]
+
+
+class SinkWindowBackend(AttentionBackend):
+    """vLLM attention backend of rlkv's sink/window heads (any device torch runs on)."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "RLKV_SINK_WINDOW"  # sink_window.BACKEND_NAME, registered with vLLM under it
+
+    @staticmethod
+    def get_impl_cls() -> type[SinkWindowImpl]:
+        return SinkWindowImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[SinkWindowMetadataBuilder]:
+        return SinkWindowMetadataBuilder

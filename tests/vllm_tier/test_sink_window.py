@@ -1,0 +1,162 @@
+"""rlkv's own form on vLLM (`rlkv.vllm_plugin.sink_window`): compressed heads keep sink + window tokens,
+the prompt read in full, in a KV cache group of their own whose freed blocks go back to vLLM's pool.
+
+References: rlkv's transformers path with the same `CompressionConfig` (policy streaming, sink 16, window
+64, `protect_prompt=False`; `window_prefill` False = the eval's form, True = the windowed prompt); stock
+vLLM where the window covers every position. Demo model (2 KV heads) and a random tiny Llama with 4 KV
+heads (every path of the head split: non-contiguous parts), fp32, greedy.
+"""
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
+
+from vllm_engines import DEMO, engine, greedy, kv_groups  # noqa: E402
+
+from rlkv import HeadMask  # noqa: E402
+from rlkv.data.chain_task import load_chain_task, verify_chain  # noqa: E402
+from rlkv.data.prompts import build_prompt  # noqa: E402
+from rlkv.inference import CompressionConfig, generate, load  # noqa: E402
+from rlkv.inference.vllm import compression_overrides  # noqa: E402
+
+SINK, WINDOW, BLOCK = 16, 64, 32
+
+
+@pytest.fixture(scope="module")
+def demo():
+    model, tokenizer = load(DEMO, dtype="float32")
+    problems = load_chain_task("test", 48)
+    prompts = [build_prompt(p, tokenizer) for p in problems]
+    return model, tokenizer, problems, prompts, HeadMask.random(model, seed=0)
+
+
+def _form(mask, sparsity, window_prefill=False, window=WINDOW):
+    return CompressionConfig(
+        head_mask=mask,
+        sparsity=sparsity,
+        policy="streaming",
+        sink=SINK,
+        window=window,
+        protect_prompt=False,
+        window_prefill=window_prefill,
+    )
+
+
+@pytest.mark.parametrize(
+    "sparsity, window_prefill",
+    [(0.5, False), (0.75, False), (0.5, True)],
+    ids=["s0.5", "s0.75", "s0.5-windowed"],
+)
+def test_tokens_equal_the_transformers_path_in_the_same_form(demo, sparsity, window_prefill):
+    model, tokenizer, problems, prompts, mask = demo
+    config = _form(mask, sparsity, window_prefill)
+    with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
+        managers, _ = kv_groups(llm)
+        assert "SinkWindowManager" in {type(m).__name__ for m in managers}
+        served = greedy(llm, prompts)
+    reference = generate(
+        model, tokenizer, prompts, 200, compression=config, apply_chat_template=False, progress=False
+    )
+    equal = sum(a == o.token_ids for a, o in zip(served, reference))
+    assert equal >= 46, f"{equal} of 48 generations equal"
+    solved = sum(
+        verify_chain(tokenizer.decode(t, skip_special_tokens=True), p["answer"])
+        for t, p in zip(served, problems)
+    )
+    solved_ref = sum(verify_chain(o.text, p["answer"]) for o, p in zip(reference, problems))
+    assert abs(solved - solved_ref) <= 1
+    assert len(tokenizer(prompts[0]).input_ids) > SINK + WINDOW + 1  # the prompt is longer than what is kept
+
+
+def test_a_window_over_every_position_gives_stock_vllm_tokens(demo):
+    model, _, _, prompts, mask = demo
+    with engine() as llm:
+        stock = greedy(llm, prompts[:16])
+    config = _form(mask, 0.5, window=1024)
+    with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
+        assert greedy(llm, prompts[:16]) == stock
+
+
+def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_pool(demo):
+    model, _, _, _, mask = demo
+    from vllm import SamplingParams
+
+    with engine(hf_overrides=compression_overrides(model.config, _form(mask, 0.5))) as llm:
+        managers, pool = kv_groups(llm)
+        kinds = [type(m).__name__ for m in managers]
+        full_group, sink_group = (
+            managers[kinds.index("FullAttentionManager")],
+            managers[kinds.index("SinkWindowManager")],
+        )
+        core = llm.llm_engine
+        free_before = pool.get_num_free_blocks()
+        prompt_tokens = 300  # 10 blocks of 32
+        core.add_request(
+            "r",
+            {"prompt_token_ids": [5 + i % 50 for i in range(prompt_tokens)]},
+            SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+        )
+        held = []
+        while core.has_unfinished_requests():
+            core.step()
+            blocks = [
+                [b for b in next(iter(m.req_to_blocks.values()), []) if not b.is_null]
+                for m in (full_group, sink_group)
+            ]
+            if blocks[0]:
+                held.append((len(blocks[0]), len(blocks[1]), pool.get_num_free_blocks()))
+        free_after = pool.get_num_free_blocks()
+    assert len(held) >= 399
+    full, kept, free = zip(*held)
+    bound = -(-SINK // BLOCK) + -(-(WINDOW + 1) // BLOCK) + 1  # sink blocks + window blocks (+1: a window
+    # the prompt is held whole while it is read (10 blocks), then only the sink's and the window's blocks:
+    # freed at the next step's scheduling, and constant from there on
+    assert kept[0] == -(-prompt_tokens // BLOCK) > bound
+    assert max(kept[1:]) <= bound and min(kept[1:]) >= 3  # not aligned to blocks)
+    assert full[-1] == -(-(prompt_tokens + 399) // BLOCK)  # the full group holds every token
+    # what the group freed went back to the shared pool: free blocks fell only by the full group's growth
+    assert free[0] - free[-1] <= (full[-1] - full[0]) + 1
+    assert free_after == free_before  # finishing returns every block
+
+
+def test_chunked_prefill_and_prefix_caching_give_the_same_tokens(demo):
+    model, _, _, prompts, mask = demo
+    overrides = compression_overrides(model.config, _form(mask, 0.5))
+    with engine(hf_overrides=overrides, enable_prefix_caching=False) as llm:
+        plain = greedy(llm, prompts[:8])
+    # 64-token chunks: a 349-token prompt in 6 forwards, each reading the earlier chunks in full
+    with engine(hf_overrides=overrides, enable_prefix_caching=False, max_num_batched_tokens=64) as llm:
+        assert greedy(llm, prompts[:8]) == plain
+    with engine(hf_overrides=overrides, enable_prefix_caching=True) as llm:
+        cached = greedy(llm, prompts[:8]) + greedy(llm, prompts[:8])  # the second pass hits the cache
+    assert cached == plain + plain
+
+
+def test_four_kv_heads_non_contiguous_parts_equal_the_transformers_path(tmp_path, make_model):
+    from vllm import SamplingParams
+
+    from rlkv.testing import tiny_tokenizer
+
+    model = make_model("llama", num_key_value_heads=4, num_attention_heads=8, head_dim=32, hidden_size=128)
+    tokenizer = tiny_tokenizer()  # head_dim 32: vLLM's CPU kernel (the full heads) needs a multiple of 32
+    model.save_pretrained(tmp_path / "tiny")
+    mask = HeadMask.random(model, seed=3)
+    config = _form(mask, 0.5)
+    layers = [row.nonzero().flatten().tolist() for row in config.full_heads(model)]
+    assert any(heads not in ([0, 1], [1, 2], [2, 3]) for heads in layers), layers  # some part is gathered
+    prompts = [p["problem"] for p in load_chain_task("test", 12)]
+    ids = [tokenizer(p).input_ids for p in prompts]
+    assert min(map(len, ids)) > SINK + WINDOW + 1
+    with engine(
+        str(tmp_path / "tiny"),
+        hf_overrides=compression_overrides(model.config, config),
+        skip_tokenizer_init=True,
+    ) as llm:
+        params = SamplingParams(temperature=0, max_tokens=60, detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+        served = [list(o.outputs[0].token_ids) for o in outs]
+    reference = generate(
+        model, tokenizer, prompts, 60, compression=config, apply_chat_template=False, progress=False
+    )
+    equal = sum(a == o.token_ids for a, o in zip(served, reference))
+    assert equal >= 11, f"{equal} of 12 equal"
