@@ -18,6 +18,7 @@ from rlkv.head_mask import HeadMask
 from rlkv.testing import tiny_model
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes" / "eval").glob("*.yaml"))
+DEMO = str(Path(__file__).parent.parent / "data" / "demo-model")
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
@@ -117,21 +118,62 @@ def test_missing_head_mask_fails_before_any_work(tmp_path, capsys):
     importlib.util.find_spec("vllm") is not None, reason="vLLM installed: the vLLM tier runs it"
 )
 def test_the_vllm_engine_without_vllm_is_one_line_naming_the_install(tmp_path, capsys):
-    args = [
-        "eval",
-        "--model",
-        "tiny:llama",
-        "--engine",
-        "vllm",
-        "--methods",
-        "full",
-        "--out",
-        str(tmp_path / "x"),
-    ]
+    args = ["eval", "--model", DEMO, "--engine", "vllm", "--methods", "full", "--out", str(tmp_path / "x")]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "pip install 'rlkv[vllm]'" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["eval", "--methods", "full,rlkv", "--head-mask", "m.json"],
+        ["data", "curriculum", "--problems", "chain"],
+    ],
+    ids=["eval", "curriculum"],
+)
+def test_a_tiny_model_on_the_vllm_engine_is_one_line_naming_the_fix(tmp_path, command):
+    """`--help` offers tiny:<family>, which vLLM cannot load: refused before any model or vLLM loads (a
+    subprocess, so the check is seen to need no vLLM import, whether vLLM is installed or not)."""
+    code = "import sys; from rlkv.cli import main; rc = main(sys.argv[1:]); assert 'vllm' not in sys.modules; sys.exit(rc)"
+    args = [*command, "--model", "tiny:llama", "--engine", "vllm", "--out", str(tmp_path / "x")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "cannot load tiny:llama" in proc.stderr and "the transformers engine" in proc.stderr
+    assert "--model data/demo-model" in proc.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_first_line_names_the_engine_of_each_method(tmp_path, capsys):
+    args = _recipe(tmp_path, "plan") + [
+        "--methods",
+        "full,streaming",
+        "--sparsities",
+        "0.5",
+        "--num-problems",
+        "1",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "engine: transformers for full, streaming"
+    assert not any("vLLM engine" in line for line in out)  # no vLLM engine ran
+    assert out[-1] == str(tmp_path / "plan" / "report.md")
+
+
+def test_a_grid_of_full_alone_reports_full_pass_at_one(tmp_path, capsys):
+    """`--methods full --sparsities 0.5`: full has no sparsity, so its table is one column of full KV."""
+    args = _recipe(tmp_path, "full") + ["--methods", "full", "--sparsities", "0.5", "--num-problems", "2"]
+    assert main(args) == 0
+    rows = read_results(tmp_path / "full" / "results.jsonl")
+    solved = 100 * sum(r["correct"] for r in rows) / 2
+    report = (tmp_path / "full" / "report.md").read_text()
+    assert f"| method | s=0 (full KV) |\n| --- | ---: |\n| full | {solved:.1f} |" in report
+    assert "| method |  |" not in report
 
 
 def test_unusable_policy_settings_fail_before_generating(tmp_path):

@@ -301,3 +301,23 @@ def test_resident_kv_is_reported_per_benchmark(tmp_path):
     c_kv = text.split("## Resident KV on c:")[1].split("##")[0]
     assert "| rlkv | 70.0 (0.0) |" in b_kv and "| rlkv | 55.0 (0.0) |" in c_kv
     assert "## Resident KV:" not in text
+
+
+def test_a_grid_of_full_alone_reports_full_in_a_column_of_its_own(tmp_path):
+    """`rlkv eval --methods full --sparsities 0.5`: only full's rows (sparsity 0), so no sparsity column;
+    every table still has one column, s=0 (full KV), with full's numbers, and no table is left empty."""
+    rows = [r for r in ROWS if r["method"] == "full"]
+    (tmp_path / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({"model": "m", "max_new_tokens": 300}))
+    text = write_report(tmp_path, plots=False).read_text()
+    assert "|  |" not in text and "| method |  |" not in text
+    accuracy = text.split("## b: pass@1 (%)")[1].split("##")[0]
+    assert "| method | s=0 (full KV) |\n| --- | ---: |\n| full | 75.0 |" in accuracy
+    kv = text.split("## Resident KV on b:")[1].split("##")[0]
+    assert "| full | 100.0 (0.0) |" in kv
+    wall = text.split("## Generation wall time (s)")[1]
+    assert "| full | 2 |" in wall
+    assert "error modes" not in text  # nothing compressed: no error-mode or length tables to fill
+    assert json.loads((tmp_path / REPORT_JSON).read_text())["benchmarks"]["b"]["pass_at_1"] == {
+        "full": {"0": 0.75}
+    }

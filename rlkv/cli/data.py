@@ -122,8 +122,9 @@ def _build(args: argparse.Namespace):
     if args.engine == "vllm":
         import importlib.util
 
-        from rlkv.inference.vllm_engine import VLLM_INSTALL
+        from rlkv.inference.vllm_engine import VLLM_INSTALL, check_vllm_model
 
+        check_vllm_model(args.model)
         if importlib.util.find_spec("vllm") is None:
             raise UserInputError(f"--engine vllm needs vLLM: {VLLM_INSTALL}")
     problems = load_problems(

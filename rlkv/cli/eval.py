@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -196,19 +200,39 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     cfg = _eval_config(base)
     check_output_path(cfg.out, what="eval folder (--out)", error=UserInputError)
+    from rlkv.eval.sensitivity import sensitivity_methods
+    from rlkv.eval.vllm_tasks import engine_plan
+
+    print(engine_plan(cfg.engine, cfg.methods if args.sensitivity is None else sensitivity_methods(cfg)))
     if args.redo:
         from rlkv.eval.results import drop_rows
 
         folder = Path(cfg.out) / ("sensitivity" if args.sensitivity is not None else "")
         print(f"--redo: dropped {drop_rows(folder, args.redo)} rows of {', '.join(args.redo)} from {folder}")
-    if args.sensitivity is not None:
-        from rlkv.eval.runner import run_sensitivity
+    with _printed_info(logging.getLogger("rlkv.eval.runner")):  # its end-of-run line on vLLM (engine starts)
+        if args.sensitivity is not None:
+            from rlkv.eval.runner import run_sensitivity
 
-        out = run_sensitivity(cfg, steps=args.sensitivity or None)
-    else:
-        out = run_eval(cfg)
+            out = run_sensitivity(cfg, steps=args.sensitivity or None)
+        else:
+            out = run_eval(cfg)
     print(out / "report.md")
     return 0
+
+
+@contextlib.contextmanager
+def _printed_info(logger: logging.Logger) -> Iterator[None]:
+    """Print `logger`'s messages from INFO up (the message alone) on stdout while the block runs."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setLevel(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _mask_only(path: str | None):

@@ -11,6 +11,7 @@ from rlkv.errors import UserInputError
 from rlkv.eval.errors import RepetitionRule
 from rlkv.eval.methods import MASK_FIELDS, BudgetRule, parse_method
 from rlkv.eval.stopping import StopRule, stop_rule
+from rlkv.inference.vllm_engine import check_vllm_model
 from rlkv.policies import available
 
 # Settings that may change between a run and its resumption (they do not change any row).
@@ -121,6 +122,7 @@ class EvalConfig:
         if self.engine not in ENGINES:
             raise ValueError(f"EvalConfig.engine={self.engine!r}: choose one of {list(ENGINES)}")
         if self.engine == "vllm":
+            check_vllm_model(self.model, "engine: vllm (--engine vllm)")  # before any model or vLLM loads
             self.window_only = True  # the only form of the head-mask methods vLLM serves
         if self.window_only and self.protect_prompt:
             raise ValueError(

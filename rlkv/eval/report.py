@@ -74,10 +74,23 @@ def _stop_lines(rows: list[Row], benches: list[str], config: dict[str, Any]) -> 
     return lines
 
 
-def _outcome_lines(rows: list[Row], bench: str, sparsities: list[float]) -> list[str]:
-    """One benchmark's error modes on the problems full solves and its generated lengths against full."""
-    header = "| method | " + " | ".join(f"s={format_sparsity(s)}" for s in sparsities) + " |"
-    rule = "| --- |" + " ---: |" * len(sparsities)
+def _columns(rows: list[Row]) -> tuple[list[float], str, str]:
+    """The tables' sparsity columns with their markdown header and rule. A grid of `full` alone has no
+    sparsity: one column, s=0 (full KV), where `full`'s rows are recorded."""
+    sparsities = _sparsities(rows)
+    labels = [f"s={format_sparsity(s)}" for s in sparsities]
+    if not sparsities:
+        sparsities, labels = [0.0], ["s=0 (full KV)"]
+    return sparsities, "| method | " + " | ".join(labels) + " |", "| --- |" + " ---: |" * len(sparsities)
+
+
+def _outcome_lines(rows: list[Row], bench: str, columns: tuple[list[float], str, str]) -> list[str]:
+    """One benchmark's error modes on the problems full solves and its generated lengths against full, in
+    the report's `columns` (`_columns`); nothing when no method is compressed."""
+    sparsities, header, rule = columns
+    compressed = [m for m in _methods(rows) if m != "full"]
+    if not compressed:
+        return []
     errors, lengths = error_mode_table(rows), common_length_table(rows)
     lines = [
         f"## {bench}: error modes on problems the full model solves (repetitive / overlength / incorrect, of n)",
@@ -85,7 +98,6 @@ def _outcome_lines(rows: list[Row], bench: str, sparsities: list[float]) -> list
         header,
         rule,
     ]
-    compressed = [m for m in _methods(rows) if m != "full"]
     lines += _table_rows(
         compressed,
         sparsities,
@@ -190,9 +202,8 @@ def render_markdown(
         }.get(str(config.get("budget_rule", "matched")), ""),
         "",
     ]
-    sparsities = _sparsities(rows)
-    header = "| method | " + " | ".join(f"s={format_sparsity(s)}" for s in sparsities) + " |"
-    rule = "| --- |" + " ---: |" * len(sparsities)
+    columns = _columns(rows)
+    sparsities, header, rule = columns
     for bench in benches:
         brows = [r for r in rows if r["benchmark"] == bench]
         acc = accuracy_table(brows)
@@ -278,7 +289,7 @@ def render_markdown(
             lines.append("")
 
     for bench in benches:
-        lines += _outcome_lines([r for r in rows if r["benchmark"] == bench], bench, sparsities)
+        lines += _outcome_lines([r for r in rows if r["benchmark"] == bench], bench, columns)
 
     lines += ["## Generation wall time (s)", "", header, rule]
     wall = {

@@ -370,7 +370,8 @@ def _run_locked(
                 synced()
     if vllm_runner is not None:
         engines = vllm_runner.engines
-        logger.info("vLLM engine: %d starts, %.1f s in all", engines.starts, engines.start_seconds)
+        starts = f"{engines.starts} start" + ("" if engines.starts == 1 else "s")
+        logger.info("vLLM engine: %s, %.1f s in all", starts, engines.start_seconds)
         vllm_runner.close()
     bar.close()
     if write_report:

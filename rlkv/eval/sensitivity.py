@@ -57,6 +57,14 @@ def sensitivity_fractions(num_heads: int, steps: int | None = None) -> list[floa
     return [k / num_heads for k in counts]
 
 
+def sensitivity_methods(cfg: Any) -> list[str]:
+    """The methods of `cfg`'s sweep: full and each order method whose mask is set (`random-mask` always, which
+    also runs the s = 1.0 end)."""
+    from rlkv.eval.methods import MASK_FIELDS
+
+    return ["full"] + [m for m in ORDER_METHODS if m == "random-mask" or getattr(cfg, MASK_FIELDS[m])]
+
+
 def sensitivity_configs(cfg: Any, num_heads: int, steps: int | None = None) -> tuple[Any, Any]:
     """The sweep of `cfg` as two `EvalConfig` runs into `<cfg.out>/sensitivity`.
 
@@ -65,9 +73,7 @@ def sensitivity_configs(cfg: Any, num_heads: int, steps: int | None = None) -> t
     2. `random-mask` at 1.0: every head compressed is one cache whatever the order, so it runs once,
        as s = 0 is full KV for every order (`sensitivity_curves` puts both ends on each curve).
     """
-    from rlkv.eval.methods import MASK_FIELDS
-
-    methods = ["full"] + [m for m in ORDER_METHODS if m == "random-mask" or getattr(cfg, MASK_FIELDS[m])]
+    methods = sensitivity_methods(cfg)
     inner = [s for s in sensitivity_fractions(num_heads, steps) if 0.0 < s < 1.0]
     if not inner:
         from rlkv.errors import UserInputError

@@ -38,6 +38,19 @@ def runs_on_vllm(method: str) -> bool:
     return parsed.is_full or (parsed.mask is not None and parsed.policy == "streaming")
 
 
+def engine_plan(engine: str, methods: list[str]) -> str:
+    """The line `rlkv eval` prints first: which of `methods` run on which engine, e.g. `engine: vllm for
+    full, rlkv; transformers for rkv (no vLLM form yet)` (`engine` "transformers": all of them there)."""
+    on_vllm = [m for m in methods if engine == "vllm" and runs_on_vllm(m)]
+    rest = [m for m in methods if m not in on_vllm]
+    parts = [f"vllm for {', '.join(on_vllm)}"] if on_vllm else []
+    if rest:
+        parts.append(
+            f"transformers for {', '.join(rest)}" + (" (no vLLM form yet)" if engine == "vllm" else "")
+        )
+    return "engine: " + "; ".join(parts)
+
+
 @dataclass(frozen=True)
 class ReachableKV:
     """A vLLM row's KV tokens as its attention reaches them (the `CacheStats` fields a row reads)."""

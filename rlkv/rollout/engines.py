@@ -112,8 +112,9 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, seed: int = 0, compression: Any = None, **llm_kwargs: Any):
         from rlkv.inference.vllm import compression_overrides, model_config
-        from rlkv.inference.vllm_engine import import_vllm
+        from rlkv.inference.vllm_engine import check_vllm_model, import_vllm
 
+        check_vllm_model(model_path)
         self._vllm = vllm = import_vllm()
         self.model_path, self.dtype = model_path, llm_kwargs.get("dtype", "auto")
         self.compression = compression

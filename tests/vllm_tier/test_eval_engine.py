@@ -99,11 +99,18 @@ def test_methods_without_a_vllm_form_stay_on_transformers(tmp_path):
 
 
 def test_cli_eval_engine_vllm(tmp_path, capsys):
+    """The first line says which method runs where (h2o has no vLLM form); the end, the engine's starts."""
     from rlkv.cli import main
 
-    args = ["eval", "--model", DEMO, "--benchmarks", "chain", "--num-problems", "4", "--methods", "full"]
-    args += ["--max-new-tokens", "64", "--dtype", "float32", "--engine", "vllm", "--no-progress"]
-    assert main([*args, "--out", str(tmp_path / "cli")]) == 0
+    args = ["eval", "--model", DEMO, "--benchmarks", "chain", "--num-problems", "4", "--methods", "full,h2o"]
+    args += ["--sparsities", "0.5", "--max-new-tokens", "64", "--dtype", "float32", "--engine", "vllm"]
+    assert main([*args, "--no-progress", "--out", str(tmp_path / "cli")]) == 0
     rows = read_results(tmp_path / "cli" / "results.jsonl")
-    assert len(rows) == 4 and {r["engine"] for r in rows} == {"vllm"}
-    assert str(tmp_path / "cli" / "report.md") in capsys.readouterr().out
+    assert len(rows) == 8 and {(r["method"], r["engine"]) for r in rows} == {
+        ("full", "vllm"),
+        ("h2o", "transformers"),
+    }
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "engine: vllm for full; transformers for h2o (no vLLM form yet)", out[:3]
+    assert any(line.startswith("vLLM engine: 1 start, ") for line in out), out  # one split: the stock model
+    assert out[-1] == str(tmp_path / "cli" / "report.md")
