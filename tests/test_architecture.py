@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import rlkv
+from rlkv.vllm_plugin import VLLM_ONLY_MODULES
 
 PACKAGE = Path(rlkv.__file__).parent
 
@@ -138,9 +139,7 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
         """
     )
     # the vLLM plugin's model classes and scheduler subclass vLLM's: they import where vLLM is installed (make test-vllm)
-    needs_vllm = (
-        set() if importlib.util.find_spec("vllm") else {"rlkv.vllm_plugin.models", "rlkv.vllm_plugin.meter"}
-    )
+    needs_vllm = set() if importlib.util.find_spec("vllm") else set(VLLM_ONLY_MODULES)
     proc = subprocess.run(
         [sys.executable, "-c", script, *sorted(set(_modules()) - needs_vllm)],
         capture_output=True,

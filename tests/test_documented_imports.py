@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from rlkv.vllm_plugin import VLLM_ONLY_MODULES
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
 IMPORT = re.compile(r"^\s*from (rlkv(?:\.\w+)*) import \(?([\w, ]+)\)?\s*(?:#.*)?$")
 DOTTED = re.compile(r"`(rlkv(?:\.\w+)+)")  # `rlkv.ablation.mask_nll(...)`, `rlkv.HeadMask`
 MAX_MODULE_LINES = 500
 # modules that subclass vLLM's classes: they import where vLLM is installed (`make test-vllm` checks them)
-NEEDS_VLLM = ("rlkv.vllm_plugin.meter", "rlkv.vllm_plugin.models")
+NEEDS_VLLM = VLLM_ONLY_MODULES
 
 
 def documented_imports() -> list[tuple[str, str]]:

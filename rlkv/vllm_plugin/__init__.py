@@ -13,6 +13,14 @@ from __future__ import annotations
 from rlkv.vllm_plugin import lifetime
 from rlkv.vllm_plugin.split import ARCHITECTURES
 
+# modules of this room that subclass vLLM's classes, so import only where vLLM is installed
+VLLM_ONLY_MODULES = (
+    "rlkv.vllm_plugin.meter",
+    "rlkv.vllm_plugin.models",
+    "rlkv.vllm_plugin.sink_window",
+    "rlkv.vllm_plugin.sink_window_backend",
+)
+
 
 def register() -> None:
     """Register the head-mixed architectures with vLLM's `ModelRegistry` (idempotent); in the processes of
