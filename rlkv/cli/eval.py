@@ -100,13 +100,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--engine",
         choices=("transformers", "vllm"),
-        help="vllm: full and the head-mask methods on vLLM with rlkv's plugin (compressed heads a sliding window "
-        "of sink + window tokens, no sink), the other methods on transformers (default transformers)",
+        help="vllm: full and the head-mask methods on vLLM with rlkv's plugin, in the transformers engine's form "
+        "(sink + window after a full prompt), the other methods on transformers (default transformers)",
     )
     parser.add_argument(
         "--window-only",
         action="store_true",
-        help="on transformers, the head-mask methods in vLLM's form (the same rows as --engine vllm)",
+        help="the head-mask methods in the window-only form (a sliding window of sink + window tokens, sink 0, "
+        "the prompt windowed) on either engine",
     )
     parser.add_argument(
         "--no-static-cache",
@@ -203,7 +204,8 @@ def _run(args: argparse.Namespace) -> int:
     from rlkv.eval.sensitivity import sensitivity_methods
     from rlkv.eval.vllm_tasks import engine_plan
 
-    print(engine_plan(cfg.engine, cfg.methods if args.sensitivity is None else sensitivity_methods(cfg)))
+    methods = cfg.methods if args.sensitivity is None else sensitivity_methods(cfg)
+    print(engine_plan(cfg.engine, methods, cfg.protect_prompt))
     if args.redo:
         from rlkv.eval.results import drop_rows
 

