@@ -169,13 +169,13 @@ def _mask_compression(args: argparse.Namespace):
         return None
     if args.sparsity is None:
         raise UserInputError("--head-mask needs --sparsity (the fraction of KV heads compressed, e.g. 0.75)")
-    rule = BudgetRule()
-    if args.engine == "vllm":  # vLLM's form: compressed heads a window of the same token count, no sink
-        from rlkv.inference.vllm import matched_compression
-
-        return matched_compression(args.head_mask, args.sparsity, window=rule.overhead)
+    rule = BudgetRule()  # the eval's form on either engine: sink + window after a full prompt forward
     return CompressionConfig(
-        head_mask=args.head_mask, sparsity=args.sparsity, sink=rule.sink, window=rule.window
+        head_mask=args.head_mask,
+        sparsity=args.sparsity,
+        sink=rule.sink,
+        window=rule.window,
+        protect_prompt=rule.protect_prompt,
     )
 
 

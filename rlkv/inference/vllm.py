@@ -79,7 +79,8 @@ def head_split(model_or_config: Any, compression: CompressionConfig) -> HeadSpli
         raise CompressionConfigError(
             f"policy={c.policy!r}, protect_prompt={c.protect_prompt}: vLLM serves compressed heads as sink + window "
             "(policy='streaming', protect_prompt=False); use vllm_compression(mask, sparsity, sink=16, window=64) "
-            "or matched_compression(mask, sparsity, window) for the windowed-prompt form"
+            "(rollouts: CompressedRolloutConfig.for_vllm(mask, sparsity)), or matched_compression(mask, sparsity, "
+            "window) for the window-only form"
         )
     geometry = attention_geometry(model_or_config)
     full = compression.full_heads(model_or_config)

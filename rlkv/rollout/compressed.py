@@ -86,8 +86,9 @@ class CompressedRolloutConfig(CompressionConfig):
         {"dtype": "float32", "enforce_eager": True, "block_size": 32}); they win over TRL's settings
         but for the four that make the head-mixed engine (`VLLM_OWNED_KWARGS`).
 
-    With `use_vllm=True` the config must be in vLLM's form (compressed heads a sliding window of
-    `window` tokens, sink 0, prompt included): build it with `CompressedRolloutConfig.for_vllm`.
+    With `use_vllm=True` the config must be a form vLLM serves (streaming compressed heads, the prompt
+    evictable): build it with `CompressedRolloutConfig.for_vllm` (by default the eval's form: sink 16 +
+    window 64 after a full prompt forward).
     """
 
     importance_sampling_correction: bool = True
@@ -96,12 +97,28 @@ class CompressedRolloutConfig(CompressionConfig):
 
     @classmethod
     def for_vllm(
-        cls, head_mask: Any, sparsity: float, window: int = 64, **kwargs: Any
+        cls,
+        head_mask: Any,
+        sparsity: float,
+        window: int = 64,
+        *,
+        sink: int = 16,
+        window_prefill: bool = False,
+        **kwargs: Any,
     ) -> CompressedRolloutConfig:
-        """The config vLLM rollouts serve (`rlkv.inference.vllm.matched_compression`'s fields), plus `kwargs`."""
-        from rlkv.inference.vllm import matched_compression
+        """A config vLLM rollouts serve (`rlkv.inference.vllm.vllm_compression`'s fields: sink + window, the
+        prompt read whole unless `window_prefill`), plus `kwargs` (the rollout fields)."""
+        from rlkv.inference.vllm import vllm_compression
 
-        return matched_compression(head_mask, sparsity, window, config_class=cls, **kwargs)
+        return vllm_compression(
+            head_mask,
+            sparsity,
+            sink=sink,
+            window=window,
+            window_prefill=window_prefill,
+            config_class=cls,
+            **kwargs,
+        )
 
     def validate(self) -> None:
         """`CompressionConfig.validate` plus the rollout fields."""

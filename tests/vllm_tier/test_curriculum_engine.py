@@ -1,6 +1,7 @@
 """`rlkv data curriculum --engine vllm` (with and without a head mask) against the transformers engine.
 
-Demo model, fp32, 48 chain problems, greedy, 200 new tokens; the masked form is vLLM's (matched_compression).
+Demo model, fp32, 48 chain problems, greedy, 200 new tokens; the masked form is the eval's (sink 16 + window
+64 after a full prompt forward, `vllm_compression`), on both engines.
 """
 
 import json
@@ -16,7 +17,7 @@ from rlkv.cli import main  # noqa: E402
 from rlkv.data.chain_task import load_chain_task  # noqa: E402
 from rlkv.data.curriculum import CurriculumConfig, build_curriculum, read_shards  # noqa: E402
 from rlkv.inference import load  # noqa: E402
-from rlkv.inference.vllm import matched_compression  # noqa: E402
+from rlkv.inference.vllm import vllm_compression  # noqa: E402
 from rlkv.rollout import TransformersEngine, VLLMEngine  # noqa: E402
 
 CONFIG = CurriculumConfig(buckets="0-100:4,100-200:4", max_new_tokens=200, chunk_size=16, keep="finished")
@@ -32,7 +33,7 @@ def test_vllm_curriculum_records_equal_the_transformers_engines(tmp_path, sparsi
     model, tokenizer = load(DEMO, dtype="float32")
     pool = load_chain_task("test", 48)
     mask = HeadMask.random(model, seed=0)
-    compression = None if sparsity is None else matched_compression(mask, sparsity, window=80)
+    compression = None if sparsity is None else vllm_compression(mask, sparsity)
     build_curriculum(
         TransformersEngine(model, tokenizer, compression=compression, batch_size=16),
         pool,
@@ -47,7 +48,9 @@ def test_vllm_curriculum_records_equal_the_transformers_engines(tmp_path, sparsi
     generator = json.loads((tmp_path / "v" / "run.json").read_text())["generator"]
     assert generator["engine"] == "vllm"
     if sparsity is not None:  # the manifest records the layout, so a resume with another mask is refused
-        assert generator["compression"]["window_prefill"] is True
+        form = generator["compression"]
+        assert "window_prefill" not in form and not form["protect_prompt"]  # the prompt read whole, evictable
+        assert (form["sink"], form["window"]) == (16, 64)
         assert generator["compression"]["full_heads"] == mask.full_heads(sparsity).nonzero().tolist()
 
 

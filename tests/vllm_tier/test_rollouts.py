@@ -2,7 +2,8 @@
 log-probs, blocks metered, refusals. Demo model, fp32, eager engine.
 
 Reference: rlkv's transformers rollouts (`generate_rollouts`) with the same head split on the trainer's
-weights after the step (`CompressedRolloutConfig.for_vllm`: streaming, sink 0, windowed prompt).
+weights after the step (`CompressedRolloutConfig.for_vllm`: the eval's form, sink 16 + window after a
+full prompt forward; the KV meter test in the window-only form).
 """
 
 import copy
@@ -146,7 +147,7 @@ def test_rollout_kv_reports_vllm_blocks_against_a_full_cache(tmp_path):
         tmp_path,
         model,
         tokenizer,
-        CompressedRolloutConfig.for_vllm(mask, 0.75, 16, vllm_kwargs=ENGINE),
+        CompressedRolloutConfig.for_vllm(mask, 0.75, 16, sink=0, window_prefill=True, vllm_kwargs=ENGINE),
         args=grpo_args(tmp_path, max_steps=1, max_completion_length=64),
     )
     trainer.train()
