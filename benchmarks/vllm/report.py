@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.vllm.engines import report_engines
+from benchmarks.vllm.padding import report_padding
 
 
 def report_vllm(result: dict) -> list[str]:
@@ -10,6 +11,8 @@ def report_vllm(result: dict) -> list[str]:
     lines = report_serving(result) if "rows" in result else ["## vLLM (one run)", ""]
     if "engines" in result:
         lines += report_engines(result["engines"], result["settings"]["model"])
+    if "padding" in result:
+        lines += report_padding(result["padding"])
     return lines
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.vllm import engines
+from benchmarks.vllm import engines, padding
 
 TARGETS = {("bound", 0.5): 1.5, ("bound", 0.75): 2.0, ("unbound", 0.5): 0.95, ("unbound", 0.75): 0.95}
 SPARSITIES = (0.5, 0.75)
@@ -52,8 +52,12 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vllm-parts",
         default="serving,engines",
-        help="serving (stock vLLM vs rlkv at a fixed KV size) and/or engines (vLLM as rlkv's eval and GRPO "
-        "rollout engine, benchmarks/vllm/engines.py; needs --vllm-model)",
+        help="serving (stock vLLM vs rlkv at a fixed KV size), engines (vLLM as rlkv's eval and GRPO "
+        "rollout engine, benchmarks/vllm/engines.py; needs --vllm-model) and/or padding (vLLM's KV capacity "
+        "for the authors' masks against the ideal, benchmarks/vllm/padding.py; needs --vllm-author-masks)",
+    )
+    parser.add_argument(
+        "--vllm-author-masks", default=None, help="a clone of the RLKV authors' repository (the padding part)"
     )
     engines.add_options(parser)
 
@@ -169,9 +173,9 @@ def run_transformers(model_path: str, prompts: list[list[int]], new_tokens: int,
 def suite_vllm(args: argparse.Namespace) -> dict:
     """The parts of --vllm-parts: serving (`suite_serving`) and engines (`engines.suite_engines`)."""
     parts = args.vllm_parts.split(",")
-    unknown = sorted(set(parts) - {"serving", "engines"})
+    unknown = sorted(set(parts) - {"serving", "engines", "padding"})
     if unknown:
-        raise SystemExit(f"--vllm-parts {unknown}: choose serving and/or engines")
+        raise SystemExit(f"--vllm-parts {unknown}: choose serving, engines and/or padding")
     result: dict = {
         "settings": {k: v for k, v in vars(args).items() if k.startswith("vllm_")}
         | {"model": args.vllm_model}
@@ -186,7 +190,10 @@ def suite_vllm(args: argparse.Namespace) -> dict:
         model = args.vllm_model if args.vllm_model != "synthetic" else "data/demo-model"
         args.vllm_model = result["settings"]["model"] = model
         result["engines"] = engines.suite_engines(args, Path(args.out))
+    if "padding" in parts:
+        result |= padding.suite_padding(args)
     checks = result.get("checks", []) + result.get("engines", {}).get("checks", [])
+    checks += result.get("padding", {}).get("checks", [])
     result["passed"] = all(c["pass"] for c in checks)
     return result
 
