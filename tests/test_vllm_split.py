@@ -66,7 +66,7 @@ def test_unit_is_the_gcd_of_the_part_sizes():
             r"full_kv_heads\[1\]=\[2\]: must list distinct KV heads in \[0, 2\)",
         ),
         ({"full_kv_heads": [[0, 0], [], [], []]}, r"full_kv_heads\[0\]=\[0, 0\]"),
-        ({"prompt": "all"}, r"prompt='all': must be 'full'"),
+        ({"prompt": "all"}, r"prompt='all': must be 'full' \(prompt read whole\), 'protected'"),
         ({"sink": -1}, r"sink=-1: must be an integer >= 0"),
         ({"window": -1}, r"window=-1: must be an integer >= 0"),
         ({"format": 2}, r"format=2: this rlkv reads format 1"),
@@ -99,8 +99,13 @@ def test_no_split_and_unsupported_architectures_are_named(make_model):
 def test_only_streaming_forms_with_an_evictable_prompt_have_a_split(make_model):
     model = make_model("llama")
     mask = HeadMask.random(model)
-    with pytest.raises(CompressionConfigError, match="protect_prompt=True: vLLM serves"):
-        head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, sink=16, window=64))
+    protected = head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, sink=16, window=64))
+    assert protected.protect_prompt and protected.to_config()["prompt"] == "protected"  # generate's default
+    windowed_protected = CompressionConfig(
+        head_mask=mask, sparsity=0.5, policy="streaming", window_prefill=True, protect_prompt=True
+    )
+    with pytest.raises(CompressionConfigError, match="protect_prompt=True, window_prefill=True"):
+        head_split(model, windowed_protected)
     with pytest.raises(CompressionConfigError, match="policy='rkv'"):
         head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, policy="rkv", protect_prompt=False))
     eval_form = head_split(model, vllm_compression(mask, 0.5))

@@ -49,11 +49,13 @@ def vllm_compression(
     sink: int = 16,
     window: int = 64,
     window_prefill: bool = False,
+    protect_prompt: bool = False,
     config_class: type = CompressionConfig,
     **kwargs: Any,
 ) -> CompressionConfig:
-    """The `CompressionConfig` of a form vLLM serves: streaming heads of `sink` + `window` tokens, the prompt
-    evictable; the prompt read whole unless `window_prefill`. Defaults: the eval's form (sink 16, window 64).
+    """The `CompressionConfig` of a form vLLM serves: streaming heads of `sink` + `window` tokens; the prompt
+    read whole unless `window_prefill`, evictable unless `protect_prompt` (kept whole, as `generate`'s
+    default on transformers). Defaults: the eval's form (sink 16, window 64, the prompt evictable).
 
     config_class: `CompressionConfig` or a subclass (`rlkv.rollout.CompressedRolloutConfig`); kwargs: its other fields.
     """
@@ -64,21 +66,23 @@ def vllm_compression(
         sink=sink,
         window=window,
         window_prefill=window_prefill,
-        protect_prompt=False,
+        protect_prompt=protect_prompt,
         **kwargs,
     )
 
 
 def head_split(model_or_config: Any, compression: CompressionConfig) -> HeadSplit:
-    """The `HeadSplit` of `compression` (policy "streaming", `protect_prompt=False`) for a model or its config.
+    """The `HeadSplit` of `compression` (policy "streaming") for a model or its config.
 
-    The prompt is read in full unless `window_prefill`; sink and window as the config's.
+    The prompt is read in full unless `window_prefill`, kept whole under `protect_prompt`; sink and window
+    as the config's.
     """
     c = compression
-    if c.policy != "streaming" or c.protect_prompt:
+    if c.policy != "streaming" or (c.protect_prompt and c.window_prefill):
         raise CompressionConfigError(
-            f"policy={c.policy!r}, protect_prompt={c.protect_prompt}: vLLM serves compressed heads as sink + window "
-            "(policy='streaming', protect_prompt=False); use vllm_compression(mask, sparsity, sink=16, window=64) "
+            f"policy={c.policy!r}, protect_prompt={c.protect_prompt}, window_prefill={c.window_prefill}: vLLM serves "
+            "compressed heads as sink + window (policy='streaming'; a protected prompt is read whole, "
+            "window_prefill=False); use vllm_compression(mask, sparsity, sink=16, window=64) "
             "(rollouts: CompressedRolloutConfig.for_vllm(mask, sparsity)), or matched_compression(mask, sparsity, "
             "window) for the window-only form"
         )
@@ -93,6 +97,7 @@ def head_split(model_or_config: Any, compression: CompressionConfig) -> HeadSpli
         window=compression.window,
         sink=compression.sink,
         full_prompt=not compression.window_prefill,
+        protect_prompt=compression.protect_prompt,
     )
 
 

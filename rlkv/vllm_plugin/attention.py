@@ -108,7 +108,12 @@ def _part(
     from rlkv.vllm_plugin.sink_window import SinkWindowAttention
 
     return SinkWindowAttention(
-        *args, sink=split.sink, window=split.window, full_prompt=split.full_prompt, **kwargs
+        *args,
+        sink=split.sink,
+        window=split.window,
+        full_prompt=split.full_prompt,
+        protect_prompt=split.protect_prompt,
+        **kwargs,
     )
 
 

@@ -36,12 +36,14 @@ class SinkWindowSpec(AttentionSpec):
     """A full-attention page whose blocks between the sink and the window are freed once they are not read.
 
     sink: first tokens kept; window: past tokens kept besides the current one; full_prompt: the prompt is
-    attended in full (its blocks kept until it is computed) rather than windowed.
+    attended in full (its blocks kept until it is computed) rather than windowed; protect_prompt: the
+    prompt's blocks are kept for the request's life (and its tokens attended by every later query).
     """
 
     sink: int = 0
     window: int = 64
     full_prompt: bool = True
+    protect_prompt: bool = False
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """A whole prompt may be held (as full attention): max_model_len tokens of pages."""
@@ -51,8 +53,8 @@ class SinkWindowSpec(AttentionSpec):
         return all(isinstance(s, SinkWindowSpec) and s.form == self.form for s in kv_cache_specs.values())
 
     @property
-    def form(self) -> tuple[int, int, bool]:
-        return self.sink, self.window, self.full_prompt
+    def form(self) -> tuple[int, int, bool, bool]:
+        return self.sink, self.window, self.full_prompt, self.protect_prompt
 
     def as_full_attention(self) -> FullAttentionSpec:
         """The same page as a `FullAttentionSpec` (for vLLM's full-attention prefix-cache lookup)."""
@@ -69,7 +71,7 @@ class SinkWindowManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.sink, self.window = kv_cache_spec.sink, kv_cache_spec.window
-        self.full_prompt = kv_cache_spec.full_prompt
+        self.full_prompt, self.protect_prompt = kv_cache_spec.full_prompt, kv_cache_spec.protect_prompt
 
     @classmethod
     def find_longest_cache_hit(cls, *args: Any, **kwargs: Any) -> Any:
@@ -83,10 +85,12 @@ class SinkWindowManager(FullAttentionManager):
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
-        """Free the blocks no later query reads: those wholly in [sink, next position - window)."""
+        """Free the blocks no later query reads: those wholly in [sink (or the prompt's end when protected),
+        next position - window)."""
         if self.full_prompt and (num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens):
             return  # a later prompt chunk attends every earlier prompt token
-        first = cdiv(self.sink, self.block_size)
+        kept = max(self.sink, num_prompt_tokens or 0) if self.protect_prompt else self.sink
+        first = cdiv(kept, self.block_size)
         # the next query is at position `processed_computed_tokens` and reads from there minus the window
         last = max(0, processed_computed_tokens - self.window) // self.block_size
         self._remove_blocks_in_range(request_id, first, last)
@@ -108,15 +112,25 @@ def register_sink_window() -> None:
 class SinkWindowAttention(Attention):
     """vLLM's decoder `Attention` over compressed KV heads in rlkv's sink + window form.
 
-    sink, window: tokens kept (besides the current one); full_prompt: the prompt is read in full.
-    Other arguments as `Attention`'s (no sliding window: the form is the spec's and the backend's).
+    sink, window: tokens kept (besides the current one); full_prompt: the prompt is read in full;
+    protect_prompt: and kept whole. Other arguments as `Attention`'s (no sliding window: the form is the
+    spec's and the backend's).
     """
 
-    def __init__(self, *args: Any, sink: int, window: int, full_prompt: bool, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        sink: int,
+        window: int,
+        full_prompt: bool,
+        protect_prompt: bool = False,
+        **kwargs: Any,
+    ) -> None:
         from rlkv.vllm_plugin.sink_window_backend import SinkWindowBackend
 
         super().__init__(*args, attn_backend=SinkWindowBackend, **kwargs)
         self.rlkv_sink, self.rlkv_window, self.rlkv_full_prompt = sink, window, full_prompt
+        self.rlkv_protect_prompt = protect_prompt
 
     def get_kv_cache_spec(self, vllm_config: Any) -> SinkWindowSpec:
         spec = super().get_kv_cache_spec(vllm_config)  # full attention's (no sliding window)
@@ -125,4 +139,5 @@ class SinkWindowAttention(Attention):
             sink=self.rlkv_sink,
             window=self.rlkv_window,
             full_prompt=self.rlkv_full_prompt,
+            protect_prompt=self.rlkv_protect_prompt,
         )

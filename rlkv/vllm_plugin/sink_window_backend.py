@@ -7,7 +7,11 @@ them back by block table, so it never depends on a kernel's packed layout. Per l
 - a query of a request still computing its prompt (`full_prompt`) attends every earlier position of
   that request, causally (one SDPA per such request: prompts are few per step);
 - every other query at position p attends positions [0, sink) and [p - window, p]: one batched SDPA
-  over all of them, `sink + window + 1` gathered keys each, masked where a position does not exist yet.
+  over all of them, `sink + window + 1` gathered keys each, masked where a position does not exist yet;
+- with a protected prompt, such a query also attends every prompt position of its request: the builder
+  marks, per physical slot, whether a prompt token was written there (`prompt_slots`, one bool per slot
+  of the pool, rewritten whenever a slot is written), and the query gathers positions [0, p] masked to
+  the marked ones, its sink and its window (freed blocks read as vLLM's null block, never marked).
 
 Keys are stored after RoPE, so gathering them in any order attends them at their logical positions.
 Prefill and decode numbers match rlkv's transformers path within float tolerance (the vLLM tier).
@@ -47,6 +51,8 @@ class SinkWindowMetadata:
     prefill_requests: list[tuple[int, int, int, int]]
     window_tokens: torch.Tensor
     window_requests: torch.Tensor
+    prompt_slots: torch.Tensor | None = None  # [slots of the pool] bool: a prompt token is stored there
+    max_window_length: int = 0  # the longest sequence among the windowed queries' requests (host)
 
 
 class SinkWindowMetadataBuilder(AttentionMetadataBuilder[SinkWindowMetadata]):
@@ -55,6 +61,30 @@ class SinkWindowMetadataBuilder(AttentionMetadataBuilder[SinkWindowMetadata]):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.full_prompt = bool(getattr(kv_cache_spec, "full_prompt", True))
+        self.protect_prompt = bool(getattr(kv_cache_spec, "protect_prompt", False))
+        # one flag per slot of the pool, sized once from the pool (no host read of a device tensor per step)
+        slots = (vllm_config.cache_config.num_gpu_blocks or 0) * kv_cache_spec.block_size
+        self.prompt_slots = (
+            torch.zeros(slots, dtype=torch.bool, device=device) if self.protect_prompt and slots else None
+        )
+
+    def _mark_prompt_slots(self, slot_mapping: torch.Tensor, is_prompt: torch.Tensor) -> torch.Tensor:
+        """Record, for every slot written this step, whether it now holds a prompt token."""
+        slots = slot_mapping[: is_prompt.numel()]
+        keep = slots >= 0
+        slots, is_prompt = slots[keep], is_prompt[keep]
+        needed = 0 if self.prompt_slots is not None else int(slots.max()) + 1 if slots.numel() else 0
+        if self.prompt_slots is None or self.prompt_slots.numel() < needed:  # pool size unknown: grow
+            grown = torch.zeros(
+                max(needed, 2 * (0 if self.prompt_slots is None else self.prompt_slots.numel())),
+                dtype=torch.bool,
+                device=slot_mapping.device,
+            )
+            if self.prompt_slots is not None:
+                grown[: self.prompt_slots.numel()] = self.prompt_slots
+            self.prompt_slots = grown
+        self.prompt_slots[slots] = is_prompt
+        return self.prompt_slots
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -81,6 +111,12 @@ class SinkWindowMetadataBuilder(AttentionMetadataBuilder[SinkWindowMetadata]):
                 window_tokens.extend(range(first, first + count))
                 window_requests.extend([r] * count)
         device = m.block_table_tensor.device
+        prompt_slots = None
+        if self.protect_prompt:
+            is_prompt = torch.zeros(starts[num_reqs], dtype=torch.bool)
+            for r in range(num_reqs):
+                is_prompt[starts[r] : starts[r + 1]] = flags[r]
+            prompt_slots = self._mark_prompt_slots(m.slot_mapping, is_prompt.to(device, non_blocking=True))
         positions = m.positions
         if positions is None:  # older runners: the positions from sequence lengths and query spans
             positions = torch.cat(
@@ -97,6 +133,8 @@ class SinkWindowMetadataBuilder(AttentionMetadataBuilder[SinkWindowMetadata]):
             prefill_requests=prefill,
             window_tokens=torch.tensor(window_tokens, dtype=torch.long).to(device, non_blocking=True),
             window_requests=torch.tensor(window_requests, dtype=torch.long).to(device, non_blocking=True),
+            prompt_slots=prompt_slots,
+            max_window_length=max((int(seq_lens[r]) for r in set(window_requests)), default=0),
         )
 
 
@@ -188,15 +226,25 @@ class SinkWindowImpl(AttentionImpl[SinkWindowMetadata]):
     def _window_attention(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block: int, m: Any, layer: Any
     ) -> torch.Tensor:
-        """[W, H_q, D]: each windowed query over its sink and its window (sink + window + 1 keys, masked)."""
+        """[W, H_q, D]: each windowed query over its sink and its window (sink + window + 1 keys, masked),
+        or with a protected prompt over every position up to its own, masked to prompt, sink and window."""
         sink, window = layer.rlkv_sink, layer.rlkv_window
         p = m.positions[m.window_tokens][:, None]  # [W, 1]
-        j = torch.arange(sink + window + 1, device=query.device)[None, :]
-        wanted = torch.where(j < sink, j, p - window + (j - sink))  # [W, S]: sink positions, then the window
-        # a sink position inside the window is read there; positions before 0 do not exist yet
-        exists = (wanted >= 0) & ((j >= sink) | (wanted < p - window))
-        wanted = wanted.clamp(min=0)
-        blocks = m.block_table[m.window_requests[:, None], wanted // block]
+        if m.prompt_slots is not None:
+            wanted = torch.arange(m.max_window_length, device=query.device)[None, :].expand(p.shape[0], -1)
+            blocks = m.block_table[m.window_requests[:, None], wanted // block]
+            slots = (blocks * block + wanted % block).clamp(max=m.prompt_slots.numel() - 1)
+            recent = (wanted >= p - window) | (wanted < sink)
+            exists = (wanted <= p) & (recent | m.prompt_slots[slots])
+        else:
+            j = torch.arange(sink + window + 1, device=query.device)[None, :]
+            wanted = torch.where(
+                j < sink, j, p - window + (j - sink)
+            )  # [W, S]: sink positions, then the window
+            # a sink position inside the window is read there; positions before 0 do not exist yet
+            exists = (wanted >= 0) & ((j >= sink) | (wanted < p - window))
+            wanted = wanted.clamp(min=0)
+            blocks = m.block_table[m.window_requests[:, None], wanted // block]
         k = keys[blocks, :, wanted % block].permute(0, 2, 1, 3)  # [W, H_kv, S, D]
         v = values[blocks, :, wanted % block].permute(0, 2, 1, 3)
         q = query[m.window_tokens][:, :, None, :]  # [W, H_q, 1, D]

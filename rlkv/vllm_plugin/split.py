@@ -7,8 +7,9 @@ A head-mixed architecture (`RlkvLlamaForCausalLM`, ...) reads `config.rlkv_head_
 `full_kv_heads[l]` lists the KV heads of layer l that keep their whole history; every other KV head of
 that layer attends to its first `sink` tokens, its last `window` tokens and the current one (rlkv's
 streaming heads). `prompt` "full" (rlkv's eval form): a prompt query attends the whole prompt, the
-compression starts with the first generated token; "window" (the default when absent): the prompt is
-windowed too. Sink 0 with a windowed prompt is vLLM's own sliding window of `window + 1` tokens;
+compression starts with the first generated token; "protected": the same, and the prompt is never
+evicted (compressed heads keep it whole besides sink + window); "window" (the default when absent): the
+prompt is windowed too. Sink 0 with a windowed prompt is vLLM's own sliding window of `window + 1` tokens;
 every other form is rlkv's sink/window KV cache group (`sink_window.py`). The split reaches vLLM as
 `hf_overrides` (`rlkv.inference.vllm_overrides`) or in a prepared model folder's `config.json`
 (`rlkv export-vllm`). `HeadSplit.from_config` checks it against the model's geometry and raises
@@ -59,12 +60,14 @@ class HeadSplit:
     full_kv_heads: per layer, the sorted KV-head indices served with full attention.
     window: past tokens a compressed head attends besides the current one (rlkv's `window`).
     sink: first tokens a compressed head keeps. full_prompt: prompt queries attend the whole prompt.
+    protect_prompt: compressed heads keep the whole prompt too (implies full_prompt).
     """
 
     full_kv_heads: tuple[tuple[int, ...], ...]
     window: int
     sink: int = 0
     full_prompt: bool = False
+    protect_prompt: bool = False
 
     @property
     def is_sliding_window(self) -> bool:
@@ -103,7 +106,7 @@ class HeadSplit:
         total = self.num_layers * num_kv_heads
         return (
             f"rlkv: {architecture} serves {full} of {total} KV heads full, {total - full} with a window of "
-            f"{self.window} + 1 tokens (sink {self.sink}, prompt {'full' if self.full_prompt else 'windowed'})"
+            f"{self.window} + 1 tokens (sink {self.sink}, prompt {self.prompt_mode})"
         )
 
     def to_config(self) -> dict[str, Any]:
@@ -113,8 +116,13 @@ class HeadSplit:
             "full_kv_heads": [list(heads) for heads in self.full_kv_heads],
             "sink": self.sink,
             "window": self.window,
-            "prompt": "full" if self.full_prompt else "window",
+            "prompt": self.prompt_mode,
         }
+
+    @property
+    def prompt_mode(self) -> str:
+        """The `prompt` value of the plain-data form: "protected", "full" or "window"."""
+        return "protected" if self.protect_prompt else "full" if self.full_prompt else "window"
 
     @classmethod
     def from_config(cls, config: Any) -> HeadSplit:
@@ -153,13 +161,15 @@ class HeadSplit:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise HeadSplitError(f"{CONFIG_KEY}.{name}={value!r}: must be an integer >= 0")
         prompt = raw.get("prompt", "window")
-        if prompt not in ("full", "window"):
+        if prompt not in ("full", "protected", "window"):
             raise HeadSplitError(
-                f"{CONFIG_KEY}.prompt={prompt!r}: must be 'full' (prompt read whole) or 'window' (prompt windowed)"
+                f"{CONFIG_KEY}.prompt={prompt!r}: must be 'full' (prompt read whole), 'protected' (read and kept "
+                "whole) or 'window' (prompt windowed)"
             )
         return cls(
             tuple(tuple(sorted(h)) for h in full),
             window=raw["window"],
             sink=raw["sink"],
-            full_prompt=prompt == "full",
+            full_prompt=prompt != "window",
+            protect_prompt=prompt == "protected",
         )

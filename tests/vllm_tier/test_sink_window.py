@@ -30,26 +30,26 @@ def demo():
     return model, tokenizer, problems, prompts, HeadMask.random(model, seed=0)
 
 
-def _form(mask, sparsity, window_prefill=False, window=WINDOW):
+def _form(mask, sparsity, window_prefill=False, window=WINDOW, protect_prompt=False):
     return CompressionConfig(
         head_mask=mask,
         sparsity=sparsity,
         policy="streaming",
         sink=SINK,
         window=window,
-        protect_prompt=False,
+        protect_prompt=protect_prompt,
         window_prefill=window_prefill,
     )
 
 
 @pytest.mark.parametrize(
-    "sparsity, window_prefill",
-    [(0.5, False), (0.75, False), (0.5, True)],
-    ids=["s0.5", "s0.75", "s0.5-windowed"],
+    "sparsity, window_prefill, protect_prompt",
+    [(0.5, False, False), (0.75, False, False), (0.5, True, False), (0.5, False, True), (0.75, False, True)],
+    ids=["s0.5", "s0.75", "s0.5-windowed", "s0.5-protected", "s0.75-protected"],
 )
-def test_tokens_equal_the_transformers_path_in_the_same_form(demo, sparsity, window_prefill):
+def test_tokens_equal_the_transformers_path_in_the_same_form(demo, sparsity, window_prefill, protect_prompt):
     model, tokenizer, problems, prompts, mask = demo
-    config = _form(mask, sparsity, window_prefill)
+    config = _form(mask, sparsity, window_prefill, protect_prompt=protect_prompt)
     with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
         managers, _ = kv_groups(llm)
         assert "SinkWindowManager" in {type(m).__name__ for m in managers}
@@ -66,6 +66,17 @@ def test_tokens_equal_the_transformers_path_in_the_same_form(demo, sparsity, win
     solved_ref = sum(verify_chain(o.text, p["answer"]) for o, p in zip(reference, problems))
     assert abs(solved - solved_ref) <= 1
     assert len(tokenizer(prompts[0]).input_ids) > SINK + WINDOW + 1  # the prompt is longer than what is kept
+    if protect_prompt:  # the protected form is another computation: its tokens are not the evictable form's
+        evictable = generate(
+            model,
+            tokenizer,
+            prompts,
+            200,
+            compression=_form(mask, sparsity),
+            apply_chat_template=False,
+            progress=False,
+        )
+        assert sum(a != o.token_ids for a, o in zip(served, evictable)) >= 4
 
 
 def test_a_window_over_every_position_gives_stock_vllm_tokens(demo):
@@ -77,11 +88,13 @@ def test_a_window_over_every_position_gives_stock_vllm_tokens(demo):
         assert greedy(llm, prompts[:16]) == stock
 
 
-def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_pool(demo):
+@pytest.mark.parametrize("protect_prompt", [False, True], ids=["eval-form", "protected"])
+def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_pool(demo, protect_prompt):
     model, _, _, _, mask = demo
     from vllm import SamplingParams
 
-    with engine(hf_overrides=compression_overrides(model.config, _form(mask, 0.5))) as llm:
+    form = _form(mask, 0.5, protect_prompt=protect_prompt)
+    with engine(hf_overrides=compression_overrides(model.config, form)) as llm:
         managers, pool = kv_groups(llm)
         kinds = [type(m).__name__ for m in managers]
         full_group, sink_group = (
@@ -108,14 +121,17 @@ def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_
         free_after = pool.get_num_free_blocks()
     assert len(held) >= 399
     full, kept, free = zip(*held)
-    bound = -(-SINK // BLOCK) + -(-(WINDOW + 1) // BLOCK) + 1  # sink blocks + window blocks (+1: a window
-    # the prompt is held whole while it is read (10 blocks), then only the sink's and the window's blocks:
-    # freed at the next step's scheduling, and constant from there on
-    assert kept[0] == -(-prompt_tokens // BLOCK) > bound
-    assert max(kept[1:]) <= bound and min(kept[1:]) >= 3  # not aligned to blocks)
+    # sink blocks (the prompt's when protected) + window blocks (+1: a window not aligned to blocks)
+    head = -(-(prompt_tokens if protect_prompt else SINK) // BLOCK)
+    bound = head + -(-(WINDOW + 1) // BLOCK) + 1
+    # the prompt is held whole while it is read (10 blocks), then only the kept blocks: freed at the next
+    # step's scheduling, and constant from there on
+    assert kept[0] == -(-prompt_tokens // BLOCK)
+    assert max(kept[1:]) <= bound and min(kept[100:]) >= head + 2  # once the window is past the prompt
+    assert protect_prompt or kept[0] > bound
     assert full[-1] == -(-(prompt_tokens + 399) // BLOCK)  # the full group holds every token
     # what the group freed went back to the shared pool: free blocks fell only by the full group's growth
-    assert free[0] - free[-1] <= (full[-1] - full[0]) + 1
+    assert free[0] - free[-1] <= (full[-1] - full[0]) + (max(kept) - kept[0]) + 1
     assert free_after == free_before  # finishing returns every block
 
 
