@@ -183,3 +183,19 @@ def test_a_window_that_covers_every_position_is_noted(capsys, mask_dir, tmp_path
     code, err = run_cli([*argv, "--out", str(tmp_path / "o"), "--window", "100000"], capsys)
     assert code == 0
     assert "cover all 1024 positions" in err and "nothing is compressed" in err
+
+
+def test_export_writes_the_form_asked_for(capsys, mask_dir, tmp_path):
+    base = ["export-vllm", "--model", DEMO, "--head-mask", mask_dir, "--sparsity", "0.5"]
+    forms = {
+        "eval": ([], {"sink": 16, "window": 64, "prompt": "full"}),
+        "protected": (["--protect-prompt"], {"sink": 16, "window": 64, "prompt": "protected"}),
+        "window-only": (["--sink", "0", "--window-prefill"], {"sink": 0, "window": 64, "prompt": "window"}),
+    }
+    for name, (flags, want) in forms.items():
+        assert run_cli([*base, *flags, "--out", str(tmp_path / name)], capsys)[0] == 0
+        split = json.loads((tmp_path / name / "config.json").read_text())["rlkv_head_split"]
+        assert {k: split[k] for k in want} == want
+    code, err = run_cli([*base, "--protect-prompt", "--window-prefill", "--out", str(tmp_path / "x")], capsys)
+    assert code == 2
+    assert_one_error_line(err, "rlkv export-vllm", "--protect-prompt with --window-prefill")

@@ -205,7 +205,7 @@ def _run(args: argparse.Namespace) -> int:
     from rlkv.eval.vllm_tasks import engine_plan
 
     methods = cfg.methods if args.sensitivity is None else sensitivity_methods(cfg)
-    print(engine_plan(cfg.engine, methods, cfg.protect_prompt))
+    print(engine_plan(cfg.engine, methods))
     if args.redo:
         from rlkv.eval.results import drop_rows
 

@@ -42,6 +42,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "the prompt is read whole in every head, then compressed (rlkv eval's form). With --sink 0 it is "
         "vLLM's own sliding window",
     )
+    parser.add_argument(
+        "--protect-prompt",
+        action="store_true",
+        help="compressed heads also keep the whole prompt (rlkv generate's default form); default: the prompt "
+        "is evictable once read, as in rlkv eval",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -75,7 +81,16 @@ def _form(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("sink", "window"):
         if getattr(args, name) < 0:
             raise UserInputError(f"--{name} {getattr(args, name)}: must be >= 0")
-    return {"window": args.window, "sink": args.sink, "window_prefill": args.window_prefill}
+    if args.protect_prompt and args.window_prefill:
+        raise UserInputError(
+            "--protect-prompt with --window-prefill: a protected prompt is read whole; drop one of them"
+        )
+    return {
+        "window": args.window,
+        "sink": args.sink,
+        "window_prefill": args.window_prefill,
+        "protect_prompt": args.protect_prompt,
+    }
 
 
 def _note_uncompressed(kept: int, positions: int | None, where: str) -> None:

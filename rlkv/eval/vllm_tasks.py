@@ -4,9 +4,9 @@ On vLLM (rlkv's plugin, `rlkv.vllm_plugin`) run `full` (the stock model) and the
 (`rlkv`, `ablation-mask`, `random-mask[@K]`, `duo`) in the transformers engine's form: every head reads the
 whole prompt, then a compressed head keeps its sink (16) and last window (64) tokens (the plugin's
 sink/window KV cache group); with `EvalConfig.window_only`, a sliding window of sink + window tokens, sink
-0, the prompt included, on both engines. Token-eviction methods (`rkv`, `h2o`, `<mask>+<policy>`, ...)
-and the head-mask methods under `protect_prompt` have no vLLM form yet: they stay on the transformers
-engine in the same run, and each row records its `engine`.
+0, the prompt included, on both engines; under `protect_prompt` the compressed heads also keep the whole
+prompt, on both engines. Token-eviction methods (`rkv`, `h2o`, `<mask>+<policy>`, ...) have no vLLM form
+yet: they stay on the transformers engine in the same run, and each row records its `engine`.
 
 Rows are written as their requests finish (continuous batching over a task's whole problem list, so the
 resume unit is the row); a row's `seconds` is the wall time since the task's previous row, so a cell's rows
@@ -33,17 +33,16 @@ from rlkv.eval.stopping import StopRule, closes_first_code_block
 REPETITION_CHECK_EVERY = 16
 
 
-def runs_on_vllm(method: str, protect_prompt: bool = False) -> bool:
-    """Whether `method` has a vLLM form: `full`, or a head mask with sink + local compressed heads whose
-    prompt is evictable (`protect_prompt` keeps it: not served on vLLM yet)."""
+def runs_on_vllm(method: str) -> bool:
+    """Whether `method` has a vLLM form: `full`, or a head mask with sink + local compressed heads."""
     parsed = parse_method(method)
-    return parsed.is_full or (parsed.mask is not None and parsed.policy == "streaming" and not protect_prompt)
+    return parsed.is_full or (parsed.mask is not None and parsed.policy == "streaming")
 
 
-def engine_plan(engine: str, methods: list[str], protect_prompt: bool = False) -> str:
+def engine_plan(engine: str, methods: list[str]) -> str:
     """The line `rlkv eval` prints first: which of `methods` run on which engine, e.g. `engine: vllm for
     full, rlkv; transformers for rkv (no vLLM form yet)` (`engine` "transformers": all of them there)."""
-    on_vllm = [m for m in methods if engine == "vllm" and runs_on_vllm(m, protect_prompt)]
+    on_vllm = [m for m in methods if engine == "vllm" and runs_on_vllm(m)]
     rest = [m for m in methods if m not in on_vllm]
     parts = [f"vllm for {', '.join(on_vllm)}"] if on_vllm else []
     if rest:
@@ -64,13 +63,19 @@ class ReachableKV:
     full_resident_bytes: None = None
 
 
-def reachable_kv(compression: Any, model: Any, num_heads: int, length: int) -> ReachableKV:
+def reachable_kv(
+    compression: Any, model: Any, num_heads: int, length: int, prompt_length: int = 0
+) -> ReachableKV:
     """KV entries the `num_heads` heads of `compression` (a form vLLM serves; None = full) hold for `length`
-    cached tokens: full heads all of them, compressed heads sink + window."""
+    cached tokens of which `prompt_length` are the prompt: full heads all of them, compressed heads sink +
+    window (the whole prompt + window under `protect_prompt`)."""
     full = None if compression is None else compression.full_heads(model)
     num_full = num_heads if compression is None else (int(full.sum()) if full is not None else 0)
     held = compression.sink + compression.window if compression is not None else length
-    kept = num_full * length + (num_heads - num_full) * min(length, held)
+    kept_comp = min(length, held)
+    if compression is not None and compression.protect_prompt:  # the prompt kept whole besides the window
+        kept_comp = min(length, max(prompt_length, compression.sink) + compression.window)
+    kept = num_full * length + (num_heads - num_full) * kept_comp
     return ReachableKV(length, kept, num_heads * length - kept)
 
 
@@ -125,7 +130,9 @@ class VLLMTaskRunner:
                 result.token_ids,
                 result.finish_reason,
                 num_prompt_tokens=len(prompts[result.index]),
-                stats=reachable_kv(compression, self.model, context.num_heads, length),
+                stats=reachable_kv(
+                    compression, self.model, context.num_heads, length, len(prompts[result.index])
+                ),
                 seconds=now - last,
                 engine="vllm",
             )

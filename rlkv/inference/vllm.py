@@ -109,6 +109,7 @@ def vllm_overrides(
     *,
     sink: int = 16,
     window_prefill: bool = False,
+    protect_prompt: bool = False,
 ) -> dict[str, Any]:
     """`hf_overrides` that make vLLM serve `model` with `head_mask` cut at `sparsity` (rlkv's plugin).
 
@@ -116,7 +117,14 @@ def vllm_overrides(
     eval's, sink 16 + window 64 after a full prompt). Returns {"architectures": [...], "rlkv_head_split":
     {...}}, for `vllm.LLM(model, hf_overrides=...)` or `vllm serve --hf-overrides`.
     """
-    form = vllm_compression(head_mask, sparsity, sink=sink, window=window, window_prefill=window_prefill)
+    form = vllm_compression(
+        head_mask,
+        sparsity,
+        sink=sink,
+        window=window,
+        window_prefill=window_prefill,
+        protect_prompt=protect_prompt,
+    )
     return compression_overrides(model_config(model), form)
 
 
@@ -149,6 +157,7 @@ def export_vllm_folder(
     *,
     sink: int = 16,
     window_prefill: bool = False,
+    protect_prompt: bool = False,
     overwrite: bool = False,
 ) -> Path:
     """A copy of the model folder whose `config.json` names the head-mixed architecture and carries the split.
@@ -175,7 +184,8 @@ def export_vllm_folder(
             "(overwrite=True) to replace it"
         )
     check_output_path(out, what="export folder (--out)", error=UserInputError)
-    overrides = vllm_overrides(src, head_mask, sparsity, window, sink=sink, window_prefill=window_prefill)
+    form = {"sink": sink, "window_prefill": window_prefill, "protect_prompt": protect_prompt}
+    overrides = vllm_overrides(src, head_mask, sparsity, window, **form)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:

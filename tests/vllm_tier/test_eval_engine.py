@@ -53,21 +53,32 @@ def both_engines(tmp_path_factory):
     return out, rows_of(out / "transformers"), rows_of(out / "vllm"), [r.getMessage() for r in records]
 
 
-@pytest.fixture(scope="module")
-def eval_form(tmp_path_factory):
-    """The default form (no window_only): what rlkv's results tables use, on both engines."""
-    out = tmp_path_factory.mktemp("eval-form")
-    grid = GRID | {"window_only": False, "methods": ["random-mask"]}
+def _run_both(out, protect_prompt):
+    grid = GRID | {"window_only": False, "methods": ["random-mask"], "protect_prompt": protect_prompt}
     run_eval(EvalConfig(**grid, engine="transformers", out=str(out / "transformers")))
     run_eval(EvalConfig(**grid, engine="vllm", out=str(out / "vllm")))
     return out, rows_of(out / "transformers"), rows_of(out / "vllm"), []
 
 
-@pytest.mark.parametrize("form", ["eval_form", "both_engines"], ids=["eval-form", "window-only"])
+@pytest.fixture(scope="module")
+def eval_form(tmp_path_factory):
+    """The default form (no window_only): what rlkv's results tables use, on both engines."""
+    return _run_both(tmp_path_factory.mktemp("eval-form"), protect_prompt=False)
+
+
+@pytest.fixture(scope="module")
+def protected_form(tmp_path_factory):
+    """The same with `protect_prompt`: the compressed heads also keep the whole prompt."""
+    return _run_both(tmp_path_factory.mktemp("protected-form"), protect_prompt=True)
+
+
+@pytest.mark.parametrize(
+    "form", ["eval_form", "protected_form", "both_engines"], ids=["eval-form", "protected", "window-only"]
+)
 @pytest.mark.parametrize("cell", [("full", 0.0), ("random-mask", 0.5), ("random-mask", 0.75)])
 def test_vllm_rows_equal_the_transformers_engines(request, form, cell):
     _, reference, served, _ = request.getfixturevalue(form)
-    if form == "eval_form" and cell[0] == "full":
+    if form != "both_engines" and cell[0] == "full":
         pytest.skip("full is the same model in both forms (window-only run)")
     method, sparsity = cell
     keys = [k for k, r in reference.items() if (r["method"], r["sparsity"]) == cell]
