@@ -23,7 +23,8 @@ def report_serving(result: dict) -> list[str]:
         "## vLLM: stock vLLM vs rlkv's head mask on vLLM (one run)",
         "",
         f"model {s['model']}, {s['vllm_requests']} requests of {s['vllm_prompt']} prompt + {s['vllm_new_tokens']} "
-        f"generated tokens (EOS ignored), window {s['vllm_window']}; memory-bound: stock holds "
+        f"generated tokens (EOS ignored), form {s.get('vllm_form', 'window-only')}, window {s['vllm_window']}; "
+        "memory-bound: stock holds "
         f"{s['vllm_bound_rows']} requests at once",
         "",
         "| KV cache | method | tokens/s | requests/min | peak blocks used / pool | peak KV used | peak running | "

@@ -12,7 +12,8 @@ split of a random mask at s=0.5 and s=0.75 (window --vllm-window; which heads ar
 speed). The engine is stepped by hand so that every step reads vLLM's own block pool and scheduler:
 tokens/s (generated tokens over the whole run, prefill included), requests finished per minute, peak
 blocks in use, peak requests running, preemptions (summed over requests).
-For reference, plain transformers `generate` and rlkv's transformers path (`matched_compression`) run the
+The compressed heads' form: --vllm-form (default eval: sink 16 + window after a full prompt forward).
+For reference, plain transformers `generate` and rlkv's transformers path (the same form) run the
 same prompts as one batch. The synthetic model has Qwen2.5-0.5B's attention geometry (14 query heads, 2 KV
 heads, head_dim 64, hidden 896) with --vllm-layers layers and random weights (fp32).
 
@@ -36,6 +37,12 @@ from benchmarks.vllm import engines, padding
 
 TARGETS = {("bound", 0.5): 1.5, ("bound", 0.75): 2.0, ("unbound", 0.5): 0.95, ("unbound", 0.75): 0.95}
 SPARSITIES = (0.5, 0.75)
+# --vllm-form: `rlkv.inference.vllm.vllm_compression` keywords (besides the window)
+FORMS = {
+    "eval": {"sink": 16},
+    "protected": {"sink": 16, "protect_prompt": True},
+    "window-only": {"sink": 0, "window_prefill": True},
+}
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +56,13 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "--vllm-bound-rows", type=int, default=3, help="requests stock vLLM holds at once when memory-bound"
     )
     parser.add_argument("--vllm-window", type=int, default=64, help="window of the compressed heads")
+    parser.add_argument(
+        "--vllm-form",
+        choices=sorted(FORMS),
+        default="eval",
+        help="the compressed heads' form: eval (sink 16 + window after a full prompt, the default), protected "
+        "(the prompt kept whole too) or window-only (vLLM's sliding window, sink 0)",
+    )
     parser.add_argument(
         "--vllm-parts",
         default="serving,engines",
@@ -203,7 +217,7 @@ def suite_serving(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rlkv import HeadMask
     from rlkv.inference import load
-    from rlkv.inference.vllm import matched_compression, vllm_overrides
+    from rlkv.inference.vllm import compression_overrides, vllm_compression
 
     if args.quick:
         args.vllm_layers, args.vllm_prompt, args.vllm_new_tokens, args.vllm_requests = 2, 64, 96, 4
@@ -226,23 +240,21 @@ def suite_serving(args: argparse.Namespace) -> dict:
         "bound": (args.vllm_bound_rows * row_blocks + 1) * 32 * per_token,
         "unbound": ((args.vllm_requests + 1) * row_blocks + 1) * 32 * per_token,
     }
+
+    def form(sparsity: float):
+        return vllm_compression(mask, sparsity, window=args.vllm_window, **FORMS[args.vllm_form])
+
     rows = []
     for bound, kv_bytes in sizes.items():
         for sparsity in (0.0, *SPARSITIES):
-            overrides = (
-                None
-                if sparsity == 0
-                else vllm_overrides(
-                    model, mask, sparsity, window=args.vllm_window, sink=0, window_prefill=True
-                )
-            )
+            overrides = None if sparsity == 0 else compression_overrides(model, form(sparsity))
             name = "stock vLLM" if sparsity == 0 else f"rlkv s={sparsity}"
             print(f"  vllm: {bound} {name} ...", flush=True)
             r = run_engine(model, prompts, args.vllm_new_tokens, kv_bytes, overrides)
             rows.append({"kv": bound, "kv_bytes": kv_bytes, "method": name, "sparsity": sparsity, **r})
             print(f"  vllm: {bound} {name}: {json.dumps(r)}", flush=True)
     for sparsity in (0.0, *SPARSITIES):
-        compression = None if sparsity == 0 else matched_compression(mask, sparsity, window=args.vllm_window)
+        compression = None if sparsity == 0 else form(sparsity)
         name = "transformers generate" if sparsity == 0 else f"rlkv transformers s={sparsity}"
         r = run_transformers(model, prompts, args.vllm_new_tokens, compression)
         rows.append({"kv": "reference", "method": name, "sparsity": sparsity, **r})
