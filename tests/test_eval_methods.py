@@ -125,3 +125,18 @@ def test_matched_rule_turns_buffers_off_also_through_subclass_kwargs(tokenizer):
     assert paper.policy_kwargs == {}
     mine = method_config("rkv", 0.5, model=model, masks={}, policy_kwargs={"rkv": {"buffer": 4}})
     assert mine.policy_kwargs == {"buffer": 4}
+
+
+def test_window_prefill_windows_the_prompt_of_the_head_mask_methods_with_their_sink(make_model):
+    from rlkv.eval import EvalConfig
+
+    model = make_model("llama")
+    masks = {"rlkv": HeadMask.random(model, seed=0)}
+    rule = EvalConfig(model="tiny:llama", methods=["full"], window_prefill=True).budget()
+    config = method_config("rlkv", 0.5, model=model, masks=masks, rule=rule)
+    assert (config.sink, config.window, config.window_prefill, config.protect_prompt) == (16, 64, True, False)
+    assert not method_config(
+        "rlkv", 0.5, model=model, masks=masks
+    ).window_prefill  # the eval's form by default
+    with pytest.raises(ValueError, match="window_prefill=true windows the prompt"):
+        EvalConfig(model="tiny:llama", methods=["full"], window_prefill=True, protect_prompt=True)

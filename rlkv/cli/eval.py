@@ -110,6 +110,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the prompt windowed) on either engine",
     )
     parser.add_argument(
+        "--window-prefill",
+        action="store_true",
+        help="the head-mask methods' compressed heads attend sink + window in the prompt forward too (sink kept)",
+    )
+    parser.add_argument(
         "--no-static-cache",
         action="store_true",
         help="on CUDA, decode with the dynamic cache instead of the static, compiled one (same results)",
@@ -182,6 +187,8 @@ def _run(args: argparse.Namespace) -> int:
         base["static_cache"] = False
     if args.window_only:
         base["window_only"] = True
+    if args.window_prefill:
+        base["window_prefill"] = True
     if args.no_early_stop:
         base["early_stop_repetition"] = False
     if args.no_progress:

@@ -75,6 +75,8 @@ class EvalConfig:
     window_only: head-mask methods' compressed heads keep a sliding window of the last sink + window
         tokens, sink 0, prompt included (vLLM's own sliding window; for prompts too long to read whole),
         on either engine (the same rows).
+    window_prefill: head-mask methods' compressed heads keep sink + window and attend only those in the
+        prompt forward too (sink kept; `window_only` is the same with sink 0), on either engine.
     vllm_kwargs: extra `vllm.LLM` arguments for the vLLM engine (e.g. {enforce_eager: true,
         gpu_memory_utilization: 0.5}); rlkv sets dtype, seed and max_model_len (widest prompt + cap).
     """
@@ -117,6 +119,7 @@ class EvalConfig:
     static_cache: bool | None = None
     engine: str = "transformers"
     window_only: bool = False
+    window_prefill: bool = False
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
 
@@ -125,6 +128,11 @@ class EvalConfig:
             raise ValueError(f"EvalConfig.engine={self.engine!r}: choose one of {list(ENGINES)}")
         if self.engine == "vllm":
             check_vllm_model(self.model, "engine: vllm (--engine vllm)")  # before any model or vLLM loads
+        if self.window_prefill and (self.window_only or self.protect_prompt):
+            raise ValueError(
+                "EvalConfig: window_prefill=true windows the prompt of sink + window heads; it goes with neither "
+                "window_only (already windowed, sink 0) nor protect_prompt (a protected prompt is read whole)"
+            )
         if self.window_only and self.protect_prompt:
             raise ValueError(
                 "EvalConfig: protect_prompt=true needs window_only=false and the transformers engine (a "
@@ -223,6 +231,7 @@ class EvalConfig:
             combo_sink=self.combo_sink,
             combo_window=self.combo_window,
             protect_prompt=self.protect_prompt,
+            window_prefill=self.window_prefill,
         )
 
     def repetition_rule(self) -> RepetitionRule:

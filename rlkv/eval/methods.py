@@ -66,6 +66,7 @@ class BudgetRule:
     sink, window: tokens a compressed head always keeps (RLKV inference: 16 + 64).
     combo_sink, combo_window: forced tokens of `<mask>+<policy>` compressed heads (budget sink + window).
     protect_prompt: keep prompt tokens out of eviction (breaks exact matching; see module docstring).
+    window_prefill: head-mask methods' compressed heads attend sink + window in the prompt forward too.
     """
 
     kind: str = "matched"
@@ -75,6 +76,7 @@ class BudgetRule:
     combo_sink: int = 16
     combo_window: int = 8
     protect_prompt: bool = False
+    window_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in BUDGET_RULES:
@@ -249,7 +251,12 @@ def method_config(
         return matched_compression(mask, sparsity, window=rule.overhead)
     if method.policy == "streaming":
         return CompressionConfig(
-            head_mask=mask, sparsity=sparsity, sink=rule.sink, window=rule.window, **common
+            head_mask=mask,
+            sparsity=sparsity,
+            sink=rule.sink,
+            window=rule.window,
+            window_prefill=rule.window_prefill,
+            **common,
         )
     return CompressionConfig(
         head_mask=mask,
