@@ -155,12 +155,11 @@ def export_vllm_folder(
     sparsity: float,
     window: int = 64,
     *,
-    sink: int = 16,
-    window_prefill: bool = False,
-    protect_prompt: bool = False,
     overwrite: bool = False,
+    **form: Any,
 ) -> Path:
-    """A copy of the model folder whose `config.json` names the head-mixed architecture and carries the split.
+    """A copy of the model folder whose `config.json` names the head-mixed architecture and carries the split
+    (`vllm_overrides`' form keywords).
 
     For tools that pass no `hf_overrides` (TRL's vLLM colocate mode). Weight files are hard-linked (copied
     where the file system does not link), every other file copied. The folder is written beside `out_dir`
@@ -184,7 +183,6 @@ def export_vllm_folder(
             "(overwrite=True) to replace it"
         )
     check_output_path(out, what="export folder (--out)", error=UserInputError)
-    form = {"sink": sink, "window_prefill": window_prefill, "protect_prompt": protect_prompt}
     overrides = vllm_overrides(src, head_mask, sparsity, window, **form)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
 
-from vllm_engines import DEMO, REAL, engine, greedy, kv_groups  # noqa: E402
+from vllm_engines import DEMO, REAL, blocks_per_step, engine, greedy, kv_groups  # noqa: E402
 
 from rlkv import HeadMask  # noqa: E402
 from rlkv.data.chain_task import load_chain_task, verify_chain  # noqa: E402
@@ -69,7 +69,6 @@ def test_masked_tokens_equal_rlkv_transformers_path(demo, sparsity):
 
 def test_compressed_group_holds_a_constant_window_of_blocks_while_the_full_group_grows(demo):
     _, _, _, _, mask = demo
-    from vllm import SamplingParams
 
     with engine(hf_overrides=vllm_overrides(DEMO, mask, 0.5, window=WINDOW, **WINDOW_ONLY)) as llm:
         managers, pool = kv_groups(llm)
@@ -78,21 +77,7 @@ def test_compressed_group_holds_a_constant_window_of_blocks_while_the_full_group
         full_group, window_group = (
             managers[kinds.index(k)] for k in ("FullAttentionManager", "SlidingWindowManager")
         )
-        core = llm.llm_engine
-        core.add_request(
-            "r",
-            {"prompt_token_ids": [5] * 40},
-            SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-        )
-        held = []
-        while core.has_unfinished_requests():
-            core.step()
-            blocks = [
-                [b for b in next(iter(m.req_to_blocks.values()), []) if not b.is_null]
-                for m in (full_group, window_group)
-            ]
-            if blocks[0]:
-                held.append((len(blocks[0]), len(blocks[1]), pool.get_num_free_blocks()))
+        held = blocks_per_step(llm, (full_group, window_group), [5] * 40, 400)
         assert len(held) >= 399
         full, window, free = zip(*held)
         # a window of 65 tokens spans at most 3 blocks of 32; the full group holds every token

@@ -11,13 +11,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
 
-from vllm_engines import DEMO, engine, greedy, kv_groups  # noqa: E402
+from vllm_engines import DEMO, blocks_per_step, engine, greedy, kv_groups  # noqa: E402
 
 from rlkv import HeadMask  # noqa: E402
 from rlkv.data.chain_task import load_chain_task, verify_chain  # noqa: E402
 from rlkv.data.prompts import build_prompt  # noqa: E402
-from rlkv.inference import CompressionConfig, generate, load  # noqa: E402
-from rlkv.inference.vllm import compression_overrides  # noqa: E402
+from rlkv.inference import generate, load  # noqa: E402
+from rlkv.inference.vllm import compression_overrides, vllm_compression  # noqa: E402
 
 SINK, WINDOW, BLOCK = 16, 64, 32
 
@@ -31,14 +31,9 @@ def demo():
 
 
 def _form(mask, sparsity, window_prefill=False, window=WINDOW, protect_prompt=False):
-    return CompressionConfig(
-        head_mask=mask,
-        sparsity=sparsity,
-        policy="streaming",
-        sink=SINK,
-        window=window,
-        protect_prompt=protect_prompt,
-        window_prefill=window_prefill,
+    """The transformers path's `CompressionConfig` (streaming, sink 16), the same object vLLM is given."""
+    return vllm_compression(
+        mask, sparsity, sink=SINK, window=window, window_prefill=window_prefill, protect_prompt=protect_prompt
     )
 
 
@@ -91,8 +86,6 @@ def test_a_window_over_every_position_gives_stock_vllm_tokens(demo):
 @pytest.mark.parametrize("protect_prompt", [False, True], ids=["eval-form", "protected"])
 def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_pool(demo, protect_prompt):
     model, _, _, _, mask = demo
-    from vllm import SamplingParams
-
     form = _form(mask, 0.5, protect_prompt=protect_prompt)
     with engine(hf_overrides=compression_overrides(model.config, form)) as llm:
         managers, pool = kv_groups(llm)
@@ -101,23 +94,9 @@ def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_
             managers[kinds.index("FullAttentionManager")],
             managers[kinds.index("SinkWindowManager")],
         )
-        core = llm.llm_engine
         free_before = pool.get_num_free_blocks()
         prompt_tokens = 300  # 10 blocks of 32
-        core.add_request(
-            "r",
-            {"prompt_token_ids": [5 + i % 50 for i in range(prompt_tokens)]},
-            SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-        )
-        held = []
-        while core.has_unfinished_requests():
-            core.step()
-            blocks = [
-                [b for b in next(iter(m.req_to_blocks.values()), []) if not b.is_null]
-                for m in (full_group, sink_group)
-            ]
-            if blocks[0]:
-                held.append((len(blocks[0]), len(blocks[1]), pool.get_num_free_blocks()))
+        held = blocks_per_step(llm, (full_group, sink_group), [5 + i % 50 for i in range(prompt_tokens)], 400)
         free_after = pool.get_num_free_blocks()
     assert len(held) >= 399
     full, kept, free = zip(*held)

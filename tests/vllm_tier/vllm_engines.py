@@ -35,3 +35,24 @@ def kv_groups(llm):
     """
     manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
     return manager.coordinator.single_type_managers, manager.block_pool
+
+
+def blocks_per_step(llm, groups, prompt_ids, max_tokens):
+    """Run one request (EOS ignored) step by step; per step after its first scheduling: the blocks it holds
+    in each of `groups` (managers of `kv_groups`, null blocks not counted) and the pool's free blocks."""
+    from vllm import SamplingParams
+
+    _, pool = kv_groups(llm)
+    core = llm.llm_engine
+    core.add_request(
+        "r",
+        {"prompt_token_ids": prompt_ids},
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+    )
+    held = []
+    while core.has_unfinished_requests():
+        core.step()
+        blocks = [[b for b in next(iter(m.req_to_blocks.values()), []) if not b.is_null] for m in groups]
+        if blocks[0]:
+            held.append((*map(len, blocks), pool.get_num_free_blocks()))
+    return held
