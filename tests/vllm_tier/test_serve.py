@@ -64,9 +64,9 @@ def test_rlkv_serve_answers_completions_with_the_offline_engines_tokens(tmp_path
     # a user's own overrides (a common vLLM flag) are merged into rlkv's, never replacing the split
     command += ["--hf-overrides", json.dumps({"max_position_embeddings": 1024})]
     log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    )
+    # TRL, imported by other tests of this process, sets VLLM_LOGGING_LEVEL; the engine's lines are INFO
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
