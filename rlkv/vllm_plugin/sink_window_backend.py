@@ -204,54 +204,80 @@ class SinkWindowImpl(AttentionImpl[SinkWindowMetadata]):
         if attn_metadata is None:  # profiling run
             return output
         m, d = attn_metadata, self.head_size
-        keys, values = kv_cache[..., :d], kv_cache[..., d:]
-        block = kv_cache.shape[2]
-        for r, first, count, length in m.prefill_requests:
-            positions = torch.arange(length, device=query.device)
-            blocks = m.block_table[r, positions // block]
-            k = keys[blocks, :, positions % block].transpose(0, 1)  # [H_kv, L, D]
-            v = values[blocks, :, positions % block].transpose(0, 1)
+        plan = _plan(m, layer, kv_cache.shape[2], query.device)  # shared by the group's layers this step
+        for (first, count), (blocks, offsets, visible) in zip(
+            ((f, c) for _, f, c, _ in m.prefill_requests), plan.prefill, strict=True
+        ):
+            kv = kv_cache[blocks, :, offsets].transpose(0, 1)  # [H_kv, L, 2D]: one gather for K and V
             q = query[first : first + count].transpose(0, 1)  # [H_q, Q, D]
-            visible = positions[None, :] <= positions[length - count :, None]  # [Q, L]: causal
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=visible, scale=self.scale, enable_gqa=True
+                q, kv[..., :d], kv[..., d:], attn_mask=visible, scale=self.scale, enable_gqa=True
             )
             output[first : first + count] = out.transpose(0, 1).to(output.dtype)
-        if m.window_tokens.numel():
-            output[m.window_tokens] = self._window_attention(query, keys, values, block, m, layer).to(
-                output.dtype
+        if plan.window is not None:
+            blocks, offsets, exists = plan.window
+            kv = kv_cache[blocks, :, offsets].permute(0, 2, 1, 3)  # [W, H_kv, S, 2D]
+            q = query[m.window_tokens][:, :, None, :]  # [W, H_q, 1, D]
+            out = F.scaled_dot_product_attention(
+                q,
+                kv[..., :d],
+                kv[..., d:],
+                attn_mask=exists[:, None, None, :],
+                scale=self.scale,
+                enable_gqa=True,
             )
+            output[m.window_tokens] = out[:, :, 0, :].to(output.dtype)
         return output
 
-    def _window_attention(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block: int, m: Any, layer: Any
-    ) -> torch.Tensor:
-        """[W, H_q, D]: each windowed query over its sink and its window (sink + window + 1 keys, masked),
-        or with a protected prompt over every position up to its own, masked to prompt, sink and window."""
-        sink, window = layer.rlkv_sink, layer.rlkv_window
-        p = m.positions[m.window_tokens][:, None]  # [W, 1]
-        if m.prompt_slots is not None:
-            wanted = torch.arange(m.max_window_length, device=query.device)[None, :].expand(p.shape[0], -1)
-            blocks = m.block_table[m.window_requests[:, None], wanted // block]
-            slots = (blocks * block + wanted % block).clamp(max=m.prompt_slots.numel() - 1)
-            recent = (wanted >= p - window) | (wanted < sink)
-            exists = (wanted <= p) & (recent | m.prompt_slots[slots])
-        else:
-            j = torch.arange(sink + window + 1, device=query.device)[None, :]
-            wanted = torch.where(
-                j < sink, j, p - window + (j - sink)
-            )  # [W, S]: sink positions, then the window
-            # a sink position inside the window is read there; positions before 0 do not exist yet
-            exists = (wanted >= 0) & ((j >= sink) | (wanted < p - window))
-            wanted = wanted.clamp(min=0)
-            blocks = m.block_table[m.window_requests[:, None], wanted // block]
-        k = keys[blocks, :, wanted % block].permute(0, 2, 1, 3)  # [W, H_kv, S, D]
-        v = values[blocks, :, wanted % block].permute(0, 2, 1, 3)
-        q = query[m.window_tokens][:, :, None, :]  # [W, H_q, 1, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=exists[:, None, None, :], scale=self.scale, enable_gqa=True
-        )
-        return out[:, :, 0, :]
+
+@dataclass
+class _GatherPlan:
+    """Where a step's queries read: per prompt request (blocks, offsets, causal mask [Q, L]) and for the
+    windowed queries (blocks, offsets, mask [W, S]); the same for every layer of the group."""
+
+    prefill: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    window: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
+def _plan(m: SinkWindowMetadata, layer: Any, block: int, device: torch.device) -> _GatherPlan:
+    """The step's `_GatherPlan`, built by the group's first layer and kept on the metadata for the others."""
+    cached = getattr(m, "_rlkv_plan", None)
+    if cached is not None:
+        return cached
+    prefill = []
+    for r, _, count, length in m.prefill_requests:
+        positions = torch.arange(length, device=device)
+        visible = (
+            positions[None, :] <= positions[length - count :, None]
+        )  # causal over every earlier position
+        prefill.append((m.block_table[r, positions // block], positions % block, visible))
+    window = (
+        _window_plan(m, layer.rlkv_sink, layer.rlkv_window, block, device)
+        if m.window_tokens.numel()
+        else None
+    )
+    m._rlkv_plan = _GatherPlan(prefill, window)
+    return m._rlkv_plan
+
+
+def _window_plan(
+    m: SinkWindowMetadata, sink: int, window: int, block: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(blocks, offsets, exists) [W, S] of the windowed queries: their sink and their window (S = sink +
+    window + 1), or with a protected prompt every position up to their own, masked to prompt, sink, window."""
+    p = m.positions[m.window_tokens][:, None]  # [W, 1]
+    if m.prompt_slots is not None:
+        wanted = torch.arange(m.max_window_length, device=device)[None, :].expand(p.shape[0], -1)
+        blocks = m.block_table[m.window_requests[:, None], wanted // block]
+        slots = (blocks * block + wanted % block).clamp(max=m.prompt_slots.numel() - 1)
+        recent = (wanted >= p - window) | (wanted < sink)
+        return blocks, wanted % block, (wanted <= p) & (recent | m.prompt_slots[slots])
+    j = torch.arange(sink + window + 1, device=device)[None, :]
+    wanted = torch.where(j < sink, j, p - window + (j - sink))  # [W, S]: sink positions, then the window
+    # a sink position inside the window is read there; positions before 0 do not exist yet
+    exists = (wanted >= 0) & ((j >= sink) | (wanted < p - window))
+    wanted = wanted.clamp(min=0)
+    return m.block_table[m.window_requests[:, None], wanted // block], wanted % block, exists
 
 
 class SinkWindowBackend(AttentionBackend):
