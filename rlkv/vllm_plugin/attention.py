@@ -1,10 +1,11 @@
 """`HeadMixedAttention`: a decoder layer's vLLM `Attention`, its KV heads split into full and windowed modules.
 
 The stock model builds one `Attention` over all of a layer's heads; the head-mixed model replaces it
-with this module, which holds stock `Attention` modules over disjoint KV-head subsets: the layer's
-full heads (a full-attention KV cache spec) and its compressed heads (`per_layer_sliding_window`, a
-sliding-window spec). vLLM's hybrid KV cache manager puts the two kinds in different KV cache groups
-over one block pool, and its sliding-window manager returns a compressed head's blocks behind the
+with this module, which holds `Attention` modules over disjoint KV-head subsets: the layer's full heads
+(stock, a full-attention KV cache spec) and its compressed heads (rlkv's `SinkWindowAttention`, a
+sink + window spec of its own, `sink_window.py`; or, for the window-only form, stock `Attention` with
+`per_layer_sliding_window`). vLLM's hybrid KV cache manager puts the kinds in different KV cache groups
+over one block pool, and the compressed kind's manager returns a head's blocks outside its sink and
 window to that pool during decode: the memory a full head or another request then uses.
 
 Every module holds `unit` KV heads (`HeadSplit.unit`), so every group has one page size. The
