@@ -34,14 +34,15 @@ def read_archive(folder: Path) -> dict[str, str]:
         return {rec["key"]: rec["completion"] for rec in map(json.loads, f)}
 
 
-def archive(folder: Path) -> tuple[int, int]:
-    """Archive `folder`'s compressed-method completions; returns (rows moved now, bytes of results.jsonl after)."""
+def archive(folder: Path, keep_full: bool = True) -> tuple[int, int]:
+    """Archive `folder`'s compressed-method completions (and `full`'s unless `keep_full`: for folders whose
+    full rows nothing re-encodes); returns (rows moved now, bytes of results.jsonl after)."""
     with FolderLock(folder, "archive_completions"):
         rows = read_results(folder / RESULTS_FILE, repair=True)
         texts = read_archive(folder)
         moved = 0
         for row in rows:
-            if row["method"] != "full" and row.get("completion") is not None:
+            if (row["method"] != "full" or not keep_full) and row.get("completion") is not None:
                 texts[row["key"]] = row["completion"]
                 row["completion"] = None
                 moved += 1
@@ -58,12 +59,17 @@ def archive(folder: Path) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path, help="rlkv eval output folders")
+    parser.add_argument(
+        "--with-full",
+        action="store_true",
+        help="archive the full rows' texts too (folders whose full rows `rlkv mask-nll` does not re-encode)",
+    )
     args = parser.parse_args(argv)
     for folder in args.folders:
         if not (folder / RESULTS_FILE).is_file():
             print(f"archive_completions: error: {folder} holds no {RESULTS_FILE}", file=sys.stderr)
             return 2
-        moved, size = archive(folder)
+        moved, size = archive(folder, keep_full=not args.with_full)
         print(f"{folder}: {moved} completions archived, {RESULTS_FILE} now {size:,} bytes")
     return 0
 

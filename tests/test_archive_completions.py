@@ -31,3 +31,11 @@ def test_texts_move_by_key_full_rows_keep_theirs_and_a_rerun_merges(tmp_path):
     assert archive_completions.read_archive(tmp_path) == {"b": "rlkv text", "c": "rkv text", "d": "late text"}
     assert archive_completions.archive(tmp_path)[0] == 0  # idempotent
     assert sorted(p.name for p in tmp_path.iterdir()) == ["completions.jsonl.gz", "results.jsonl"]
+
+
+def test_with_full_the_full_rows_texts_move_too(tmp_path):
+    rows = [_row("a", "full", "full text"), _row("b", "rlkv", "rlkv text")]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert archive_completions.main([str(tmp_path), "--with-full"]) == 0
+    assert [r["completion"] for r in read_results(tmp_path / "results.jsonl")] == [None, None]
+    assert archive_completions.read_archive(tmp_path) == {"a": "full text", "b": "rlkv text"}
