@@ -15,7 +15,8 @@ them back by block table, so it never depends on a kernel's packed layout. Per l
 
 Keys are stored after RoPE, so gathering them in any order attends them at their logical positions.
 Prefill and decode numbers match rlkv's transformers path within float tolerance (the vLLM tier).
-On a GPU the same torch ops run without a host sync in decode; CUDA graphs are not captured for this
+On a GPU the same torch ops run without a host read of a device tensor in decode (padded tokens are not
+filtered out but aimed at vLLM's null slot); CUDA graphs are not captured for this
 group (`AttentionCGSupport.NEVER`), a known cost there.
 """
 
@@ -70,20 +71,14 @@ class SinkWindowMetadataBuilder(AttentionMetadataBuilder[SinkWindowMetadata]):
 
     def _mark_prompt_slots(self, slot_mapping: torch.Tensor, is_prompt: torch.Tensor) -> torch.Tensor:
         """Record, for every slot written this step, whether it now holds a prompt token."""
-        slots = slot_mapping[: is_prompt.numel()]
-        keep = slots >= 0
-        slots, is_prompt = slots[keep], is_prompt[keep]
-        needed = 0 if self.prompt_slots is not None else int(slots.max()) + 1 if slots.numel() else 0
-        if self.prompt_slots is None or self.prompt_slots.numel() < needed:  # pool size unknown: grow
-            grown = torch.zeros(
-                max(needed, 2 * (0 if self.prompt_slots is None else self.prompt_slots.numel())),
-                dtype=torch.bool,
-                device=slot_mapping.device,
+        if self.prompt_slots is None:
+            raise RuntimeError(
+                "rlkv's protected-prompt group needs the KV pool's size when its metadata builder starts "
+                "(cache_config.num_gpu_blocks); this vLLM sets it later: serve without --protect-prompt"
             )
-            if self.prompt_slots is not None:
-                grown[: self.prompt_slots.numel()] = self.prompt_slots
-            self.prompt_slots = grown
-        self.prompt_slots[slots] = is_prompt
+        slots = slot_mapping[: is_prompt.numel()]
+        valid = slots >= 0  # padded tokens carry -1: they mark vLLM's null slot 0 as not a prompt token
+        self.prompt_slots[slots.clamp(min=0)] = is_prompt & valid
         return self.prompt_slots
 
     def build(
@@ -182,11 +177,13 @@ class SinkWindowImpl(AttentionImpl[SinkWindowMetadata]):
         """Write key, value [T, H_kv, D] into kv_cache [blocks, H_kv, block, 2 * D] at slot_mapping [T]."""
         tokens = min(key.shape[0], slot_mapping.shape[0])
         slots = slot_mapping[:tokens]
-        keep = slots >= 0  # padded tokens carry -1
-        slots, key, value = slots[keep], key[:tokens][keep], value[:tokens][keep]
+        # padded tokens carry -1: they aim at vLLM's null slot and write back what it holds, so no boolean
+        # filter (a host sync on a GPU) is needed
+        valid = (slots >= 0)[:, None, None]
         block_size = kv_cache.shape[2]
-        blocks, offsets = slots // block_size, slots % block_size
-        kv_cache[blocks, :, offsets] = torch.cat([key, value], dim=-1).to(kv_cache.dtype)
+        blocks, offsets = slots.clamp(min=0) // block_size, slots.clamp(min=0) % block_size
+        new = torch.cat([key[:tokens], value[:tokens]], dim=-1).to(kv_cache.dtype)
+        kv_cache[blocks, :, offsets] = torch.where(valid, new, kv_cache[blocks, :, offsets])
 
     def forward(
         self,
