@@ -71,10 +71,11 @@ def reachable_kv(
     window (the whole prompt + window under `protect_prompt`)."""
     full = None if compression is None else compression.full_heads(model)
     num_full = num_heads if compression is None else (int(full.sum()) if full is not None else 0)
-    held = compression.sink + compression.window if compression is not None else length
-    kept_comp = min(length, held)
-    if compression is not None and compression.protect_prompt:  # the prompt kept whole besides the window
-        kept_comp = min(length, max(prompt_length, compression.sink) + compression.window)
+    if compression is None:
+        kept_comp = length
+    else:  # a protected prompt is kept whole besides the window, else the sink
+        head = max(prompt_length, compression.sink) if compression.protect_prompt else compression.sink
+        kept_comp = min(length, head + compression.window)
     kept = num_full * length + (num_heads - num_full) * kept_comp
     return ReachableKV(length, kept, num_heads * length - kept)
 
