@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from rlkv.eval.report import REPORT_JSON, write_report
+from rlkv.eval.report import REPORT_JSON, render_markdown, write_report
 from rlkv.eval.results import CONFIG_FILE, RESULTS_FILE
 from rlkv.eval.tables import (
     accuracy_table,
@@ -321,3 +321,27 @@ def test_a_grid_of_full_alone_reports_full_in_a_column_of_its_own(tmp_path):
     assert json.loads((tmp_path / REPORT_JSON).read_text())["benchmarks"]["b"]["pass_at_1"] == {
         "full": {"0": 0.75}
     }
+
+
+@pytest.mark.parametrize(
+    ("form", "words"),
+    [
+        ({}, "sink 16 + the last 64 tokens after a full-attention prompt forward"),
+        ({"protect_prompt": True}, "the whole prompt, sink 16 and the last 64 generated tokens"),
+        ({"window_prefill": True}, "the prompt forward windowed the same way"),
+        (
+            {"window_only": True, "sink": 0, "window": 80},
+            "a sliding window of the last 0 + 80 tokens, no sink",
+        ),
+    ],
+)
+def test_the_report_names_the_form_the_head_mask_methods_ran(form, words):
+    """The form line is read from the run's config: a vLLM run in the eval's form is not called window-only."""
+    rows = [
+        _row(p, m, s, True, 10) | {"engine": "vllm"}
+        for p in range(2)
+        for m, s in (("full", 0.0), ("rlkv", 0.5))
+    ]
+    text = render_markdown(rows, {"sink": 16, "window": 64} | form, num_heads=4)
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("- head-mask methods' compressed heads keep")]
+    assert words in line

@@ -147,13 +147,22 @@ def _engine_lines(rows: list[Row]) -> list[str]:
     if list(by_engine) == ["transformers"]:
         return []
     parts = [f"{engine} ({', '.join(methods)})" for engine, methods in by_engine.items()]
-    note = (
-        "; head-mask methods in vLLM's form (compressed heads: a window of the last sink + window tokens, "
-        "no sink, prompt included); methods without a vLLM form ran on transformers"
-        if "vllm" in by_engine
-        else ""
-    )
+    note = "; methods without a vLLM form ran on transformers" if "vllm" in by_engine else ""
     return [f"- engine: {'; '.join(parts)}{note}"]
+
+
+def head_mask_form(config: dict[str, Any]) -> str:
+    """What the head-mask methods' compressed heads keep, in words, from a run's saved config."""
+    sink, window = config.get("sink", 16), config.get("window", 64)
+    if config.get("window_only"):
+        return f"a sliding window of the last {sink} + {window} tokens, no sink, the prompt windowed too"
+    if config.get("window_prefill"):
+        return f"sink {sink} + the last {window} tokens, the prompt forward windowed the same way"
+    if config.get("protect_prompt"):
+        return f"the whole prompt, sink {sink} and the last {window} generated tokens"
+    return (
+        f"sink {sink} + the last {window} tokens after a full-attention prompt forward (the prompt evictable)"
+    )
 
 
 def render_markdown(
@@ -182,6 +191,7 @@ def render_markdown(
         ),
         f"- rows: {len(rows)}; generation wall time {sum(r.get('seconds', 0) for r in rows):.0f} s",
         *_engine_lines(rows),
+        f"- head-mask methods' compressed heads keep {head_mask_form(config)}",
         *_stop_lines(rows, benches, config),
         "",
         "**Budget matching** (`budget_rule: "
