@@ -130,3 +130,33 @@ def test_export_writes_a_folder_vllm_serves_without_overrides(tmp_path):
     assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight)
     assert (out / "tokenizer.json").is_file()
     assert not list(tmp_path.rglob("*.tmp*"))
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("llama", {"attention_bias": True}), ("qwen2", {}), ("qwen3", {})],
+)
+def test_weights_permuted_to_the_served_head_order_compute_the_same_model(make_model, family, overrides):
+    """The plugin loads each split layer's heads full-first (`HeadOrder`): q/k/v rows (and biases) and o_proj
+    columns move by whole KV heads, so the model is the same function (fp32, o_proj sums in another order)."""
+    from rlkv.vllm_plugin.head_order import HeadOrder
+
+    geometry = dict(num_attention_heads=8, num_key_value_heads=4, **overrides)
+    model = make_model(family, seed=1, **geometry)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):  # zero at init: random, so a bias left in the stock order shows
+                p.normal_(0.0, 0.5)
+    split = HeadSplit(((1, 3), (2,)), window=8)  # non-contiguous full heads in layer 0, one in layer 1
+    orders = {layer: split.served_order(layer, 4) for layer in range(2)}
+    assert orders == {0: (1, 3, 0, 2), 1: (2, 0, 1, 3)}
+    head_order = HeadOrder(orders, groups=2, head_size=16)
+    permuted = dict(head_order.weights(model.state_dict().items()))
+    served = make_model(family, seed=2, **geometry)
+    served.load_state_dict(permuted)
+    moved = [n for n, w in model.state_dict().items() if not torch.equal(w, permuted[n])]
+    # q, k, v weights (and biases: Qwen2's, Llama's with attention_bias) and o_proj's weight; not o_proj's bias
+    assert len(moved) == 2 * {"llama": 7, "qwen2": 7, "qwen3": 4}[family]
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)

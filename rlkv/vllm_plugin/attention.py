@@ -10,8 +10,9 @@ window to that pool during decode: the memory a full head or another request the
 
 Every module holds `unit` KV heads (`HeadSplit.unit`), so every group has one page size. The
 decoder's own forward is unchanged: it calls `self.attn(q, k, v)` with q [T, H_q * D] and k, v
-[T, H_kv * D] after RoPE; this module picks each part's heads (a view when they are contiguous),
-runs the part and writes its output columns back in head order.
+[T, H_kv * D] after RoPE. The layer's weights were permuted at load (`head_order.py`) so that its full
+KV heads come first and its compressed ones after: each part's heads are a contiguous slice of q/k/v
+(a view) and its output a slice of this module's output, in the served order o_proj was permuted to.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from rlkv.vllm_plugin.fence import attention_class, current_vllm_config, forget_attention_layer, layer_index
+from rlkv.vllm_plugin.head_order import HeadOrder
 from rlkv.vllm_plugin.split import HeadSplit, HeadSplitError
 
 
@@ -50,42 +52,35 @@ class HeadMixedAttention(nn.Module):
             )
         forget_attention_layer(original.layer_name)
         cache_config = current_vllm_config().cache_config
-        full = tuple(full_kv_heads)
-        compressed = tuple(h for h in range(num_kv) if h not in set(full))
-        self.parts: list[tuple[str, tuple[int, ...]]] = []
-        for kind, heads in (("full", full), ("window", compressed)):
-            for i in range(0, len(heads), unit):
-                name, part_heads = f"{kind}_{i // unit}", heads[i : i + unit]
-                self.add_module(name, _part(original, kind, len(part_heads), split, cache_config, name))
-                self.parts.append((name, part_heads))
-        # each part's heads as a slice (a view of q/k/v) when contiguous, else an index tensor
-        self._picks = [_pick(heads) for _, heads in self.parts]
+        num_full = len(full_kv_heads)
+        # (module name, its served KV-head positions): full heads at [0, num_full), compressed after
+        self.parts: list[tuple[str, slice]] = []
+        for kind, start, stop in (("full", 0, num_full), ("window", num_full, num_kv)):
+            for i, first in enumerate(range(start, stop, unit)):
+                name, heads = f"{kind}_{i}", slice(first, min(first + unit, stop))
+                self.add_module(
+                    name, _part(original, kind, heads.stop - heads.start, split, cache_config, name)
+                )
+                self.parts.append((name, heads))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Attention output [T, H_q * D] of query [T, H_q * D] over key, value [T, H_kv * D]."""
+        """Attention output [T, H_q * D] of query [T, H_q * D] over key, value [T, H_kv * D], heads in the
+        served order."""
+        if len(self.parts) == 1:
+            return getattr(self, self.parts[0][0])(query, key, value)
         tokens = query.shape[0]
         q = query.view(tokens, self.num_kv_heads, self.groups * self.head_size)
         k = key.view(tokens, self.num_kv_heads, self.head_size)
         v = value.view(tokens, self.num_kv_heads, self.head_size)
-        if len(self.parts) == 1:
-            return getattr(self, self.parts[0][0])(query, key, value)
         out = torch.empty_like(q)
-        for i, (name, heads) in enumerate(self.parts):
-            n, pick = len(heads), self._picks[i]
-            if isinstance(pick, slice):
-                qs, ks, vs = q[:, pick], k[:, pick], v[:, pick]
-            else:
-                if pick.device != query.device:  # moved once, on the first forward (no copy per step)
-                    pick = self._picks[i] = pick.to(query.device)
-                qs, ks, vs = q.index_select(1, pick), k.index_select(1, pick), v.index_select(1, pick)
-            part_out = getattr(self, name)(
-                qs.reshape(tokens, -1), ks.reshape(tokens, -1), vs.reshape(tokens, -1)
+        for name, heads in self.parts:
+            part = getattr(self, name)
+            part_out = part(
+                q[:, heads].reshape(tokens, -1),
+                k[:, heads].reshape(tokens, -1),
+                v[:, heads].reshape(tokens, -1),
             )
-            part_out = part_out.view(tokens, n, self.groups * self.head_size)
-            if isinstance(pick, slice):
-                out[:, pick] = part_out
-            else:
-                out.index_copy_(1, pick, part_out)
+            out[:, heads] = part_out.view(tokens, -1, self.groups * self.head_size)
         return out.view(tokens, -1)
 
 
@@ -118,20 +113,16 @@ def _part(
     )
 
 
-def _pick(heads: tuple[int, ...]) -> slice | torch.Tensor:
-    if heads[-1] - heads[0] + 1 == len(heads):
-        return slice(heads[0], heads[-1] + 1)
-    return torch.tensor(heads, dtype=torch.long)
-
-
-def split_attention_layers(model: nn.Module, split: HeadSplit, num_kv_heads: int) -> int:
-    """Replace every stock decoder `Attention` of `model` by a `HeadMixedAttention`; returns how many.
+def split_attention_layers(model: nn.Module, split: HeadSplit, num_kv_heads: int) -> HeadOrder:
+    """Replace every stock decoder `Attention` of `model` by a `HeadMixedAttention`; returns the head order
+    its weights must be loaded in (`HeadOrder.weights`).
 
     A layer whose heads are all full keeps its stock module (one full-attention part, the same spec).
     """
     attention = attention_class()
     unit = split.unit(num_kv_heads)
-    replaced = 0
+    orders: dict[int, tuple[int, ...]] = {}
+    geometry = (1, 1)
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if type(child) is not attention:
@@ -141,5 +132,6 @@ def split_attention_layers(model: nn.Module, split: HeadSplit, num_kv_heads: int
             if len(full) == num_kv_heads and unit == num_kv_heads:
                 continue
             setattr(parent, child_name, HeadMixedAttention(child, full, split, unit))
-            replaced += 1
-    return replaced
+            orders[layer] = split.served_order(layer, num_kv_heads)
+            geometry = (child.num_heads // child.num_kv_heads, child.head_size)
+    return HeadOrder(orders, *geometry)

@@ -2,16 +2,19 @@
 
 Each class is the stock vLLM model (subclassed, not patched) whose decoder `Attention` modules are
 replaced, once the stock model is built, by `HeadMixedAttention` over the split read from
-`config.rlkv_head_split`. Weights load as the stock model's (the split changes no parameter), so
-`load_weights` and vLLM's weight reloads are the stock ones. `check_engine` refuses, at engine
-start, what the split cannot honour.
+`config.rlkv_head_split`. The split changes no parameter's shape; `load_weights` (through which vLLM's
+loaders and in-place reloads pass) permutes each split layer's attention weights into the served head
+order (`head_order.py`) and hands them to the stock loader. `check_engine` refuses, at engine start,
+what the split cannot honour.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
+import torch
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
@@ -33,6 +36,16 @@ def check_engine(vllm_config: Any) -> HeadSplit:
             f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
             f"{parallel.pipeline_parallel_size}: rlkv's head split is written for one device; use 1"
         )
+    if vllm_config.quant_config is not None:
+        raise HeadSplitError(
+            f"quantization {vllm_config.model_config.quantization!r}: rlkv permutes each layer's attention heads "
+            "as the weights load, which packed quantized weights do not allow; serve an unquantized checkpoint"
+        )
+    if vllm_config.lora_config is not None:
+        raise HeadSplitError(
+            "enable_lora is set: LoRA adapters are in the stock head order and rlkv serves its heads permuted; "
+            "merge the adapter into the weights and serve the merged model"
+        )
     if vllm_config.speculative_config is not None:
         raise HeadSplitError(
             "speculative_config is set: rlkv's head-mixed models do not serve speculative decoding; drop it"
@@ -41,36 +54,29 @@ def check_engine(vllm_config: Any) -> HeadSplit:
     return split
 
 
-def _split_layers(model: Any, split: HeadSplit, vllm_config: Any) -> None:
-    """Split the built model's attention layers and log the split it serves (read from the loaded config)."""
-    config = vllm_config.model_config.hf_config
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    split_attention_layers(model, split, num_kv_heads)
-    _LOG.info(split.describe(num_kv_heads, type(model).__name__))
+class _HeadMixed:
+    """The head split over a stock vLLM model class (the class after this one in the bases)."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = ""):
+        split = check_engine(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        config = vllm_config.model_config.hf_config
+        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        self.rlkv_head_order = split_attention_layers(self, split, num_kv_heads)
+        _LOG.info(split.describe(num_kv_heads, type(self).__name__))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The stock loader over `weights` with each split layer's attention weights in the served order."""
+        return super().load_weights(self.rlkv_head_order.weights(weights))
 
 
-class RlkvLlamaForCausalLM(LlamaForCausalLM):
+class RlkvLlamaForCausalLM(_HeadMixed, LlamaForCausalLM):
     """vLLM's `LlamaForCausalLM` with the head split of `config.rlkv_head_split`."""
 
-    def __init__(self, *, vllm_config: Any, prefix: str = ""):
-        split = check_engine(vllm_config)
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        _split_layers(self, split, vllm_config)
 
-
-class RlkvQwen2ForCausalLM(Qwen2ForCausalLM):
+class RlkvQwen2ForCausalLM(_HeadMixed, Qwen2ForCausalLM):
     """vLLM's `Qwen2ForCausalLM` with the head split of `config.rlkv_head_split`."""
 
-    def __init__(self, *, vllm_config: Any, prefix: str = ""):
-        split = check_engine(vllm_config)
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        _split_layers(self, split, vllm_config)
 
-
-class RlkvQwen3ForCausalLM(Qwen3ForCausalLM):
+class RlkvQwen3ForCausalLM(_HeadMixed, Qwen3ForCausalLM):
     """vLLM's `Qwen3ForCausalLM` with the head split of `config.rlkv_head_split`."""
-
-    def __init__(self, *, vllm_config: Any, prefix: str = ""):
-        split = check_engine(vllm_config)
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        _split_layers(self, split, vllm_config)

@@ -88,6 +88,11 @@ class HeadSplit:
         full = set(self.full_kv_heads[layer])
         return tuple(h for h in range(num_kv_heads) if h not in full)
 
+    def served_order(self, layer: int, num_kv_heads: int) -> tuple[int, ...]:
+        """The stock KV head at each position of `layer` as served: its full heads, then its compressed
+        ones (the order its attention weights are permuted to at load)."""
+        return self.full_kv_heads[layer] + self.compressed_kv_heads(layer, num_kv_heads)
+
     def unit(self, num_kv_heads: int) -> int:
         """KV heads per vLLM attention module: the gcd of every layer's full and compressed head counts.
 

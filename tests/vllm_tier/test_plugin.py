@@ -124,6 +124,19 @@ def test_engine_start_refuses_a_split_that_does_not_fit(split, message):
     assert any(isinstance(e, HeadSplitError) and message in str(e) for e in chain), chain
 
 
+def test_engine_start_refuses_lora_adapters_in_the_stock_head_order():
+    """The plugin serves each layer's heads permuted (full first); a LoRA adapter's q/k/v/o deltas are in the
+    stock order, so adapters are refused at engine start with the fix (merge them)."""
+    overrides = {
+        "architectures": ["RlkvLlamaForCausalLM"],
+        CONFIG_KEY: {"format": 1, "full_kv_heads": [[0], [1], [], []], "sink": 0, "window": 8},
+    }
+    with pytest.raises(Exception) as failure, engine(hf_overrides=overrides, enable_lora=True):
+        pass
+    chain = [failure.value, *_causes(failure.value)]
+    assert any(isinstance(e, HeadSplitError) and "merge the adapter" in str(e) for e in chain), chain
+
+
 def _causes(error):
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
