@@ -345,3 +345,9 @@ def test_the_report_names_the_form_the_head_mask_methods_ran(form, words):
     text = render_markdown(rows, {"sink": 16, "window": 64} | form, num_heads=4)
     (line,) = [ln for ln in text.splitlines() if ln.startswith("- head-mask methods' compressed heads keep")]
     assert words in line
+
+
+def test_a_grid_without_head_mask_methods_names_no_form():
+    rows = [_row(p, m, s, True, 10) for p in range(2) for m, s in (("full", 0.0), ("rkv", 0.5))]
+    text = render_markdown(rows, {"sink": 16, "window": 64}, num_heads=4)
+    assert "compressed heads keep" not in text

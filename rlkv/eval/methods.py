@@ -121,7 +121,8 @@ def random_mask_seed(mask: str) -> int | None:
     return None
 
 
-def _is_mask(mask: str) -> bool:
+def is_mask_name(mask: str) -> bool:
+    """True for a head-mask method's name (a MASK_METHODS name or `random-mask@K`)."""
     return mask in MASK_METHODS or random_mask_seed(mask) is not None
 
 
@@ -130,12 +131,12 @@ def parse_method(name: str) -> Method:
     policies = available_policies()
     if name == "full":
         return Method(name, None, None)
-    if _is_mask(name):
+    if is_mask_name(name):
         return Method(name, name, "streaming")
     mask, plus, policy = name.partition("+")
     if plus:
         policy = "random" if policy == "random-evict" else policy  # `<mask>+streaming` stays the ring
-        if _is_mask(mask) and policy in policies:
+        if is_mask_name(mask) and policy in policies:
             return Method(name, mask, policy)
     else:
         policy = BASELINE_POLICY_ALIASES.get(name, name)

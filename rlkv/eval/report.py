@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rlkv._io import atomic_write_text
+from rlkv.eval.methods import is_mask_name
 from rlkv.eval.plots import plot_accuracy, plot_common_length, plot_error_modes, plot_gate_heatmap
 from rlkv.eval.results import CONFIG_FILE, RESULTS_FILE, current_results, read_json
 from rlkv.eval.sensitivity import ORDER_METHODS, plot_sensitivity
@@ -191,7 +192,11 @@ def render_markdown(
         ),
         f"- rows: {len(rows)}; generation wall time {sum(r.get('seconds', 0) for r in rows):.0f} s",
         *_engine_lines(rows),
-        f"- head-mask methods' compressed heads keep {head_mask_form(config)}",
+        *(
+            [f"- head-mask methods' compressed heads keep {head_mask_form(config)}"]
+            if any(is_mask_name(r["method"]) for r in rows)
+            else []
+        ),
         *_stop_lines(rows, benches, config),
         "",
         "**Budget matching** (`budget_rule: "

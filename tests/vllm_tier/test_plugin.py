@@ -23,7 +23,13 @@ from rlkv.vllm_plugin.split import CONFIG_KEY, HeadSplitError  # noqa: E402
 
 WINDOW = 64
 WINDOW_ONLY = dict(sink=0, window_prefill=True)  # vLLM's own sliding window: sink 0, the prompt windowed
-MASK = "data/masks/demo"  # the demo's shipped mask, if present; else a seeded random mask
+MASK = "data/masks/demo"
+SPLIT = {
+    "format": 1,
+    "full_kv_heads": [[0], [1], [], []],
+    "sink": 0,
+    "window": 8,
+}  # a valid demo split  # the demo's shipped mask, if present; else a seeded random mask
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +120,7 @@ def test_a_prepared_folder_serves_without_overrides(demo, tmp_path):
     ],
 )
 def test_engine_start_refuses_a_split_that_does_not_fit(split, message):
-    overrides = {
-        "architectures": ["RlkvLlamaForCausalLM"],
-        CONFIG_KEY: {"format": 1, "full_kv_heads": [[0], [1], [], []], "sink": 0, "window": 8} | split,
-    }
+    overrides = {"architectures": ["RlkvLlamaForCausalLM"], CONFIG_KEY: SPLIT | split}
     with pytest.raises(Exception) as failure, engine(hf_overrides=overrides):
         pass
     chain = [failure.value, *_causes(failure.value)]
@@ -127,10 +130,7 @@ def test_engine_start_refuses_a_split_that_does_not_fit(split, message):
 def test_engine_start_refuses_lora_adapters_in_the_stock_head_order():
     """The plugin serves each layer's heads permuted (full first); a LoRA adapter's q/k/v/o deltas are in the
     stock order, so adapters are refused at engine start with the fix (merge them)."""
-    overrides = {
-        "architectures": ["RlkvLlamaForCausalLM"],
-        CONFIG_KEY: {"format": 1, "full_kv_heads": [[0], [1], [], []], "sink": 0, "window": 8},
-    }
+    overrides = {"architectures": ["RlkvLlamaForCausalLM"], CONFIG_KEY: SPLIT}
     with pytest.raises(Exception) as failure, engine(hf_overrides=overrides, enable_lora=True):
         pass
     chain = [failure.value, *_causes(failure.value)]
