@@ -1,8 +1,8 @@
 """Move the completion texts of an eval folder's compressed-method rows into `completions.jsonl.gz`.
 
-Committed eval folders keep results.jsonl as rows (every field a table or a resume reads; `full` rows
-keep their text, which `rlkv mask-nll --solutions-from` re-encodes) and the other rows' texts gzipped
-beside them, key -> text, so the checkout stays small enough to travel (issue 68: tracked files under
+Committed eval folders keep results.jsonl as rows (every field a table or a resume reads) and the
+texts gzipped beside them, key -> text (`rlkv.eval.results.read_archive`, which `rlkv mask-nll
+--solutions-from` reads too); `full` rows keep theirs unless `--with-full`, so the checkout stays small enough to travel (issue 68: tracked files under
 30 MiB). Idempotent: a rerun after more rows arrived merges them. Holds the folder's lock, so it never
 races a running `rlkv eval`.
 
@@ -20,18 +20,7 @@ import tempfile
 from pathlib import Path
 
 from rlkv._io import FolderLock, atomic_write_text
-from rlkv.eval.results import RESULTS_FILE, read_results
-
-ARCHIVE_FILE = "completions.jsonl.gz"
-
-
-def read_archive(folder: Path) -> dict[str, str]:
-    """key -> completion text of `folder`'s archive (empty when there is none)."""
-    path = folder / ARCHIVE_FILE
-    if not path.exists():
-        return {}
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return {rec["key"]: rec["completion"] for rec in map(json.loads, f)}
+from rlkv.eval.results import ARCHIVE_FILE, RESULTS_FILE, read_archive, read_results
 
 
 def archive(folder: Path, keep_full: bool = True) -> tuple[int, int]:

@@ -228,6 +228,26 @@ def test_mask_nll_solutions_from_an_eval_folder_scores_its_rows_below_the_cap(tm
         assert json.loads(out.read_text())["dtype"] == dtype
 
 
+def test_full_kv_solutions_read_texts_archived_out_of_the_rows(tmp_path):
+    """A committed folder's `full` texts may live in completions.jsonl.gz (archive_completions --with-full):
+    the solutions re-encoded from there equal those from the rows."""
+    import gzip
+
+    from rlkv.eval import EvalConfig, read_results
+    from rlkv.eval.results import ARCHIVE_FILE
+    from rlkv.eval.solutions import full_kv_solutions
+
+    recipe, _ = _eval_folder(tmp_path, stopped={0, 2, 3})
+    cfg, tokenizer = EvalConfig.from_yaml(recipe), tiny_tokenizer()
+    before = full_kv_solutions(cfg, tokenizer, "chain")
+    results = tmp_path / "eval" / "results.jsonl"
+    rows = read_results(results)
+    with gzip.open(tmp_path / "eval" / ARCHIVE_FILE, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"key": r["key"], "completion": r["completion"]}) + "\n" for r in rows)
+    results.write_text("".join(json.dumps(r | {"completion": None}) + "\n" for r in rows))
+    assert len(before) == 3 and full_kv_solutions(cfg, tokenizer, "chain") == before
+
+
 @pytest.mark.parametrize(
     "extra, stopped, needle",
     [

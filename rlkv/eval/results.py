@@ -3,6 +3,7 @@ the last run asked for, and its config; `current_results` reads the rows the rep
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ logger = logging.getLogger(__name__)
 RESULTS_FILE = "results.jsonl"
 KEYS_FILE = "eval_keys.json"  # the row keys the last run asked for: what the report counts
 CONFIG_FILE = "eval_config.json"
+ARCHIVE_FILE = "completions.jsonl.gz"  # key -> completion text of rows whose text left results.jsonl
 
 
 def row_key(benchmark: str, problem_id: str, method: str, sparsity: float, sample: int) -> str:
@@ -77,6 +79,16 @@ def read_results(path: str | os.PathLike, repair: bool = False) -> list[dict[str
         with open(path, "r+b") as f:
             f.truncate(good_end)
     return rows
+
+
+def read_archive(folder: str | os.PathLike) -> dict[str, str]:
+    """key -> completion text of `folder`'s `ARCHIVE_FILE` (`scripts/archive_completions.py`; empty when
+    there is none): committed eval folders keep rows in results.jsonl and the texts there."""
+    path = Path(folder) / ARCHIVE_FILE
+    if not path.exists():
+        return {}
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return {rec["key"]: rec["completion"] for rec in map(json.loads, f)}
 
 
 def current_results(out: str | os.PathLike, keys: set[str] | None = None) -> list[dict[str, Any]]:

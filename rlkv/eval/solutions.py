@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rlkv.eval.config import EvalConfig
-from rlkv.eval.results import RESULTS_FILE, read_results
+from rlkv.eval.results import RESULTS_FILE, read_archive, read_results
 from rlkv.eval.runner import benchmark_prompts
 
 
@@ -18,7 +18,7 @@ def full_kv_solutions(
     the length cap, in the eval's problem order, at most `num`.
 
     The prompts are the token ids the eval fed the model; the completions are re-encoded from the rows' text
-    (special tokens such as the EOS are not in it). Raises UserInputError when `benchmark` is not one of the
+    (special tokens such as the EOS are not in it), or from the folder's archive where the text left the row. Raises UserInputError when `benchmark` is not one of the
     recipe's or the folder holds no such row.
     """
     from rlkv.errors import UserInputError
@@ -28,11 +28,12 @@ def full_kv_solutions(
         raise UserInputError(
             f"benchmark {benchmark!r} is not one of the eval recipe's benchmarks {cfg.benchmarks}: pick one"
         )
-    completions = {}
+    completions, archived = {}, read_archive(cfg.out)
     for row in read_results(Path(cfg.out) / RESULTS_FILE):
         if (row["benchmark"], row["method"], row["sample"]) == (benchmark, "full", 0):
             if row["finish_reason"] != "length":
-                completions.setdefault(row["problem_id"], row["completion"])
+                text = row["completion"] if row["completion"] is not None else archived[row["key"]]
+                completions.setdefault(row["problem_id"], text)
     solutions = []
     prompts = benchmark_prompts(dataclasses.replace(cfg, benchmarks=[benchmark]), tokenizer)[benchmark]
     for pid, _, messages, _ in prompts:
