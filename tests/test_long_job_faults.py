@@ -136,6 +136,18 @@ def test_killed_writes_leave_no_temp_files_and_an_empty_checkpoint_names_the_way
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt", "run"]
 
 
+def test_a_trainer_state_cut_short_by_a_kill_is_not_a_complete_checkpoint(tmp_path):
+    """transformers writes trainer_state.json last and in place: a kill mid-write leaves it empty or torn."""
+    run = tmp_path / "run"
+    for step, state in ((1, '{"global_step": 1}\n'), (2, ""), (3, '{"global_step": 3, "log_h')):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
+    assert resolve_output_dir(str(run), "true", overwrite=False, main_process=True) == str(run / "checkpoint-1")
+    for torn in (2, 3):
+        with pytest.raises(UserInputError, match="not a complete checkpoint.*checkpoint-1"):
+            resolve_output_dir(str(run), str(run / f"checkpoint-{torn}"), overwrite=False, main_process=True)
+
+
 def test_a_mask_folder_whose_tsv_disagrees_with_its_json_is_refused(tmp_path):
     from rlkv.head_mask import HeadMask, HeadMaskError
     from rlkv.testing import tiny_model

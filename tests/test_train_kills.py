@@ -26,7 +26,7 @@ from test_trainer_script import REPO, load_script, problems_file, tiny_model_dir
 
 from rlkv._io import LOCK_FILE
 from rlkv.errors import UserInputError
-from rlkv.trainers.script import resolve_output_dir
+from rlkv.trainers.script import is_complete_checkpoint, resolve_output_dir
 
 MAX_STEPS = 4
 _TIMING_KEYS = ("step_time", "runtime", "per_second", "total_flos")  # wall clock, not results
@@ -55,8 +55,7 @@ def _kill_when(proc: subprocess.Popen, ready, delay: float = 0.0) -> None:
 
 def _rerun_flags(out: Path) -> list[str]:
     """What the refusal of a plain rerun points to, checked against the folder's state."""
-    complete = [p for p in out.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
-    if complete:
+    if any(is_complete_checkpoint(p) for p in out.glob("checkpoint-*")):
         return ["--resume_from_checkpoint", "true"]
     with pytest.raises(UserInputError, match="--overwrite_output_dir true"):
         resolve_output_dir(str(out), "true", overwrite=False, main_process=False)
@@ -141,5 +140,5 @@ def test_three_kills_then_the_named_command_end_as_the_uninterrupted_run(
 
     checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
     assert checkpoints == [f"checkpoint-{step}" for step in range(1, MAX_STEPS + 1)]
-    assert all((out / name / "trainer_state.json").is_file() for name in checkpoints)
+    assert all(is_complete_checkpoint(out / name) for name in checkpoints)
     assert not [p for p in out.rglob("*") if p.name.startswith(".") or p.name.endswith(".tmp")]  # lock too

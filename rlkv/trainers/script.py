@@ -12,6 +12,7 @@ into `output_dir` at every save and at the end.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,19 @@ def _checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def is_complete_checkpoint(checkpoint: Path) -> bool:
+    """Whether a checkpoint folder's trainer_state.json (transformers writes it last) holds a whole state.
+
+    transformers writes that file in place, not atomically: a kill mid-write leaves it empty or torn, and
+    resuming from it would fail in transformers' JSON reader.
+    """
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and "global_step" in state
+
+
 def _unknown_fields_advice(message: str, parser: Any) -> str | None:
     """For TRL's "Unknown arguments from config file: ['--x', ...]": each unknown recipe field with the
     closest known field names (TRL's own advice is to edit its dataclasses); None for other errors."""
@@ -150,7 +164,7 @@ def resolve_output_dir(
 ):
     """The checkpoint to resume from (None: a fresh run), after checking `output_dir` against the request.
 
-    `resume_from_checkpoint`: a checkpoint folder (must be complete: it has trainer_state.json) or
+    `resume_from_checkpoint`: a checkpoint folder (must be complete: `is_complete_checkpoint`) or
     "true" (the latest complete checkpoint of output_dir). A fresh run into an output_dir that holds
     a run is refused unless `overwrite` (the old run's checkpoints and head mask are deleted, on the
     main process). Raises `UserInputError` naming the way out.
@@ -162,7 +176,7 @@ def resolve_output_dir(
         from rlkv._io import remove_stale_temps
 
         remove_stale_temps(out)  # temp files of checkpoint writes a kill cut short
-    complete = [p for p in _checkpoints(out) if (p / "trainer_state.json").is_file()] if out.is_dir() else []
+    complete = [p for p in _checkpoints(out) if is_complete_checkpoint(p)] if out.is_dir() else []
     latest = f"the last complete one is {complete[-1]}" if complete else f"{out} has no complete checkpoint"
     if resume_from_checkpoint is not None and resume_from_checkpoint.strip().lower() == "true":
         if not complete:
@@ -172,10 +186,10 @@ def resolve_output_dir(
             )
         return str(complete[-1])
     if resume_from_checkpoint:
-        if not (Path(resume_from_checkpoint) / "trainer_state.json").is_file():
+        if not is_complete_checkpoint(Path(resume_from_checkpoint)):
             raise UserInputError(
-                f"resume_from_checkpoint={resume_from_checkpoint!r} is not a complete checkpoint (no "
-                f"trainer_state.json: missing, or cut short by a kill); {latest}"
+                f"resume_from_checkpoint={resume_from_checkpoint!r} is not a complete checkpoint (its "
+                f"trainer_state.json is missing, or was cut short by a kill); {latest}"
             )
         return resume_from_checkpoint
     holds_run = out.is_dir() and (_checkpoints(out) or any((out / f).exists() for f in _RUN_FILES))
