@@ -142,7 +142,9 @@ def test_a_trainer_state_cut_short_by_a_kill_is_not_a_complete_checkpoint(tmp_pa
     for step, state in ((1, '{"global_step": 1}\n'), (2, ""), (3, '{"global_step": 3, "log_h')):
         (run / f"checkpoint-{step}").mkdir(parents=True)
         (run / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
-    assert resolve_output_dir(str(run), "true", overwrite=False, main_process=True) == str(run / "checkpoint-1")
+    assert resolve_output_dir(str(run), "true", overwrite=False, main_process=True) == str(
+        run / "checkpoint-1"
+    )
     for torn in (2, 3):
         with pytest.raises(UserInputError, match="not a complete checkpoint.*checkpoint-1"):
             resolve_output_dir(str(run), str(run / f"checkpoint-{torn}"), overwrite=False, main_process=True)
