@@ -72,19 +72,33 @@ def vllm_compression(
 
 
 def head_split(model_or_config: Any, compression: CompressionConfig) -> HeadSplit:
-    """The `HeadSplit` of `compression` (policy "streaming") for a model or its config.
+    """The `HeadSplit` of `compression` for a model or its config.
 
-    The prompt is read in full unless `window_prefill`, kept whole under `protect_prompt`; sink and window
-    as the config's.
+    Policy "streaming": compressed heads keep sink + window; a token-eviction policy of
+    `EVICTION_POLICIES` (rkv, snapkv, random, ...): they keep what the policy chooses at the config's budget
+    (vLLM's eviction group). The prompt is read in full unless `window_prefill`, kept whole under
+    `protect_prompt`; sink and window as the config's.
     """
+    import json
+
+    from rlkv.vllm_plugin.split import EVICTION_POLICIES, EvictionRule
+
     c = compression
-    if c.policy != "streaming" or (c.protect_prompt and c.window_prefill):
+    evicting = c.policy in EVICTION_POLICIES and c.policy != "streaming"
+    if (c.policy != "streaming" and not evicting) or (c.window_prefill and (c.protect_prompt or evicting)):
         raise CompressionConfigError(
             f"policy={c.policy!r}, protect_prompt={c.protect_prompt}, window_prefill={c.window_prefill}: vLLM serves "
-            "compressed heads as sink + window (policy='streaming'; a protected prompt is read whole, "
-            "window_prefill=False); use vllm_compression(mask, sparsity, sink=16, window=64) "
-            "(rollouts: CompressedRolloutConfig.for_vllm(mask, sparsity)), or matched_compression(mask, sparsity, "
-            "window) for the window-only form"
+            f"compressed heads as sink + window (policy='streaming') or with token eviction (policy one of "
+            f"{', '.join(EVICTION_POLICIES)}), the prompt read whole unless window_prefill (streaming only); "
+            "use vllm_compression(mask, sparsity, sink=16, window=64) (rollouts: "
+            "CompressedRolloutConfig.for_vllm(mask, sparsity)), or matched_compression(mask, sparsity, window) "
+            "for the window-only form"
+        )
+    policy = None
+    if evicting:
+        kwargs = json.dumps(dict(c.policy_kwargs or {}), sort_keys=True)
+        policy = EvictionRule(
+            c.policy, c.budget if c.budget is not None else _default_budget(c.policy), kwargs
         )
     geometry = attention_geometry(model_or_config)
     full = compression.full_heads(model_or_config)
@@ -98,7 +112,20 @@ def head_split(model_or_config: Any, compression: CompressionConfig) -> HeadSpli
         sink=compression.sink,
         full_prompt=not compression.window_prefill,
         protect_prompt=compression.protect_prompt,
+        policy=policy,
     )
+
+
+def _default_budget(policy: str) -> int | float:
+    """The policy's own default budget (vLLM's eviction group needs one: its capacity is sized from it)."""
+    from rlkv.policies import get_policy_class
+
+    budget = get_policy_class(policy).default_budget
+    if budget is None:
+        raise CompressionConfigError(
+            f"policy={policy!r} has no default budget: set budget= (tokens per head)"
+        )
+    return budget
 
 
 def vllm_overrides(

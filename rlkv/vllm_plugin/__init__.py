@@ -4,8 +4,9 @@ vLLM calls `register` through the `vllm.general_plugins` entry point of this pac
 pyproject.toml) in every engine process. It registers the architectures of `split.ARCHITECTURES`
 lazily (by module path: nothing of vLLM's model code is imported until a model names one). A model
 selects one with `architectures` and carries the split under `rlkv_head_split` (`split.py`), both
-from `hf_overrides` or its folder's `config.json`. This room reads only that plain data: it imports
-no other part of rlkv.
+from `hf_overrides` or its folder's `config.json`. This room reads only that plain data; its token-eviction
+group (`eviction.py`, only where a split names a policy) runs rlkv's own policies and schedule
+(`rlkv.policies`, `rlkv.cache.static_budget`), so both engines make the same decisions.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from rlkv.vllm_plugin.split import ARCHITECTURES
 
 # modules of this room that subclass vLLM's classes, so import only where vLLM is installed
 VLLM_ONLY_MODULES = (
+    "rlkv.vllm_plugin.eviction",
+    "rlkv.vllm_plugin.eviction_backend",
     "rlkv.vllm_plugin.meter",
     "rlkv.vllm_plugin.models",
     "rlkv.vllm_plugin.sink_window",
@@ -28,9 +31,11 @@ def register() -> None:
     from vllm import ModelRegistry
 
     lifetime.install()
+    from rlkv.vllm_plugin.eviction import register_eviction
     from rlkv.vllm_plugin.sink_window import register_sink_window
 
     register_sink_window()
+    register_eviction()
 
     known = set(ModelRegistry.get_supported_archs())
     for name in ARCHITECTURES.values():

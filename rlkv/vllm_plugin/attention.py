@@ -53,14 +53,15 @@ class HeadMixedAttention(nn.Module):
         forget_attention_layer(original.layer_name)
         cache_config = current_vllm_config().cache_config
         num_full = len(full_kv_heads)
+        layer = layer_index(original.layer_name)
+        served = split.served_order(layer, num_kv)
         # (module name, its served KV-head positions): full heads at [0, num_full), compressed after
         self.parts: list[tuple[str, slice]] = []
         for kind, start, stop in (("full", 0, num_full), ("window", num_full, num_kv)):
             for i, first in enumerate(range(start, stop, unit)):
                 name, heads = f"{kind}_{i}", slice(first, min(first + unit, stop))
-                self.add_module(
-                    name, _part(original, kind, heads.stop - heads.start, split, cache_config, name)
-                )
+                part = _part(original, kind, (layer, served[heads]), split, cache_config, name)
+                self.add_module(name, part)
                 self.parts.append((name, heads))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -85,10 +86,17 @@ class HeadMixedAttention(nn.Module):
 
 
 def _part(
-    original: nn.Module, kind: str, num_kv: int, split: HeadSplit, cache_config: Any, name: str
+    original: nn.Module,
+    kind: str,
+    heads: tuple[int, tuple[int, ...]],
+    split: HeadSplit,
+    cache_config: Any,
+    name: str,
 ) -> nn.Module:
-    """One attention module over `num_kv` KV heads: stock full attention, vLLM's sliding window, or rlkv's
-    sink/window form."""
+    """One attention module over the KV heads `heads` (the layer, its stock KV heads): stock full attention,
+    vLLM's sliding window, rlkv's sink/window form or rlkv's token eviction."""
+    layer, head_ids = heads
+    num_kv = len(head_ids)
     args = (num_kv * (original.num_heads // original.num_kv_heads), original.head_size, original.impl.scale)
     kwargs = dict(
         num_kv_heads=num_kv,
@@ -99,6 +107,16 @@ def _part(
     )
     if kind == "full":
         return attention_class()(*args, **kwargs)
+    if split.policy is not None:
+        from rlkv.vllm_plugin.eviction import EvictionAttention
+
+        return EvictionAttention(
+            *args,
+            **split.policy.layer_kwargs(split),
+            layer_index=layer,
+            head_ids=head_ids,
+            **kwargs,
+        )
     if split.is_sliding_window:
         return attention_class()(*args, per_layer_sliding_window=split.vllm_sliding_window, **kwargs)
     from rlkv.vllm_plugin.sink_window import SinkWindowAttention

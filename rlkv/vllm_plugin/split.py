@@ -18,6 +18,7 @@ every other form is rlkv's sink/window KV cache group (`sink_window.py`). The sp
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,11 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "RlkvQwen2ForCausalLM",
     "Qwen3ForCausalLM": "RlkvQwen3ForCausalLM",
 }
+
+
+# policies the eviction group runs: their decisions need only the slots' keys, values and positions and the
+# last observation queries (H2O's per-step attention, SkipKV's tokens, RPC's cycles are not carried)
+EVICTION_POLICIES = ("knorm", "random", "rkv", "sink-recent", "snapkv")
 
 
 class HeadSplitError(ValueError):
@@ -54,6 +60,58 @@ def check_full_attention_layers(config: Any) -> None:
 
 
 @dataclass(frozen=True)
+class EvictionRule:
+    """Token eviction on the compressed heads: a policy (`EVICTION_POLICIES`) at a budget.
+
+    budget: evictable tokens a head keeps (int) or the ratio of the request's real tokens (float in
+    (0, 1], plus sink + window); kwargs: the policy's constructor arguments as canonical JSON.
+    """
+
+    name: str
+    budget: int | float
+    kwargs: str = "{}"
+
+    def layer_kwargs(self, split: HeadSplit) -> dict[str, Any]:
+        """The arguments of an `EvictionAttention` part of `split`."""
+        return dict(
+            policy=self.name,
+            policy_kwargs=self.kwargs,
+            budget=self.budget,
+            sink=split.sink,
+            window=split.window,
+            protect_prompt=split.protect_prompt,
+        )
+
+    def to_config(self) -> dict[str, Any]:
+        return {"name": self.name, "budget": self.budget, "kwargs": json.loads(self.kwargs)}
+
+    @classmethod
+    def from_config(cls, raw: Any) -> EvictionRule:
+        """Read and check `rlkv_head_split.policy`; `HeadSplitError` names the field and the fix."""
+        where = f"{CONFIG_KEY}.policy"
+        if not isinstance(raw, dict):
+            raise HeadSplitError(
+                f"{where} must be a mapping with name, budget and kwargs, got {type(raw).__name__}"
+            )
+        name, budget, kwargs = raw.get("name"), raw.get("budget"), raw.get("kwargs", {})
+        if name not in EVICTION_POLICIES:
+            raise HeadSplitError(
+                f"{where}.name={name!r}: vLLM's eviction group runs {', '.join(EVICTION_POLICIES)}; serve other "
+                "policies with rlkv's transformers engine"
+            )
+        ratio = isinstance(budget, float) and 0.0 < budget <= 1.0
+        count = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0
+        if not (ratio or count):
+            raise HeadSplitError(
+                f"{where}.budget={budget!r}: an integer >= 0 (tokens per head) or a float in (0, 1] (the ratio of "
+                "the request's tokens)"
+            )
+        if not isinstance(kwargs, dict):
+            raise HeadSplitError(f"{where}.kwargs={kwargs!r}: the policy's constructor arguments, a mapping")
+        return cls(name, budget, json.dumps(kwargs, sort_keys=True))
+
+
+@dataclass(frozen=True)
 class HeadSplit:
     """Which KV heads of each layer keep a full cache; the rest keep a window of `window` past tokens.
 
@@ -61,6 +119,7 @@ class HeadSplit:
     window: past tokens a compressed head attends besides the current one (rlkv's `window`).
     sink: first tokens a compressed head keeps. full_prompt: prompt queries attend the whole prompt.
     protect_prompt: compressed heads keep the whole prompt too (implies full_prompt).
+    policy: token eviction on the compressed heads (`EvictionRule`) instead of the sink + window form.
     """
 
     full_kv_heads: tuple[tuple[int, ...], ...]
@@ -68,11 +127,12 @@ class HeadSplit:
     sink: int = 0
     full_prompt: bool = False
     protect_prompt: bool = False
+    policy: EvictionRule | None = None
 
     @property
     def is_sliding_window(self) -> bool:
         """True when the form is vLLM's own sliding window (sink 0, the prompt windowed)."""
-        return self.sink == 0 and not self.full_prompt
+        return self.sink == 0 and not self.full_prompt and self.policy is None
 
     @property
     def num_layers(self) -> int:
@@ -109,6 +169,12 @@ class HeadSplit:
         """One line for logs: how many KV heads are full and what the others keep."""
         full = sum(len(heads) for heads in self.full_kv_heads)
         total = self.num_layers * num_kv_heads
+        if self.policy is not None:
+            return (
+                f"rlkv: {architecture} serves {full} of {total} KV heads full, {total - full} with {self.policy.name} "
+                f"eviction at budget {self.policy.budget} (sink {self.sink}, window {self.window}, prompt "
+                f"{self.prompt_mode})"
+            )
         return (
             f"rlkv: {architecture} serves {full} of {total} KV heads full, {total - full} with a window of "
             f"{self.window} + 1 tokens (sink {self.sink}, prompt {self.prompt_mode})"
@@ -122,7 +188,7 @@ class HeadSplit:
             "sink": self.sink,
             "window": self.window,
             "prompt": self.prompt_mode,
-        }
+        } | ({"policy": self.policy.to_config()} if self.policy is not None else {})
 
     @property
     def prompt_mode(self) -> str:
@@ -171,10 +237,17 @@ class HeadSplit:
                 f"{CONFIG_KEY}.prompt={prompt!r}: must be 'full' (prompt read whole), 'protected' (read and kept "
                 "whole) or 'window' (prompt windowed)"
             )
+        policy = EvictionRule.from_config(raw["policy"]) if raw.get("policy") is not None else None
+        if policy is not None and prompt == "window":
+            raise HeadSplitError(
+                f"{CONFIG_KEY}.prompt='window' with a policy: the eviction group reads the prompt whole; set "
+                "prompt to 'full' (evictable) or 'protected'"
+            )
         return cls(
             tuple(tuple(sorted(h)) for h in full),
             window=raw["window"],
             sink=raw["sink"],
             full_prompt=prompt != "window",
             protect_prompt=prompt == "protected",
+            policy=policy,
         )

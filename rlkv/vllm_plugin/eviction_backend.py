@@ -1,0 +1,382 @@
+"""The attention backend of rlkv's token-eviction KV cache group (`eviction.py`): slots, schedule, compactions.
+
+Per step the metadata builder (on the host) sorts the group's requests into those computing their prompt
+and those generating, and decides, from rlkv's host-known schedule (`RowSchedule`, the transformers
+static cache's), where each generated token goes and which requests compact after the step. Per layer
+the impl then, in torch over vLLM's pages (layout `[block, kv head, slot, (key | value)]`, as the
+sink/window group's):
+
+1. a prompt chunk writes its keys and values at slot = position and attends every earlier prompt slot;
+2. a request's first generated step compacts its prompt first when the schedule says so (the
+   transformers path compacts right after the prompt forward: the same state);
+3. each generated token is written at its slot and attends the request's occupied slots;
+4. a due compaction builds a `CompressedStore` view of the request's slots (keys, values, their
+   positions, the last observation queries) and runs the policy's own `select` on it
+   (`rlkv.cache.static_budget.policy_view` / `keep_in_run`): the kept slots, in order, move to the
+   leading slots. The same code, on the same tensors, as rlkv's static cache.
+
+Per request, what the pages cannot hold lives in two tables per layer, indexed by a row the builder
+gives each request (keyed by the request's first block, which it holds for its whole life: this
+group never shares blocks): each slot's logical position per head, and the last observation queries.
+Compactions run per request on the host's schedule (rows of equal slot counts are not batched yet).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from vllm.utils.math_utils import cdiv
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+
+@dataclass
+class _RequestState:
+    row: int  # the request's row in the layers' position and query tables
+    prompt: int | None = None  # where its prefill ended (set at its first generated step)
+    schedule: Any = None  # its `RowSchedule`
+    compactions: int = 0
+
+
+@dataclass
+class EvictionMetadata:
+    """One step of the group: host lists of what each request does, device block tables and positions.
+
+    prefill: (request index, first token, tokens, sequence length, table row) per prompt chunk;
+    decode_*: [W] per generated token: its token index, request index, table row, slot, occupied slots
+    after writing it, and (kept prompt blocks, prompt blocks) of its request (`EvictionSpec.block_index`);
+    before / after: compactions (request index, table row, occupied slots, kept slots, tokens, prompt,
+    kept prompt blocks, prompt blocks) run before the step's writes (a prompt's) or after its attention; identity: (table row, prompt) of
+    requests whose prompt stays whole at their first generated step (its slots' positions are recorded).
+    """
+
+    num_actual_tokens: int
+    block_table: torch.Tensor
+    positions: torch.Tensor
+    prefill: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    decode_tokens: torch.Tensor | None = None
+    decode_requests: torch.Tensor | None = None
+    decode_rows: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    decode_reads: torch.Tensor | None = None
+    decode_blocks: torch.Tensor | None = None  # [W, 2]: kept prompt blocks, prompt blocks
+    max_read: int = 0
+    before: list[tuple[int, ...]] = field(default_factory=list)
+    after: list[tuple[int, ...]] = field(default_factory=list)
+    identity: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _first_blocks(m: CommonAttentionMetadata) -> list[int]:
+    """Each request's first block id in this group, on the host (a device-to-host copy on a GPU)."""
+    return m.block_table_tensor[: m.num_reqs, 0].tolist()
+
+
+class EvictionMetadataBuilder(AttentionMetadataBuilder[EvictionMetadata]):
+    """Runs the group's schedule on the host: per request its prompt end, its slots and its compactions."""
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.spec = kv_cache_spec
+        self.rows = 2 * int(vllm_config.scheduler_config.max_num_seqs)
+        self.requests: OrderedDict[int, _RequestState] = OrderedDict()  # first block -> state, oldest first
+        self.compactions = 0  # every compaction this group ran (all requests)
+
+    def _state(self, key: int, reset: bool) -> _RequestState:
+        """The request's state (a new one, reusing the least recently seen row, when its key is new)."""
+        state = self.requests.pop(key, None)
+        if state is None:
+            used = {s.row for s in self.requests.values()}
+            free = [row for row in range(self.rows) if row not in used]
+            if free:
+                row = free[0]
+            else:
+                row = self.requests.pop(next(iter(self.requests))).row
+            state = _RequestState(row)
+        elif reset:
+            state = _RequestState(state.row)
+        self.requests[key] = state
+        return state
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> EvictionMetadata:
+        from rlkv.cache.static_budget import RowSchedule
+
+        m, spec = common_attn_metadata, self.spec
+        starts = m.query_start_loc_cpu.tolist()
+        prefilling = m.is_prefilling[: m.num_reqs].tolist() if m.is_prefilling is not None else None
+        seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens.cpu()
+        seq_lens = seq_lens[: m.num_reqs].tolist()
+        keys = _first_blocks(m)
+        out = EvictionMetadata(m.num_actual_tokens, m.block_table_tensor, m.positions)
+        decode: list[tuple[int, int, int, int, int, int, int]] = []
+        for r in range(m.num_reqs):
+            first, count, length = starts[r], starts[r + 1] - starts[r], int(seq_lens[r])
+            if count == 0:
+                continue
+            if (prefilling is not None and prefilling[r]) or count > 1:
+                state = self._state(keys[r], reset=True)
+                out.prefill.append((r, first, count, length, state.row))
+                continue
+            state = self._state(keys[r], reset=False)
+            if state.prompt is None:  # the request's first generated step: its prompt is computed
+                state.prompt = length - 1
+                state.schedule = RowSchedule(spec.form, [state.prompt])
+                if state.schedule.due(0):
+                    p = state.prompt
+                    kept, blocks = state.schedule.held(0)[0], cdiv(p, spec.block_size)
+                    out.before.append((r, state.row, p, kept, p, p, blocks, blocks))
+                    state.compactions += 1
+                else:
+                    out.identity.append((state.row, state.prompt))
+            prompt, schedule = state.prompt, state.schedule
+            early = prompt if spec.protect_prompt else 0
+            generated = length - prompt
+            slot = early + schedule.held(generated - 1)[0]
+            blocks = spec.kept_prompt_blocks(prompt), cdiv(prompt, spec.block_size)
+            decode.append((first, r, state.row, slot, slot + 1, *blocks))
+            if schedule.due(generated):
+                kept = early + schedule.held(generated)[0]
+                out.after.append((r, state.row, slot + 1, kept, length, prompt, *blocks))
+                state.compactions += 1
+        self.compactions += len(out.before) + len(out.after)
+        if decode:
+            device = m.block_table_tensor.device
+            columns = torch.tensor(decode, dtype=torch.long).to(device, non_blocking=True)
+            (
+                out.decode_tokens,
+                out.decode_requests,
+                out.decode_rows,
+                out.decode_slots,
+                out.decode_reads,
+            ) = columns[:, :5].unbind(1)
+            out.decode_blocks = columns[:, 5:]
+            out.max_read = max(d[4] for d in decode)
+        return out
+
+
+def _slot_blocks(
+    block_table: torch.Tensor, requests: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block ids, offsets) of `slots` [W, S] of requests [W] whose (kept prompt blocks, prompt blocks) are
+    `blocks` [W, 2] (`EvictionSpec.block_index`)."""
+    index = slots // size
+    kept, prompt = blocks[:, :1], blocks[:, 1:]
+    index = torch.where(index < kept, index, prompt + index - kept).clamp(max=block_table.shape[1] - 1)
+    return block_table[requests[:, None], index], slots % size
+
+
+class EvictionImpl(AttentionImpl[EvictionMetadata]):
+    """Attention of an `EvictionAttention` layer: writes, attention and compactions of its slots."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra: Any,
+    ) -> None:
+        if (
+            alibi_slopes is not None
+            or logits_soft_cap
+            or sliding_window is not None
+            or kv_cache_dtype != "auto"
+        ):
+            raise NotImplementedError(
+                "rlkv's evicting heads attend plain softmax attention over an unquantized cache: no ALiBi, soft "
+                "cap, sliding window or kv_cache_dtype other than auto"
+            )
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.groups = self.num_heads // self.num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.tables: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def _tables(self, layer: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        """The layer's per-request tables: slot positions [R, H_kv, capacity] and the last observation
+        queries [R, H_q, observe, D] (None when the policy observes none); made at the first step."""
+        if self.tables is None:
+            spec, rows = layer.rlkv_spec, layer.rlkv_rows
+            form, length = spec.form, spec.max_len
+            capacity = length if spec.protect_prompt else min(length, spec.budget_at(length) + form.slack)
+            positions = torch.full((rows, self.num_kv_heads, capacity), -1, dtype=torch.long, device=device)
+            observe = int(layer.rlkv_policy.observe_queries)
+            queries = (
+                torch.zeros(rows, self.num_heads, observe, self.head_size, dtype=dtype, device=device)
+                if observe
+                else None
+            )
+            self.tables = (positions, queries)
+        return self.tables
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: EvictionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write key, value [T, H_kv, D], attend query [T, H_q, D] into output, compact what is due."""
+        if attn_metadata is None:  # profiling run
+            return output
+        m, d, size = attn_metadata, self.head_size, kv_cache.shape[2]
+        positions, queries = self._tables(layer, query.device, query.dtype)
+        for r, first, count, length, row in m.prefill:
+            wanted = torch.arange(length, device=query.device)
+            blocks, offsets = m.block_table[r, wanted // size], wanted % size
+            new = torch.cat([key[first : first + count], value[first : first + count]], dim=-1)
+            kv_cache[blocks[length - count :], :, offsets[length - count :]] = new.to(kv_cache.dtype)
+            kv = kv_cache[blocks, :, offsets].transpose(0, 1)  # [H_kv, L, 2D]
+            visible = wanted[None, :] <= wanted[length - count :, None]
+            out = F.scaled_dot_product_attention(
+                query[first : first + count].transpose(0, 1),
+                kv[..., :d],
+                kv[..., d:],
+                attn_mask=visible,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            output[first : first + count] = out.transpose(0, 1).to(output.dtype)
+            if queries is not None:
+                _remember(queries, row, query[first : first + count])
+        for row, prompt in m.identity:
+            positions[row, :, :prompt] = torch.arange(prompt, device=query.device)
+        for compaction in m.before:  # the prompt, at slot = position: the kept blocks are its first ones
+            self._compact(layer, kv_cache, m, positions, queries, *compaction, identity=True)
+        if m.decode_tokens is not None:
+            self._decode(layer, query, key, value, kv_cache, m, positions, output)
+            if queries is not None:
+                for token, row in zip(m.decode_tokens.tolist(), m.decode_rows.tolist(), strict=True):
+                    _remember(queries, row, query[token : token + 1])
+        for compaction in m.after:
+            self._compact(layer, kv_cache, m, positions, queries, *compaction, identity=False)
+        return output
+
+    def _decode(self, layer, query, key, value, kv_cache, m, positions, output) -> None:
+        """Write each generated token at its slot, then attend its request's occupied slots (one SDPA)."""
+        d, size = self.head_size, kv_cache.shape[2]
+        tokens, requests = m.decode_tokens, m.decode_requests
+        blocks, offsets = _slot_blocks(
+            m.block_table, requests, m.decode_blocks, m.decode_slots[:, None], size
+        )
+        new = torch.cat([key[tokens], value[tokens]], dim=-1).to(kv_cache.dtype)
+        kv_cache[blocks[:, 0], :, offsets[:, 0]] = new
+        positions[m.decode_rows, :, m.decode_slots] = m.positions[tokens][:, None]
+        slots = torch.arange(m.max_read, device=query.device)[None, :].expand(tokens.shape[0], -1)
+        blocks, offsets = _slot_blocks(m.block_table, requests, m.decode_blocks, slots, size)
+        kv = kv_cache[blocks, :, offsets].permute(0, 2, 1, 3)  # [W, H_kv, S, 2D]
+        occupied = slots < m.decode_reads[:, None]
+        out = F.scaled_dot_product_attention(
+            query[tokens][:, :, None, :],
+            kv[..., :d],
+            kv[..., d:],
+            attn_mask=occupied[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        output[tokens] = out[:, :, 0, :].to(output.dtype)
+
+    def _compact(
+        self,
+        layer: Any,
+        kv_cache: torch.Tensor,
+        m: EvictionMetadata,
+        positions: torch.Tensor,
+        queries: torch.Tensor | None,
+        request: int,
+        row: int,
+        occupied: int,
+        kept: int,
+        length: int,
+        prompt: int,
+        kept_blocks: int,
+        prompt_blocks: int,
+        identity: bool,
+    ) -> None:
+        """Run the policy over the request's `occupied` slots; the `kept` it keeps move, in order, to the front."""
+        from rlkv.cache.static_budget import keep_in_run, policy_view
+
+        d, size, device = self.head_size, kv_cache.shape[2], kv_cache.device
+        slots = torch.arange(occupied, device=device)
+        pair = torch.tensor([[kept_blocks, prompt_blocks]], dtype=torch.long, device=device)
+        which = torch.tensor([request], dtype=torch.long, device=device)
+        blocks, offsets = (t[0] for t in _slot_blocks(m.block_table, which, pair, slots[None], size))
+        if identity:  # the prompt, whole at slot = position
+            held = slots[None, None, :].expand(1, self.num_kv_heads, -1).clone()
+        else:
+            held = positions[row, :, :occupied][None].clone()
+        kv = kv_cache[blocks, :, offsets].permute(1, 0, 2)[None]  # [1, H_kv, N, 2D]
+        keys, values = kv[..., :d].contiguous(), kv[..., d:].contiguous()
+        observed = None
+        if queries is not None:
+            count = min(queries.shape[2], length)
+            q = queries[row, :, queries.shape[2] - count :]  # [H_q, N_q, D], oldest first
+            q = q.reshape(self.num_kv_heads, self.groups, count, d)[None]
+            observed = (q, torch.arange(length - count, length, device=device))
+        early = prompt if layer.rlkv_spec.protect_prompt else 0
+        view = policy_view(
+            layer.rlkv_layer_index,
+            layer.rlkv_head_ids,
+            self.groups,
+            layer.rlkv_settings,
+            (keys, values, held),
+            observed,
+            torch.zeros(1, dtype=torch.long, device=device),
+            (length, prompt),
+            {},
+            unpadded=True,
+        )
+        keep_in_run(view, layer.rlkv_policy, (keys, values, held), 0, early, early)
+        packed = torch.cat([keys, values], dim=-1)[0, :, :kept].transpose(0, 1)  # [kept, H_kv, 2D]
+        kv_cache[blocks[:kept], :, offsets[:kept]] = packed.to(kv_cache.dtype)
+        positions[row, :, :kept] = held[0, :, :kept]
+
+
+def _remember(queries: torch.Tensor, row: int, new: torch.Tensor) -> None:
+    """Shift the newest queries new [Q, H_q, D] into row `row` of queries [R, H_q, observe, D]."""
+    observe = queries.shape[2]
+    recent = torch.cat([queries[row], new.transpose(0, 1).to(queries.dtype)], dim=1)[:, -observe:]
+    queries[row] = recent
+
+
+class EvictionBackend(AttentionBackend):
+    """vLLM attention backend of rlkv's evicting heads (any device torch runs on)."""
+
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "RLKV_EVICTION"  # eviction.BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[EvictionImpl]:
+        return EvictionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[EvictionMetadataBuilder]:
+        return EvictionMetadataBuilder

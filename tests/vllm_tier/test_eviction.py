@@ -1,0 +1,100 @@
+"""Token eviction on vLLM (`rlkv.vllm_plugin.eviction`): the compressed heads keep what a policy chooses, in a
+fixed-capacity KV cache group whose freed blocks go back to vLLM's pool.
+
+References: rlkv's transformers path with the same `CompressionConfig` (the eval's forms: `rlkv+rkv` =
+the mask's full heads, R-KV on the others at budget 80 with sink 16 + window 8 and buffer 0; `rkv` = R-KV
+on every head at a ratio budget), demo model, fp32, greedy.
+"""
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
+
+from vllm_engines import DEMO, blocks_per_step, engine, eviction_compactions, greedy, kv_groups  # noqa: E402
+
+from rlkv import HeadMask  # noqa: E402
+from rlkv.data.chain_task import load_chain_task, verify_chain  # noqa: E402
+from rlkv.data.prompts import build_prompt  # noqa: E402
+from rlkv.eval.methods import method_config  # noqa: E402
+from rlkv.inference import generate, load  # noqa: E402
+from rlkv.inference.vllm import compression_overrides  # noqa: E402
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def demo():
+    model, tokenizer = load(DEMO, dtype="float32")
+    problems = load_chain_task("test", 48)
+    prompts = [build_prompt(p, tokenizer) for p in problems]
+    return model, tokenizer, problems, prompts, HeadMask.random(model, seed=0)
+
+
+def _method(model, mask, method, sparsity=0.5):
+    """The eval's `CompressionConfig` of `method` (matched budgets: buffer 0, the prompt evictable)."""
+    return method_config(method, sparsity, model=model, masks={"rlkv": mask})
+
+
+def _scheduled(config, prompt_lengths, served) -> int:
+    """Compactions `RowSchedule` makes for requests of these prompt lengths and generated tokens."""
+    from rlkv.cache.settings import CompressionSettings
+    from rlkv.cache.static_budget import RowSchedule, static_form
+    from rlkv.policies import get_policy
+
+    policy = get_policy(config.policy, **config.policy_kwargs)
+    settings = CompressionSettings(policy, config.sink, config.window, config.budget, config.protect_prompt)
+    form = static_form(settings, True, 1024)
+    total = 0
+    for prompt, tokens in zip(prompt_lengths, served, strict=True):
+        schedule = RowSchedule(form, [prompt])
+        total += sum(schedule.due(g) for g in range(len(tokens)))
+    return total
+
+
+def _served_and_reference(model, tokenizer, prompts, config, max_tokens=200):
+    with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
+        managers, _ = kv_groups(llm)
+        assert "EvictionManager" in {type(m).__name__ for m in managers}
+        served = greedy(llm, prompts, max_tokens)
+        compactions = eviction_compactions(llm)
+    # in each eviction group, the compactions rlkv's schedule makes: the prompt's (longer than the budget), then
+    # each generated step's that is due (buffer 0: every step at an int budget, about every other one at a
+    # ratio of 0.5, whose budget grows by one every other token); the first token is sampled by the prompt's forward
+    prompt_lengths = [len(tokenizer(p).input_ids) for p in prompts]
+    assert compactions and set(compactions) == {_scheduled(config, prompt_lengths, served)}, compactions
+    reference = generate(
+        model, tokenizer, prompts, max_tokens, compression=config, apply_chat_template=False, progress=False
+    )
+    return served, reference
+
+
+@pytest.mark.parametrize("method", ["rlkv+rkv", "rkv"])
+def test_tokens_equal_the_transformers_path(demo, method):
+    model, tokenizer, problems, prompts, mask = demo
+    config = _method(model, mask, method)
+    assert config.protect_prompt is False and config.policy_kwargs["buffer"] == 0
+    served, reference = _served_and_reference(model, tokenizer, prompts, config)
+    equal = sum(a == o.token_ids for a, o in zip(served, reference))
+    assert equal >= 44, f"{equal} of 48 generations equal"
+    solved = sum(
+        verify_chain(tokenizer.decode(t, skip_special_tokens=True), p["answer"])
+        for t, p in zip(served, problems)
+    )
+    solved_ref = sum(verify_chain(o.text, p["answer"]) for o, p in zip(reference, problems))
+    assert abs(solved - solved_ref) <= 2
+
+
+def test_blocks_per_request_stay_within_the_capacity(demo):
+    model, tokenizer, _, prompts, mask = demo
+    config = _method(model, mask, "rlkv+rkv")  # budget 80 + 1 slot for the newest token
+    with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
+        managers, pool = kv_groups(llm)
+        groups = [m for m in managers if type(m).__name__ == "EvictionManager"][:1]
+        free = pool.get_num_free_blocks()
+        prompt_ids = tokenizer(prompts[0]).input_ids  # a prompt of several blocks
+        held = blocks_per_step(llm, groups, prompt_ids, max_tokens=401)
+        assert pool.get_num_free_blocks() == free  # every block back once it finished
+    prompt_blocks = -(-len(prompt_ids) // BLOCK)
+    assert prompt_blocks > 4 and held[0][0] == prompt_blocks  # the prompt's step holds every block
+    assert max(h[0] for h in held[2:]) <= -(-81 // BLOCK) + 1  # then at most ceil(capacity / block) + 1
+    assert len(held) >= 400  # decode steps
