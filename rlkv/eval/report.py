@@ -148,7 +148,8 @@ def _engine_lines(rows: list[Row]) -> list[str]:
     if list(by_engine) == ["transformers"]:
         return []
     parts = [f"{engine} ({', '.join(methods)})" for engine, methods in by_engine.items()]
-    note = "; methods without a vLLM form ran on transformers" if "vllm" in by_engine else ""
+    mixed = "vllm" in by_engine and "transformers" in by_engine
+    note = "; methods without a vLLM form ran on transformers" if mixed else ""
     return [f"- engine: {'; '.join(parts)}{note}"]
 
 

@@ -5,16 +5,19 @@ On vLLM (rlkv's plugin, `rlkv.vllm_plugin`) run `full` (the stock model) and the
 whole prompt, then a compressed head keeps its sink (16) and last window (64) tokens (the plugin's
 sink/window KV cache group); with `EvalConfig.window_only`, a sliding window of sink + window tokens, sink
 0, the prompt included, on both engines; under `protect_prompt` the compressed heads also keep the whole
-prompt, on both engines. Token-eviction methods (`rkv`, `h2o`, `<mask>+<policy>`, ...) have no vLLM form
-yet: they stay on the transformers engine in the same run, and each row records its `engine`.
+prompt, on both engines. Token-eviction methods whose policy the plugin's eviction group runs (`rkv`,
+`snapkv`, `random-evict`, `streaming`, `knorm`, and `<mask>+<policy>` of those) run on vLLM with the same
+`CompressionConfig` (budget, sink, window, buffer, prompt) and rlkv's own schedule and scoring; the others
+(`h2o`, `rpc`, `skipkv`) stay on the transformers engine in the same run, and each row records its `engine`.
 
 Rows are written as their requests finish (continuous batching over a task's whole problem list, so the
 resume unit is the row); a row's `seconds` is the wall time since the task's previous row, so a cell's rows
 sum to its generation time. The stop rules and the repetition early stop are those of the transformers
 engine, checked after every decode step (a stopped request is aborted and its blocks freed).
 KV memory of a vLLM row (`kv_tokens`): the entries its heads hold for its cached tokens (all but the last
-generated one), full heads every token, compressed heads sink + window: what the transformers engine's
-cache reports for the same row (no resident bytes: vLLM's blocks are pooled across rows).
+generated one), full heads every token, compressed heads sink + window (an evicting policy: its budget at
+that length, after a compaction): what the transformers engine's cache reports for the same row (no
+resident bytes: vLLM's blocks are pooled across rows).
 """
 
 from __future__ import annotations
@@ -34,9 +37,16 @@ REPETITION_CHECK_EVERY = 16
 
 
 def runs_on_vllm(method: str) -> bool:
-    """Whether `method` has a vLLM form: `full`, or a head mask with sink + local compressed heads."""
+    """Whether `method` has a vLLM form: `full`, a head mask with sink + local compressed heads, or a policy
+    the plugin's eviction group runs (on a mask's compressed heads or on every head)."""
+    from rlkv.inference.vllm import EVICTION_POLICIES
+
     parsed = parse_method(method)
-    return parsed.is_full or (parsed.mask is not None and parsed.policy == "streaming")
+    return (
+        parsed.is_full
+        or (parsed.mask is not None and parsed.policy == "streaming")
+        or parsed.policy in EVICTION_POLICIES
+    )
 
 
 def engine_plan(engine: str, methods: list[str]) -> str:
@@ -73,6 +83,11 @@ def reachable_kv(
     num_full = num_heads if compression is None else (int(full.sum()) if full is not None else 0)
     if compression is None:
         kept_comp = length
+    elif compression.policy != "streaming":  # its budget (a ratio: of the real tokens, plus sink + window)
+        budget = compression.budget
+        if isinstance(budget, float):
+            budget = round(budget * length) + compression.sink + compression.window
+        kept_comp = min(length, (prompt_length if compression.protect_prompt else 0) + int(budget))
     else:  # a protected prompt is kept whole besides the window, else the sink
         head = max(prompt_length, compression.sink) if compression.protect_prompt else compression.sink
         kept_comp = min(length, head + compression.window)

@@ -24,6 +24,8 @@ from rlkv.inference.config import CompressionConfig, CompressionConfigError
 from rlkv.vllm_plugin.split import (
     ARCHITECTURES,
     CONFIG_KEY,
+    EVICTION_POLICIES,
+    EvictionRule,
     HeadSplit,
     HeadSplitError,
     check_full_attention_layers,
@@ -79,10 +81,6 @@ def head_split(model_or_config: Any, compression: CompressionConfig) -> HeadSpli
     (vLLM's eviction group). The prompt is read in full unless `window_prefill`, kept whole under
     `protect_prompt`; sink and window as the config's.
     """
-    import json
-
-    from rlkv.vllm_plugin.split import EVICTION_POLICIES, EvictionRule
-
     c = compression
     evicting = c.policy in EVICTION_POLICIES and c.policy != "streaming"
     if (c.policy != "streaming" and not evicting) or (c.window_prefill and (c.protect_prompt or evicting)):

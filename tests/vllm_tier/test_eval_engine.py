@@ -93,6 +93,32 @@ def test_vllm_rows_equal_the_transformers_engines(request, form, cell):
     assert all(served[k]["kv_tokens"] == reference[k]["kv_tokens"] for k in equal)
 
 
+@pytest.fixture(scope="module")
+def eviction_form(tmp_path_factory):
+    """Token eviction at matched budgets: R-KV on the mask's compressed heads and random eviction on every head."""
+    out = tmp_path_factory.mktemp("eviction")
+    grid = GRID | {"window_only": False, "methods": ["random-mask+rkv", "random-evict"], "sparsities": [0.5]}
+    run_eval(EvalConfig(**grid, engine="transformers", out=str(out / "transformers")))
+    run_eval(EvalConfig(**grid, engine="vllm", out=str(out / "vllm")))
+    return out, rows_of(out / "transformers"), rows_of(out / "vllm")
+
+
+@pytest.mark.parametrize("method", ["random-mask+rkv", "random-evict"])
+def test_eviction_rows_run_on_vllm_and_equal_the_transformers_engines(eviction_form, method):
+    out, reference, served = eviction_form
+    keys = [k for k, r in reference.items() if r["method"] == method]
+    assert len(keys) == 48 and set(keys) <= set(served)
+    assert all(served[k]["engine"] == "vllm" for k in keys)
+    fields = ("completion", "num_generated_tokens", "finish_reason")
+    equal = [k for k in keys if all(served[k][f] == reference[k][f] for f in fields)]
+    assert len(equal) >= 44, f"{len(equal)} of 48 rows equal for {method}"
+    solved = sum(served[k]["correct"] for k in keys), sum(reference[k]["correct"] for k in keys)
+    assert abs(solved[0] - solved[1]) <= 2, f"solved of 48 vllm, transformers: {solved}"
+    # the KV a row reaches: the transformers cache's kept tokens at the row's end (its budget after a compaction)
+    assert all(served[k]["kv_tokens"] == reference[k]["kv_tokens"] for k in equal)
+    assert "- engine: vllm (random-evict, random-mask+rkv)\n" in (out / "vllm" / "report.md").read_text()
+
+
 def test_each_head_split_starts_one_engine_and_the_report_names_it(both_engines):
     out, _, served, messages = both_engines
     assert any("3 starts" in m for m in messages), messages  # full, s=0.5, s=0.75: not one per batch
