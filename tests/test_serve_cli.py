@@ -199,3 +199,32 @@ def test_export_writes_the_form_asked_for(capsys, mask_dir, tmp_path):
     code, err = run_cli([*base, "--protect-prompt", "--window-prefill", "--out", str(tmp_path / "x")], capsys)
     assert code == 2
     assert_one_error_line(err, "rlkv export-vllm", "--protect-prompt with --window-prefill")
+
+
+def test_export_writes_a_token_eviction_policy_and_refuses_what_vllm_cannot_run(capsys, mask_dir, tmp_path):
+    base = ["export-vllm", "--model", DEMO, "--head-mask", mask_dir, "--sparsity", "0.5", "--window", "8"]
+    flags = ["--policy", "rkv", "--budget", "80", "--policy-kwargs", '{"buffer": 0}']
+    assert run_cli([*base, *flags, "--out", str(tmp_path / "rkv")], capsys)[0] == 0
+    split = json.loads((tmp_path / "rkv" / "config.json").read_text())["rlkv_head_split"]
+    assert (
+        split["policy"] == {"name": "rkv", "budget": 80, "kwargs": {"buffer": 0}}
+        and split["prompt"] == "full"
+    )
+    assert (
+        run_cli([*base, "--policy", "random", "--budget", "0.25", "--out", str(tmp_path / "r")], capsys)[0]
+        == 0
+    )
+    split = json.loads((tmp_path / "r" / "config.json").read_text())["rlkv_head_split"]
+    assert split["policy"] == {"name": "random", "budget": 0.25, "kwargs": {}}
+    refused = {
+        ("--policy", "h2o", "--budget", "80"): "policy='h2o'",
+        ("--policy", "rkv", "--budget", "lots"): "--budget 'lots'",
+        ("--policy", "rkv", "--policy-kwargs", "{buffer: 0}"): "--policy-kwargs",
+        ("--budget", "80"): "--budget without --policy",
+        ("--policy", "rkv", "--budget", "80", "--window-prefill"): "window_prefill=True",
+    }
+    for extra, needle in refused.items():
+        code, err = run_cli([*base, *extra, "--out", str(tmp_path / "x")], capsys)
+        assert code == 2, extra
+        assert_one_error_line(err, "rlkv export-vllm", needle)
+    assert not (tmp_path / "x").exists()

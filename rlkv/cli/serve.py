@@ -48,6 +48,23 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="compressed heads also keep the whole prompt (rlkv generate's default form); default: the prompt "
         "is evictable once read, as in rlkv eval",
     )
+    parser.add_argument(
+        "--policy",
+        default="streaming",
+        help="what a compressed head keeps: streaming (sink + window, the default) or a token-eviction policy "
+        "(rkv, snapkv, random, knorm, sink-recent) choosing --budget tokens, sink + window among them",
+    )
+    parser.add_argument(
+        "--budget",
+        default=None,
+        help="with --policy: tokens a compressed head keeps (an integer, sink and window included) or a ratio "
+        "of the request's tokens (a float in (0, 1], plus sink + window); default: the policy's own",
+    )
+    parser.add_argument(
+        "--policy-kwargs",
+        default="{}",
+        help='with --policy: its arguments as JSON, e.g. \'{"buffer": 128, "lam": 0.1}\' (R-KV\'s defaults otherwise)',
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -85,12 +102,45 @@ def _form(args: argparse.Namespace) -> dict[str, Any]:
         raise UserInputError(
             "--protect-prompt with --window-prefill: a protected prompt is read whole; drop one of them"
         )
-    return {
+    form = {
         "window": args.window,
         "sink": args.sink,
         "window_prefill": args.window_prefill,
         "protect_prompt": args.protect_prompt,
     }
+    if args.policy == "streaming":
+        if args.budget is not None:
+            raise UserInputError(
+                "--budget without --policy: streaming heads keep --sink + --window; name a policy"
+            )
+        return form
+    try:
+        kwargs = json.loads(args.policy_kwargs)
+    except json.JSONDecodeError as e:
+        raise UserInputError(
+            f"--policy-kwargs {args.policy_kwargs!r}: not JSON ({e.msg}); e.g. '{{\"buffer\": 128}}'"
+        ) from None
+    if not isinstance(kwargs, dict):
+        raise UserInputError(
+            f"--policy-kwargs {args.policy_kwargs!r}: a JSON object of the policy's arguments"
+        )
+    return form | {"policy": args.policy, "budget": _budget(args.budget), "policy_kwargs": kwargs}
+
+
+def _budget(text: str | None) -> int | float | None:
+    """--budget as an int (tokens) or a float (a ratio); None: the policy's own default."""
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise UserInputError(
+            f"--budget {text!r}: an integer (tokens per head) or a float in (0, 1] (a ratio)"
+        ) from None
 
 
 def _note_uncompressed(kept: int, positions: int | None, where: str) -> None:

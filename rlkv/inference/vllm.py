@@ -52,6 +52,7 @@ def vllm_compression(
     window: int = 64,
     window_prefill: bool = False,
     protect_prompt: bool = False,
+    policy: str = "streaming",
     config_class: type = CompressionConfig,
     **kwargs: Any,
 ) -> CompressionConfig:
@@ -59,12 +60,14 @@ def vllm_compression(
     read whole unless `window_prefill`, evictable unless `protect_prompt` (kept whole, as `generate`'s
     default on transformers). Defaults: the eval's form (sink 16, window 64, the prompt evictable).
 
+    policy: "streaming", or a token-eviction policy of `EVICTION_POLICIES` (pass `budget=` and, if any,
+    `policy_kwargs=`): the compressed heads keep what it chooses, sink + window forced.
     config_class: `CompressionConfig` or a subclass (`rlkv.rollout.CompressedRolloutConfig`); kwargs: its other fields.
     """
     return config_class(
         head_mask=head_mask,
         sparsity=sparsity,
-        policy="streaming",
+        policy=policy,
         sink=sink,
         window=window,
         window_prefill=window_prefill,
@@ -135,11 +138,14 @@ def vllm_overrides(
     sink: int = 16,
     window_prefill: bool = False,
     protect_prompt: bool = False,
+    policy: str = "streaming",
+    **policy_fields: Any,
 ) -> dict[str, Any]:
     """`hf_overrides` that make vLLM serve `model` with `head_mask` cut at `sparsity` (rlkv's plugin).
 
     model: a model folder, Hub id or transformers config; the form as `vllm_compression` (default: the
-    eval's, sink 16 + window 64 after a full prompt). Returns {"architectures": [...], "rlkv_head_split":
+    eval's, sink 16 + window 64 after a full prompt; `policy="rkv", budget=N` for R-KV eviction on the
+    compressed heads, `policy_kwargs=` its arguments). Returns {"architectures": [...], "rlkv_head_split":
     {...}}, for `vllm.LLM(model, hf_overrides=...)` or `vllm serve --hf-overrides`.
     """
     form = vllm_compression(
@@ -149,6 +155,8 @@ def vllm_overrides(
         window=window,
         window_prefill=window_prefill,
         protect_prompt=protect_prompt,
+        policy=policy,
+        **policy_fields,
     )
     return compression_overrides(model_config(model), form)
 
