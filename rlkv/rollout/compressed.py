@@ -107,7 +107,8 @@ class CompressedRolloutConfig(CompressionConfig):
         **kwargs: Any,
     ) -> CompressedRolloutConfig:
         """A config vLLM rollouts serve (`rlkv.inference.vllm.vllm_compression`'s fields: sink + window, the
-        prompt read whole unless `window_prefill`), plus `kwargs` (the rollout fields)."""
+        prompt read whole unless `window_prefill`; `policy="rkv", budget=N`: token eviction on the compressed
+        heads), plus `kwargs` (the rollout fields)."""
         from rlkv.inference.vllm import vllm_compression
 
         return vllm_compression(

@@ -268,9 +268,9 @@ class EvictionImpl(AttentionImpl[EvictionMetadata]):
             self._compact(layer, kv_cache, m, positions, queries, *compaction, identity=True)
         if m.decode_tokens is not None:
             self._decode(layer, query, key, value, kv_cache, m, positions, output)
-            if queries is not None:
-                for token, row in zip(m.decode_tokens.tolist(), m.decode_rows.tolist(), strict=True):
-                    _remember(queries, row, query[token : token + 1])
+            if queries is not None:  # each row's newest query shifts in (a step's rows are distinct)
+                recent = query[m.decode_tokens][:, :, None, :].to(queries.dtype)  # [W, H_q, 1, D]
+                queries[m.decode_rows] = torch.cat([queries[m.decode_rows][:, :, 1:], recent], dim=2)
         for compaction in m.after:
             self._compact(layer, kv_cache, m, positions, queries, *compaction, identity=False)
         return output
