@@ -98,3 +98,34 @@ def test_blocks_per_request_stay_within_the_capacity(demo):
     assert prompt_blocks > 4 and held[0][0] == prompt_blocks  # the prompt's step holds every block
     assert max(h[0] for h in held[2:]) <= -(-81 // BLOCK) + 1  # then at most ceil(capacity / block) + 1
     assert len(held) >= 400  # decode steps
+
+
+def test_abort_and_preemption_return_every_block_and_resumed_requests_finish(demo):
+    from vllm import SamplingParams
+
+    model, tokenizer, _, prompts, mask = demo
+    config = _method(model, mask, "rlkv+rkv")
+    # 48 blocks of 32 tokens over both groups: four requests of a 349-token prompt + 300 new tokens need about
+    # 4 x (21 + 3) at the end, so vLLM preempts (recompute) and resumes them
+    overrides = compression_overrides(model.config, config)
+    with engine(hf_overrides=overrides, num_gpu_blocks_override=48, max_model_len=700) as llm:
+        _, pool = kv_groups(llm)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        free = pool.get_num_free_blocks()
+        ids = tokenizer(prompts[0]).input_ids
+        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+        core = llm.llm_engine
+        for i in range(5):
+            core.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+        finished, preempted, step = {}, 0, 0
+        while core.has_unfinished_requests():
+            for out in core.step():
+                if out.finished:
+                    finished[out.request_id] = list(out.outputs[0].token_ids)
+            step += 1
+            if step == 30:
+                core.abort_request(["r4"])
+            preempted = max([preempted, *(r.num_preemptions for r in scheduler.requests.values())])
+        assert pool.get_num_free_blocks() == free  # every block of the aborted, preempted and finished ones
+        assert preempted >= 1
+        assert sorted(finished) == ["r0", "r1", "r2", "r3"] and all(len(t) == 300 for t in finished.values())
