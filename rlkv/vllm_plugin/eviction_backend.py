@@ -18,7 +18,7 @@ sink/window group's):
 Per request, what the pages cannot hold lives in two tables per layer, indexed by a row the builder
 gives each request (keyed by the request's first block, which it holds for its whole life: this
 group never shares blocks): each slot's logical position per head, and the last observation queries.
-Compactions run per request on the host's schedule (rows of equal slot counts are not batched yet).
+The step's due compactions of a layer run as one policy call over the requests that can share a view.
 """
 
 from __future__ import annotations
@@ -264,15 +264,13 @@ class EvictionImpl(AttentionImpl[EvictionMetadata]):
                 _remember(queries, row, query[first : first + count])
         for row, prompt in m.identity:
             positions[row, :, :prompt] = torch.arange(prompt, device=query.device)
-        for compaction in m.before:  # the prompt, at slot = position: the kept blocks are its first ones
-            self._compact(layer, kv_cache, m, positions, queries, *compaction, identity=True)
+        self._compact_all(layer, kv_cache, m, positions, queries, m.before, identity=True)
         if m.decode_tokens is not None:
             self._decode(layer, query, key, value, kv_cache, m, positions, output)
             if queries is not None:  # each row's newest query shifts in (a step's rows are distinct)
                 recent = query[m.decode_tokens][:, :, None, :].to(queries.dtype)  # [W, H_q, 1, D]
                 queries[m.decode_rows] = torch.cat([queries[m.decode_rows][:, :, 1:], recent], dim=2)
-        for compaction in m.after:
-            self._compact(layer, kv_cache, m, positions, queries, *compaction, identity=False)
+        self._compact_all(layer, kv_cache, m, positions, queries, m.after, identity=False)
         return output
 
     def _decode(self, layer, query, key, value, kv_cache, m, positions, output) -> None:
@@ -299,6 +297,27 @@ class EvictionImpl(AttentionImpl[EvictionMetadata]):
         )
         output[tokens] = out[:, :, 0, :].to(output.dtype)
 
+    def _compact_all(
+        self, layer, kv_cache, m, positions, queries, items: list[tuple[int, ...]], identity: bool
+    ):
+        """Run the due compactions `items`, batched: one policy call per group of requests that can share a
+        `CompressedStore` view (a protected prompt: each request alone; random eviction, which ranks prompt
+        slots by the prompt's end: requests with as many generated tokens; otherwise all of them)."""
+        if not items:
+            return
+        spec = layer.rlkv_spec
+        if spec.protect_prompt:
+            groups = [[item] for item in items]
+        elif spec.policy == "random":
+            by_generated: dict[int, list[tuple[int, ...]]] = {}
+            for item in items:
+                by_generated.setdefault(item[4] - item[5], []).append(item)
+            groups = list(by_generated.values())
+        else:
+            groups = [items]
+        for group in groups:
+            self._compact(layer, kv_cache, m, positions, queries, group, identity)
+
     def _compact(
         self,
         layer: Any,
@@ -306,53 +325,67 @@ class EvictionImpl(AttentionImpl[EvictionMetadata]):
         m: EvictionMetadata,
         positions: torch.Tensor,
         queries: torch.Tensor | None,
-        request: int,
-        row: int,
-        occupied: int,
-        kept: int,
-        length: int,
-        prompt: int,
-        kept_blocks: int,
-        prompt_blocks: int,
+        items: list[tuple[int, ...]],
         identity: bool,
     ) -> None:
-        """Run the policy over the request's `occupied` slots; the `kept` it keeps move, in order, to the front."""
+        """Run the policy over each request's occupied slots; the slots it keeps move, in order, to the front.
+
+        items: (request index, table row, occupied slots, kept slots, tokens, prompt, kept prompt blocks,
+        prompt blocks) per request. The requests share one view in a common column frame, as rows of a
+        left-padded batch on the transformers path: a request of n tokens sits at columns shifted by
+        (longest n - n), so the store's logical length, window and observation queries' columns are shared
+        and each row starts at its shift; its slots past its occupied ones are empty (position -1).
+        identity: the slots hold the prompt at slot = position (its first compaction).
+        """
         from rlkv.cache.static_budget import keep_in_run, policy_view
 
         d, size, device = self.head_size, kv_cache.shape[2], kv_cache.device
-        slots = torch.arange(occupied, device=device)
-        pair = torch.tensor([[kept_blocks, prompt_blocks]], dtype=torch.long, device=device)
-        which = torch.tensor([request], dtype=torch.long, device=device)
-        blocks, offsets = (t[0] for t in _slot_blocks(m.block_table, which, pair, slots[None], size))
-        if identity:  # the prompt, whole at slot = position
-            held = slots[None, None, :].expand(1, self.num_kv_heads, -1).clone()
-        else:
-            held = positions[row, :, :occupied][None].clone()
-        kv = kv_cache[blocks, :, offsets].permute(1, 0, 2)[None]  # [1, H_kv, N, 2D]
+        spec = layer.rlkv_spec
+        columns = list(zip(*items, strict=True))
+        requests, rows = (torch.tensor(c, dtype=torch.long, device=device) for c in columns[:2])
+        occupied = torch.tensor(columns[2], dtype=torch.long, device=device)
+        lengths = torch.tensor(columns[4], dtype=torch.long, device=device)
+        pairs = torch.tensor(list(zip(columns[6], columns[7])), dtype=torch.long, device=device)
+        width, longest = max(columns[2]), max(columns[4])
+        slots = torch.arange(width, device=device)[None, :].expand(len(items), -1)
+        exists = slots < occupied[:, None]
+        blocks, offsets = _slot_blocks(m.block_table, requests, pairs, slots, size)
+        blocks = torch.where(exists, blocks, 0)  # empty slots read and write vLLM's null block
+        kv = kv_cache[blocks, :, offsets].permute(0, 2, 1, 3)  # [B, H_kv, N, 2D]
         keys, values = kv[..., :d].contiguous(), kv[..., d:].contiguous()
+        if identity:
+            held = slots[:, None, :].expand(-1, self.num_kv_heads, -1)
+        else:
+            held = positions[rows, :, :width]
+        shift = longest - lengths
+        held = torch.where(exists[:, None, :], held + shift[:, None, None], -1)
         observed = None
         if queries is not None:
-            count = min(queries.shape[2], length)
-            q = queries[row, :, queries.shape[2] - count :]  # [H_q, N_q, D], oldest first
-            q = q.reshape(self.num_kv_heads, self.groups, count, d)[None]
-            observed = (q, torch.arange(length - count, length, device=device))
-        early = prompt if layer.rlkv_spec.protect_prompt else 0
+            count = min(queries.shape[2], longest)
+            q = queries[rows, :, queries.shape[2] - count :]  # [B, H_q, N_q, D], oldest first
+            q = q.reshape(len(items), self.num_kv_heads, self.groups, count, d)
+            observed = (q, torch.arange(longest - count, longest, device=device))
+        early = columns[5][0] if spec.protect_prompt else 0
+        prompt = columns[5][0] + (longest - columns[4][0])  # one prompt end for the group (see _compact_all)
         view = policy_view(
             layer.rlkv_layer_index,
-            layer.rlkv_head_ids,
+            layer.rlkv_head_ids.to(device),
             self.groups,
             layer.rlkv_settings,
             (keys, values, held),
             observed,
-            torch.zeros(1, dtype=torch.long, device=device),
-            (length, prompt),
+            shift,
+            (longest, prompt),
             {},
-            unpadded=True,
+            unpadded=len(set(columns[2])) == 1 and len(set(columns[4])) == 1,
         )
         keep_in_run(view, layer.rlkv_policy, (keys, values, held), 0, early, early)
-        packed = torch.cat([keys, values], dim=-1)[0, :, :kept].transpose(0, 1)  # [kept, H_kv, 2D]
-        kv_cache[blocks[:kept], :, offsets[:kept]] = packed.to(kv_cache.dtype)
-        positions[row, :, :kept] = held[0, :, :kept]
+        packed = torch.cat([keys, values], dim=-1).permute(0, 2, 1, 3)  # [B, N, H_kv, 2D], kept ones first
+        kv_cache[blocks, :, offsets] = torch.where(
+            exists[..., None, None], packed.to(kv_cache.dtype), kv_cache[blocks, :, offsets]
+        )
+        kept = min(width, positions.shape[2])
+        positions[rows, :, :kept] = torch.where(held >= 0, held - shift[:, None, None], -1)[..., :kept]
 
 
 def _remember(queries: torch.Tensor, row: int, new: torch.Tensor) -> None:
