@@ -28,25 +28,28 @@ def report_serving(result: dict) -> list[str]:
         f"{s['vllm_bound_rows']} requests at once",
         "",
         "| KV cache | method | tokens/s | requests/min | peak blocks used / pool | peak KV used | peak running | "
-        "preemptions | groups |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "preemptions | groups | compactions / request |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         if r["kv"] == "reference":
-            lines.append(f"| reference | {r['method']} | {r['tokens_per_s']:.1f} | | | | | | |")
+            lines.append(f"| reference | {r['method']} | {r['tokens_per_s']:.1f} | | | | | | | |")
             continue
         lines.append(
             f"| {r['kv']} ({r['kv_bytes'] / 2**20:.0f} MiB) | {r['method']} | {r['tokens_per_s']:.1f} | "
             f"{r['requests_per_min']:.2f} | {r['peak_blocks_used']} / {r['blocks']} | "
             f"{r['peak_blocks_used'] / r['blocks'] * r['kv_bytes'] / 2**20:.0f} MiB | {r['peak_running']} | "
-            f"{r['preemptions']} | {r['kv_cache_groups']} |"
+            f"{r['preemptions']} | {r['kv_cache_groups']} | {r.get('compactions_per_request', 0):.0f} |"
         )
     lines += [
         "",
-        "| KV cache | sparsity | tokens/s vs stock vLLM | target | |",
-        "| --- | ---: | ---: | ---: | --- |",
+        "| method | KV cache | sparsity | tokens/s vs stock vLLM | target | |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
     ]
     for c in result["checks"]:
         verdict = "PASS" if c["pass"] else "FAIL"
-        lines.append(f"| {c['kv']} | {c['sparsity']} | {c['ratio']:.2f}x | >= {c['target']}x | {verdict} |")
+        lines.append(
+            f"| {c.get('method', 'rlkv')} | {c['kv']} | {c['sparsity']} | {c['ratio']:.2f}x | >= {c['target']}x | "
+            f"{verdict} |"
+        )
     return lines + [""]

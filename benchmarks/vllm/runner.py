@@ -19,6 +19,12 @@ heads, head_dim 64, hidden 896) with --vllm-layers layers and random weights (fp
 
 Targets (issue 65): memory-bound, rlkv s=0.5 >= 1.5x stock's decode tokens/s and s=0.75 >= 2.0x; unbound,
 rlkv >= 0.95x stock.
+
+--vllm-methods adds token eviction on vLLM (issue 76), each in the eval's own `CompressionConfig`
+(`rlkv.eval.methods.method_config`, matched budgets: buffer 0, the prompt evictable): `rlkv+rkv` (R-KV on
+the mask's compressed heads, budget 80 with sink 16 + window 8) and `rkv` (R-KV on every head at its
+matched ratio budget); each row reports the compactions per request. Targets: memory-bound, rlkv+rkv
+s=0.75 >= 2.0x stock and rkv s=0.5 >= 1.5x; unbound >= 0.9x.
 """
 
 from __future__ import annotations
@@ -36,6 +42,15 @@ import torch
 from benchmarks.vllm import engines, padding
 
 TARGETS = {("bound", 0.5): 1.5, ("bound", 0.75): 2.0, ("unbound", 0.5): 0.95, ("unbound", 0.75): 0.95}
+# token eviction (--vllm-methods): (method, KV size, sparsity) -> the ratio to stock vLLM's tokens/s
+EVICTION_TARGETS = {
+    ("rlkv+rkv", "bound", 0.75): 2.0,
+    ("rkv", "bound", 0.5): 1.5,
+    ("rlkv+rkv", "unbound", 0.5): 0.9,
+    ("rlkv+rkv", "unbound", 0.75): 0.9,
+    ("rkv", "unbound", 0.5): 0.9,
+    ("rkv", "unbound", 0.75): 0.9,
+}
 SPARSITIES = (0.5, 0.75)
 # --vllm-form: `rlkv.inference.vllm.vllm_compression` keywords (besides the window)
 FORMS = {
@@ -62,6 +77,12 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         default="eval",
         help="the compressed heads' form: eval (sink 16 + window after a full prompt, the default), protected "
         "(the prompt kept whole too) or window-only (vLLM's sliding window, sink 0)",
+    )
+    parser.add_argument(
+        "--vllm-methods",
+        default="rlkv",
+        help="comma-separated: rlkv (the head mask in --vllm-form), rlkv+rkv and/or rkv (token eviction on "
+        "vLLM, the eval's matched configs)",
     )
     parser.add_argument(
         "--vllm-parts",
@@ -122,6 +143,8 @@ def run_engine(
         skip_tokenizer_init=True,
         hf_overrides=overrides or {},
     )
+    from rlkv.vllm_plugin.fence import eviction_compactions
+
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler  # private engine state, read only
     pool = scheduler.kv_cache_manager.block_pool
@@ -144,6 +167,7 @@ def run_engine(
             preemptions[request.request_id] = request.num_preemptions
     wall = time.perf_counter() - started
     groups = len(scheduler.kv_cache_config.kv_cache_groups)
+    compactions = eviction_compactions(llm) or [0]
     engine.engine_core.shutdown()
     del llm, engine, scheduler, pool
     gc.collect()
@@ -157,6 +181,7 @@ def run_engine(
         "preemptions": sum(preemptions.values()),
         "kv_cache_groups": groups,
         "generated": generated,
+        "compactions_per_request": max(compactions) / len(prompts),  # each group compacts every request alike
     }
 
 
@@ -216,6 +241,7 @@ def suite_serving(args: argparse.Namespace) -> dict:
     """Both KV sizes, stock and rlkv at each sparsity, plus the transformers reference rows."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rlkv import HeadMask
+    from rlkv.eval.methods import method_config
     from rlkv.inference import load
     from rlkv.inference.vllm import compression_overrides, vllm_compression
 
@@ -230,7 +256,6 @@ def suite_serving(args: argparse.Namespace) -> dict:
     mask = HeadMask.random(hf, seed=0)
     per_token = _kv_bytes_per_token(hf.config)
     vocab = hf.config.vocab_size
-    del hf
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, vocab, (args.vllm_requests, args.vllm_prompt), generator=generator).tolist()
     row_tokens = args.vllm_prompt + args.vllm_new_tokens
@@ -244,28 +269,55 @@ def suite_serving(args: argparse.Namespace) -> dict:
     def form(sparsity: float):
         return vllm_compression(mask, sparsity, window=args.vllm_window, **FORMS[args.vllm_form])
 
+    methods = args.vllm_methods.split(",")
+    unknown = sorted(set(methods) - {"rlkv", "rlkv+rkv", "rkv"})
+    if unknown:
+        raise SystemExit(f"--vllm-methods {unknown}: choose rlkv, rlkv+rkv and/or rkv")
+
+    def config(method: str, sparsity: float):
+        if method == "rlkv":
+            return form(sparsity)
+        return method_config(method, sparsity, model=hf, masks={"rlkv": mask})
+
+    runs = [("stock vLLM", 0.0, None)] + [
+        (f"{m} s={s}", s, compression_overrides(model, config(m, s))) for m in methods for s in SPARSITIES
+    ]
+    hf = None  # the engines load their own copy
+    gc.collect()
     rows = []
     for bound, kv_bytes in sizes.items():
-        for sparsity in (0.0, *SPARSITIES):
-            overrides = None if sparsity == 0 else compression_overrides(model, form(sparsity))
-            name = "stock vLLM" if sparsity == 0 else f"rlkv s={sparsity}"
+        for name, sparsity, overrides in runs:
             print(f"  vllm: {bound} {name} ...", flush=True)
             r = run_engine(model, prompts, args.vllm_new_tokens, kv_bytes, overrides)
+            method = name.split(" ")[0] if overrides else "stock"
             rows.append({"kv": bound, "kv_bytes": kv_bytes, "method": name, "sparsity": sparsity, **r})
+            rows[-1]["kind"] = method
             print(f"  vllm: {bound} {name}: {json.dumps(r)}", flush=True)
-    for sparsity in (0.0, *SPARSITIES):
+    for sparsity in (0.0, *SPARSITIES) if "rlkv" in methods else ():
         compression = None if sparsity == 0 else form(sparsity)
         name = "transformers generate" if sparsity == 0 else f"rlkv transformers s={sparsity}"
         r = run_transformers(model, prompts, args.vllm_new_tokens, compression)
         rows.append({"kv": "reference", "method": name, "sparsity": sparsity, **r})
         print(f"  vllm: reference {name}: {json.dumps(r)}", flush=True)
     tmp.cleanup()
+    targets = {("rlkv", *key): target for key, target in TARGETS.items()} | EVICTION_TARGETS
     checks = []
-    for (bound, sparsity), target in TARGETS.items():
+    for (method, bound, sparsity), target in targets.items():
+        if method not in methods:
+            continue
         stock = next(r for r in rows if r["kv"] == bound and r["sparsity"] == 0)
-        mixed = next(r for r in rows if r["kv"] == bound and r["sparsity"] == sparsity)
+        mixed = next(
+            r for r in rows if r["kv"] == bound and r["kind"] == method and r["sparsity"] == sparsity
+        )
         ratio = mixed["tokens_per_s"] / stock["tokens_per_s"]
         checks.append(
-            {"kv": bound, "sparsity": sparsity, "ratio": ratio, "target": target, "pass": ratio >= target}
+            {
+                "method": method,
+                "kv": bound,
+                "sparsity": sparsity,
+                "ratio": ratio,
+                "target": target,
+                "pass": ratio >= target,
+            }
         )
     return {"rows": rows, "checks": checks}

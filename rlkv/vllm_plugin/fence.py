@@ -93,6 +93,23 @@ def in_process_scheduler(llm: Any) -> Any | None:
     return getattr(core, "scheduler", None)
 
 
+def eviction_compactions(llm: Any) -> list[int] | None:
+    """Compactions each token-eviction KV cache group has run so far in `llm` (one count per group, every
+    request summed), when its model runner lives in this process (else None)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    worker = getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None), "worker", None)
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return None
+    return [
+        builder.compactions
+        for groups in runner.attn_groups
+        for group in groups
+        for builder in group.metadata_builders
+        if type(builder).__name__ == "EvictionMetadataBuilder"
+    ]
+
+
 def _version() -> str:
     import vllm
 

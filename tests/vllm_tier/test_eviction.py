@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
 
-from vllm_engines import DEMO, blocks_per_step, engine, eviction_compactions, greedy, kv_groups  # noqa: E402
+from vllm_engines import DEMO, blocks_per_step, engine, greedy, kv_groups  # noqa: E402
 
 from rlkv import HeadMask  # noqa: E402
 from rlkv.data.chain_task import load_chain_task, verify_chain  # noqa: E402
@@ -18,6 +18,7 @@ from rlkv.data.prompts import build_prompt  # noqa: E402
 from rlkv.eval.methods import method_config  # noqa: E402
 from rlkv.inference import generate, load  # noqa: E402
 from rlkv.inference.vllm import compression_overrides  # noqa: E402
+from rlkv.vllm_plugin.fence import eviction_compactions  # noqa: E402
 
 BLOCK = 32
 

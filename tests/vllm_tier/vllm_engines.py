@@ -56,15 +56,3 @@ def blocks_per_step(llm, groups, prompt_ids, max_tokens):
         if blocks[0]:
             held.append((*map(len, blocks), pool.get_num_free_blocks()))
     return held
-
-
-def eviction_compactions(llm) -> list[int]:
-    """Compactions each eviction group's metadata builder scheduled so far (private runner state, tests only)."""
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    return [
-        builder.compactions
-        for groups in runner.attn_groups
-        for group in groups
-        for builder in group.metadata_builders
-        if type(builder).__name__ == "EvictionMetadataBuilder"
-    ]
