@@ -70,6 +70,15 @@ def test_unit_is_the_gcd_of_the_part_sizes():
         ({"sink": -1}, r"sink=-1: must be an integer >= 0"),
         ({"window": -1}, r"window=-1: must be an integer >= 0"),
         ({"format": 2}, r"format=2: this rlkv reads format 1"),
+        (
+            {"prompt": "full", "policy": {"name": "h2o", "budget": 8}},
+            r"policy.name='h2o': vLLM's eviction group runs",
+        ),
+        ({"prompt": "full", "policy": {"name": "rkv", "budget": 1.5}}, r"policy.budget=1.5: an integer >= 0"),
+        ({"prompt": "full", "policy": {"name": "rkv", "budget": True}}, r"policy.budget=True"),
+        ({"prompt": "full", "policy": {"name": "rkv", "budget": 8, "kwargs": [1]}}, r"policy.kwargs=\[1\]"),
+        ({"prompt": "full", "policy": "rkv"}, r"policy must be a mapping"),
+        ({"policy": {"name": "rkv", "budget": 8}}, r"prompt='window' with a policy"),
     ],
 )
 def test_a_split_that_does_not_fit_is_refused_in_one_line(change, message):
@@ -96,7 +105,7 @@ def test_no_split_and_unsupported_architectures_are_named(make_model):
         vllm_overrides(config, HeadMask.random(model), 0.5)
 
 
-def test_only_streaming_forms_with_an_evictable_prompt_have_a_split(make_model):
+def test_streaming_and_eviction_forms_have_a_split_and_others_are_refused(make_model):
     model = make_model("llama")
     mask = HeadMask.random(model)
     protected = head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, sink=16, window=64))
@@ -106,8 +115,23 @@ def test_only_streaming_forms_with_an_evictable_prompt_have_a_split(make_model):
     )
     with pytest.raises(CompressionConfigError, match="protect_prompt=True, window_prefill=True"):
         head_split(model, windowed_protected)
-    with pytest.raises(CompressionConfigError, match="policy='rkv'"):
-        head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, policy="rkv", protect_prompt=False))
+    with pytest.raises(CompressionConfigError, match="policy='h2o'"):  # per-step attention: not on vLLM
+        head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, policy="h2o", protect_prompt=False))
+    rkv = CompressionConfig(
+        head_mask=mask,
+        sparsity=0.5,
+        policy="rkv",
+        budget=80,
+        policy_kwargs={"buffer": 0},
+        protect_prompt=False,
+    )
+    evicting = head_split(model, rkv)
+    assert evicting.to_config()["policy"] == {"name": "rkv", "budget": 80, "kwargs": {"buffer": 0}}
+    assert (
+        HeadSplit.from_config({**model.config.to_dict(), "rlkv_head_split": evicting.to_config()}) == evicting
+    )
+    with pytest.raises(CompressionConfigError, match="window_prefill=True"):
+        head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, policy="rkv", window_prefill=True))
     eval_form = head_split(model, vllm_compression(mask, 0.5))
     assert (eval_form.sink, eval_form.window, eval_form.full_prompt) == (16, 64, True)
     every_head = head_split(model, matched_compression(None, 0.5, window=4))
