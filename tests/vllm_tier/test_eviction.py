@@ -130,3 +130,69 @@ def test_abort_and_preemption_return_every_block_and_resumed_requests_finish(dem
         assert pool.get_num_free_blocks() == free  # every block of the aborted, preempted and finished ones
         assert preempted >= 1
         assert sorted(finished) == ["r0", "r1", "r2", "r3"] and all(len(t) == 300 for t in finished.values())
+
+
+@pytest.mark.parametrize("method", ["rlkv+rkv", "rkv"])
+def test_one_compaction_keeps_the_transformers_paths_tokens_in_every_head(demo, method):
+    """The policy's decisions, not just the tokens: after the prompt's compaction and one generated step's, each
+    compressed (layer, KV head) keeps the same positions on vLLM as in rlkv's transformers cache (fp32; R-KV's
+    scores from keys and queries computed by two engines agree to ~1e-5, so only exact ties could differ)."""
+    import torch
+
+    from rlkv.inference import make_cache
+
+    model, tokenizer, _, prompts, mask = demo
+    config = _method(model, mask, method)
+    ids = tokenizer(prompts[0], return_tensors="pt").input_ids
+    cache = make_cache(model, config)
+    with torch.no_grad():
+        first = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+        model(input_ids=first[:, None], past_key_values=cache, use_cache=True)
+    reference = {
+        layer.layer_idx: [sorted(p for p in row if p >= 0) for row in layer.store.positions[0].tolist()]
+        for layer in cache.layers
+        if layer.store is not None
+    }
+    with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
+        served = greedy(llm, [ids[0].tolist()], max_tokens=2)
+        kept = _kept_positions(llm)
+    assert served[0][0] == first.item()
+    assert set(kept) == set(reference) and len(reference) >= 3
+    for layer, heads in reference.items():
+        assert kept[layer] == heads, f"layer {layer}"
+
+
+def _kept_positions(llm) -> dict[int, list[list[int]]]:
+    """Per model layer, each compressed KV head's kept positions (sorted) of the engine's one request, read
+    from the eviction layers' position tables (private runner state, tests only)."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    builder = next(
+        b
+        for groups in runner.attn_groups
+        for group in groups
+        for b in group.metadata_builders
+        if type(b).__name__ == "EvictionMetadataBuilder"
+    )
+    (state,) = builder.requests.values()
+    kept: dict[int, list[list[int]]] = {}
+    for module in runner.model.modules():
+        if type(module).__name__ != "EvictionAttention":
+            continue
+        positions = module.impl.tables[0][state.row]  # [H_kv, capacity], -1 = empty
+        heads = [sorted(p for p in row.tolist() if p >= 0) for row in positions]
+        order = module.rlkv_head_ids.tolist()
+        layer = kept.setdefault(module.rlkv_layer_index, {})
+        layer.update(dict(zip(order, heads)))
+    return {layer: [heads[h] for h in sorted(heads)] for layer, heads in kept.items()}
+
+
+def test_chunked_prefill_gives_the_same_tokens(demo):
+    """A prompt read in 64-token chunks (each chunk attends every earlier prompt slot) is compacted as a whole one."""
+    model, tokenizer, _, prompts, mask = demo
+    config = _method(model, mask, "rlkv+rkv")
+    overrides = compression_overrides(model.config, config)
+    with engine(hf_overrides=overrides) as llm:
+        whole = greedy(llm, prompts[:16])
+    with engine(hf_overrides=overrides, enable_chunked_prefill=True, max_num_batched_tokens=64) as llm:
+        chunked = greedy(llm, prompts[:16])
+    assert sum(a == b for a, b in zip(whole, chunked)) >= 15
