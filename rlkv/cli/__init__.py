@@ -51,6 +51,34 @@ def csv_fractions(text: str) -> list[float]:
         ) from None
 
 
+def budget_value(text: str) -> int | float:
+    """argparse type of --budget: an int (tokens per head) or a float ratio (e.g. 0.25)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--budget {text!r}: give tokens (e.g. 2048) or a ratio (e.g. 0.25)"
+            ) from None
+
+
+def json_object(text: str) -> dict:
+    """argparse type of --policy-kwargs: a JSON object (the policy's constructor arguments)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"--policy-kwargs {text!r} is not valid JSON ({e.msg}); give an object such as '{{\"lam\": 0.1}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--policy-kwargs must be a JSON object, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:

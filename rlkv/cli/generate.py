@@ -4,20 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rlkv.cli import positive_int
-
-
-def _budget(text: str) -> int | float:
-    """An int (tokens) or a float ratio (e.g. 0.25)."""
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"--budget {text!r}: give tokens (e.g. 2048) or a ratio (e.g. 0.25)"
-            ) from None
+from rlkv.cli import budget_value, json_object, positive_int
 
 
 def _positive_float(text: str) -> float:
@@ -65,9 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--policy", default="streaming", help="policy of the compressed heads (default streaming)"
     )
-    parser.add_argument("--policy-kwargs", default="{}", help="JSON object of policy arguments")
     parser.add_argument(
-        "--budget", type=_budget, default=None, help="tokens (int) or ratio of the length (float)"
+        "--policy-kwargs", type=json_object, default={}, help="JSON object of policy arguments"
+    )
+    parser.add_argument(
+        "--budget", type=budget_value, default=None, help="tokens (int) or ratio of the length (float)"
     )
     parser.add_argument("--sink", type=int, default=16)
     parser.add_argument("--window", type=int, default=64)
@@ -111,14 +100,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserInputError(
                 f"--prompt {i + 1} is not UTF-8 text (bad byte at {e.start}); pass UTF-8"
             ) from None
-    try:
-        policy_kwargs = json.loads(args.policy_kwargs)
-    except json.JSONDecodeError as e:
-        raise UserInputError(
-            f"--policy-kwargs is not valid JSON ({e}); give an object such as '{{\"lam\": 0.1}}'"
-        ) from None
-    if not isinstance(policy_kwargs, dict):
-        raise UserInputError(f"--policy-kwargs must be a JSON object, got {args.policy_kwargs!r}")
+    policy_kwargs = args.policy_kwargs
     if args.sparsity is not None and (args.head_mask is None or args.no_compression):
         raise UserInputError(
             "--sparsity needs --head-mask (and compression): without a mask the policy compresses every head"

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rlkv.cli import budget_value, json_object
 from rlkv.cli.vllm_args import option, take_hf_overrides
 from rlkv.errors import UserInputError
 
@@ -56,13 +57,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--budget",
+        type=budget_value,
         default=None,
         help="with --policy: tokens a compressed head keeps (an integer, sink and window included) or a ratio "
         "of the request's tokens (a float in (0, 1], plus sink + window); default: the policy's own",
     )
     parser.add_argument(
         "--policy-kwargs",
-        default="{}",
+        type=json_object,
+        default={},
         help='with --policy: its arguments as JSON, e.g. \'{"buffer": 128, "lam": 0.1}\' (R-KV\'s defaults otherwise)',
     )
 
@@ -114,33 +117,7 @@ def _form(args: argparse.Namespace) -> dict[str, Any]:
                 "--budget without --policy: streaming heads keep --sink + --window; name a policy"
             )
         return form
-    try:
-        kwargs = json.loads(args.policy_kwargs)
-    except json.JSONDecodeError as e:
-        raise UserInputError(
-            f"--policy-kwargs {args.policy_kwargs!r}: not JSON ({e.msg}); e.g. '{{\"buffer\": 128}}'"
-        ) from None
-    if not isinstance(kwargs, dict):
-        raise UserInputError(
-            f"--policy-kwargs {args.policy_kwargs!r}: a JSON object of the policy's arguments"
-        )
-    return form | {"policy": args.policy, "budget": _budget(args.budget), "policy_kwargs": kwargs}
-
-
-def _budget(text: str | None) -> int | float | None:
-    """--budget as an int (tokens) or a float (a ratio); None: the policy's own default."""
-    if text is None:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        raise UserInputError(
-            f"--budget {text!r}: an integer (tokens per head) or a float in (0, 1] (a ratio)"
-        ) from None
+    return form | {"policy": args.policy, "budget": args.budget, "policy_kwargs": args.policy_kwargs}
 
 
 def _note_uncompressed(kept: int, positions: int | None, where: str) -> None:

@@ -30,13 +30,9 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from vllm.utils.math_utils import cdiv
-from vllm.v1.attention.backend import (
-    AttentionBackend,
-    AttentionImpl,
-    AttentionMetadataBuilder,
-    AttentionType,
-    CommonAttentionMetadata,
-)
+from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
+
+from rlkv.vllm_plugin.sink_window_backend import PagedTorchImpl
 
 
 @dataclass
@@ -175,40 +171,10 @@ def _slot_blocks(
     return block_table[requests[:, None], index], slots % size
 
 
-class EvictionImpl(AttentionImpl[EvictionMetadata]):
+class EvictionImpl(PagedTorchImpl):
     """Attention of an `EvictionAttention` layer: writes, attention and compactions of its slots."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        **extra: Any,
-    ) -> None:
-        if (
-            alibi_slopes is not None
-            or logits_soft_cap
-            or sliding_window is not None
-            or kv_cache_dtype != "auto"
-        ):
-            raise NotImplementedError(
-                "rlkv's evicting heads attend plain softmax attention over an unquantized cache: no ALiBi, soft "
-                "cap, sliding window or kv_cache_dtype other than auto"
-            )
-        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
-        self.num_kv_heads = num_kv_heads or num_heads
-        self.groups = self.num_heads // self.num_kv_heads
-        self.kv_cache_dtype = kv_cache_dtype
-        self.attn_type = attn_type
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.tables: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    tables: tuple[torch.Tensor, torch.Tensor | None] | None = None  # made at the first step (`_tables`)
 
     def _tables(self, layer: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
         """The layer's per-request tables: slot positions [R, H_kv, capacity] and the last observation

@@ -133,8 +133,9 @@ class SinkWindowMetadataBuilder(AttentionMetadataBuilder[SinkWindowMetadata]):
         )
 
 
-class SinkWindowImpl(AttentionImpl[SinkWindowMetadata]):
-    """Attention of a `SinkWindowAttention` layer; the form (sink, window, full_prompt) is read from the layer."""
+class PagedTorchImpl(AttentionImpl):
+    """What rlkv's torch attention impls over vLLM's pages share (this group's and the eviction group's):
+    plain softmax attention over an unquantized cache, heads and scale as vLLM passes them."""
 
     def __init__(
         self,
@@ -157,14 +158,19 @@ class SinkWindowImpl(AttentionImpl[SinkWindowMetadata]):
             or kv_cache_dtype != "auto"
         ):
             raise NotImplementedError(
-                "rlkv's sink/window heads attend plain softmax attention over an unquantized cache: no ALiBi, "
+                "rlkv's compressed heads attend plain softmax attention over an unquantized cache: no ALiBi, "
                 "soft cap, sliding window or kv_cache_dtype other than auto"
             )
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
+        self.groups = self.num_heads // self.num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+
+class SinkWindowImpl(PagedTorchImpl):
+    """Attention of a `SinkWindowAttention` layer; the form (sink, window, full_prompt) is read from the layer."""
 
     def do_kv_cache_update(
         self,

@@ -10,13 +10,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
 
-from vllm_engines import DEMO, blocks_per_step, engine, greedy, kv_groups  # noqa: E402
+from vllm_engines import blocks_per_step, demo_chain, engine, greedy, kv_groups, solved  # noqa: E402
 
-from rlkv import HeadMask  # noqa: E402
-from rlkv.data.chain_task import load_chain_task, verify_chain  # noqa: E402
-from rlkv.data.prompts import build_prompt  # noqa: E402
 from rlkv.eval.methods import method_config  # noqa: E402
-from rlkv.inference import generate, load  # noqa: E402
+from rlkv.inference import generate  # noqa: E402
 from rlkv.inference.vllm import compression_overrides  # noqa: E402
 from rlkv.vllm_plugin.fence import eviction_compactions  # noqa: E402
 
@@ -25,10 +22,7 @@ BLOCK = 32
 
 @pytest.fixture(scope="module")
 def demo():
-    model, tokenizer = load(DEMO, dtype="float32")
-    problems = load_chain_task("test", 48)
-    prompts = [build_prompt(p, tokenizer) for p in problems]
-    return model, tokenizer, problems, prompts, HeadMask.random(model, seed=0)
+    return demo_chain()
 
 
 def _method(model, mask, method, sparsity=0.5):
@@ -77,12 +71,8 @@ def test_tokens_equal_the_transformers_path(demo, method):
     served, reference = _served_and_reference(model, tokenizer, prompts, config)
     equal = sum(a == o.token_ids for a, o in zip(served, reference))
     assert equal >= 44, f"{equal} of 48 generations equal"
-    solved = sum(
-        verify_chain(tokenizer.decode(t, skip_special_tokens=True), p["answer"])
-        for t, p in zip(served, problems)
-    )
-    solved_ref = sum(verify_chain(o.text, p["answer"]) for o, p in zip(reference, problems))
-    assert abs(solved - solved_ref) <= 2
+    ours, theirs = solved(tokenizer, problems, served, reference)
+    assert abs(ours - theirs) <= 2, (ours, theirs)
 
 
 def test_blocks_per_request_stay_within_the_capacity(demo):

@@ -11,12 +11,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
 
-from vllm_engines import DEMO, blocks_per_step, engine, greedy, kv_groups  # noqa: E402
+from vllm_engines import blocks_per_step, demo_chain, engine, greedy, kv_groups, solved  # noqa: E402
 
 from rlkv import HeadMask  # noqa: E402
-from rlkv.data.chain_task import load_chain_task, verify_chain  # noqa: E402
-from rlkv.data.prompts import build_prompt  # noqa: E402
-from rlkv.inference import generate, load  # noqa: E402
+from rlkv.data.chain_task import load_chain_task  # noqa: E402
+from rlkv.inference import generate  # noqa: E402
 from rlkv.inference.vllm import compression_overrides, vllm_compression  # noqa: E402
 
 SINK, WINDOW, BLOCK = 16, 64, 32
@@ -24,10 +23,7 @@ SINK, WINDOW, BLOCK = 16, 64, 32
 
 @pytest.fixture(scope="module")
 def demo():
-    model, tokenizer = load(DEMO, dtype="float32")
-    problems = load_chain_task("test", 48)
-    prompts = [build_prompt(p, tokenizer) for p in problems]
-    return model, tokenizer, problems, prompts, HeadMask.random(model, seed=0)
+    return demo_chain()
 
 
 def _form(mask, sparsity, window_prefill=False, window=WINDOW, protect_prompt=False):
@@ -54,12 +50,8 @@ def test_tokens_equal_the_transformers_path_in_the_same_form(demo, sparsity, win
     )
     equal = sum(a == o.token_ids for a, o in zip(served, reference))
     assert equal >= 46, f"{equal} of 48 generations equal"
-    solved = sum(
-        verify_chain(tokenizer.decode(t, skip_special_tokens=True), p["answer"])
-        for t, p in zip(served, problems)
-    )
-    solved_ref = sum(verify_chain(o.text, p["answer"]) for o, p in zip(reference, problems))
-    assert abs(solved - solved_ref) <= 1
+    ours, theirs = solved(tokenizer, problems, served, reference)
+    assert abs(ours - theirs) <= 1, (ours, theirs)
     assert len(tokenizer(prompts[0]).input_ids) > SINK + WINDOW + 1  # the prompt is longer than what is kept
     if protect_prompt:  # the protected form is another computation: its tokens are not the evictable form's
         evictable = generate(

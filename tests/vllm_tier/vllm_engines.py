@@ -56,3 +56,27 @@ def blocks_per_step(llm, groups, prompt_ids, max_tokens):
         if blocks[0]:
             held.append((*map(len, blocks), pool.get_num_free_blocks()))
     return held
+
+
+def solved(tokenizer, problems, served, reference) -> tuple[int, int]:
+    """Chain problems solved by vLLM's token ids `served` and by the transformers outputs `reference`."""
+    from rlkv.data.chain_task import verify_chain
+
+    ours = sum(
+        verify_chain(tokenizer.decode(t, skip_special_tokens=True), p["answer"])
+        for t, p in zip(served, problems)
+    )
+    return ours, sum(verify_chain(o.text, p["answer"]) for o, p in zip(reference, problems))
+
+
+def demo_chain(num: int = 48):
+    """The demo model (fp32), its tokenizer, `num` held-out chain problems, their prompts, a seeded random mask."""
+    from rlkv import HeadMask
+    from rlkv.data.chain_task import load_chain_task
+    from rlkv.data.prompts import build_prompt
+    from rlkv.inference import load
+
+    model, tokenizer = load(DEMO, dtype="float32")
+    problems = load_chain_task("test", num)
+    prompts = [build_prompt(p, tokenizer) for p in problems]
+    return model, tokenizer, problems, prompts, HeadMask.random(model, seed=0)
