@@ -347,9 +347,8 @@ class EvictionImpl(PagedTorchImpl):
         )
         keep_in_run(view, layer.rlkv_policy, (keys, values, held), 0, early, early)
         packed = torch.cat([keys, values], dim=-1).permute(0, 2, 1, 3)  # [B, N, H_kv, 2D], kept ones first
-        kv_cache[blocks, :, offsets] = torch.where(
-            exists[..., None, None], packed.to(kv_cache.dtype), kv_cache[blocks, :, offsets]
-        )
+        # empty slots aim at vLLM's null block (never read unmasked): no second gather to keep what it holds
+        kv_cache[blocks, :, offsets] = packed.to(kv_cache.dtype)
         kept = min(width, positions.shape[2])
         positions[rows, :, :kept] = torch.where(held >= 0, held - shift[:, None, None], -1)[..., :kept]
 
