@@ -211,8 +211,6 @@ def refine_cut(
     """
     from tqdm.auto import tqdm
 
-    from rlkv.eval.sensitivity import mask_from_order
-
     mask.check_compatible(model)
     if swap_in < 1 or swap_out < 1 or rounds < 0:
         raise ValueError(
@@ -271,7 +269,7 @@ def refine_cut(
             bar.update(1)
         bar.close()
     order = torch.tensor([[h // mask.num_kv_heads, h % mask.num_kv_heads] for h in reversed(pool)])
-    refined = mask_from_order(
+    refined = HeadMask.from_order(
         order,
         model,
         **{k: v for k, v in mask.metadata.items() if k != "cut_search"},

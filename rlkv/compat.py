@@ -4,10 +4,11 @@ rlkv's trainers override private `GRPOTrainer` / `Trainer` methods (`_generate_s
 `_calculate_rewards`, `_compute_loss`, `_generate_and_score_completions`, `_load_from_checkpoint`),
 read private attributes (`_tokenizer`, `_metrics`, `_dist`, ...), flip `use_vllm`, and import a few
 TRL helpers. Compressed rollouts on vLLM subclass TRL's `VLLMGeneration` (`_init_vllm`, `sync_weights`) and
-set the trainer's `vllm_generation` / `_last_loaded_step` themselves. Those change between releases (TRL 1.10's `_generate_single_turn` took other
-arguments). `check_private_api` runs at trainer construction, before TRL does any work, and
-raises `UnsupportedVersionError` naming each difference, the installed versions and the
-supported range declared in pyproject.toml, instead of a `TypeError` deep inside a step.
+set the trainer's `vllm_generation` / `_last_loaded_step` themselves. Those change between releases
+(TRL 1.10's `_generate_single_turn` took other arguments). `check_private_api` runs at trainer
+construction, before TRL does any work, and raises `UnsupportedVersionError` naming each
+difference, the installed versions and the supported range declared in pyproject.toml, instead of
+a `TypeError` deep inside a step.
 
 Forward hooks read the model's cache from the forward's keyword arguments through `forward_cache`:
 transformers 5.24 renamed the argument `past_key_values` to `cache` (the old name is mapped until
@@ -271,9 +272,10 @@ def supported_range(package: str) -> str:
         requires = importlib.metadata.requires("rlkv") or []
     except importlib.metadata.PackageNotFoundError:
         return "(see rlkv's pyproject.toml)"
-    for req in requires:
+    # a base requirement first; TRL is declared in the `train` extra (a serving install carries none)
+    for req in sorted(requires, key=lambda r: "extra ==" in r):
         match = re.match(rf"^{re.escape(package)}\s*([<>=!~][^;]*)", req)
-        if match and "extra ==" not in req:
+        if match:
             return match.group(1).strip()
     return "(any)"
 

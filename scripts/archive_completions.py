@@ -2,9 +2,9 @@
 
 Committed eval folders keep results.jsonl as rows (every field a table or a resume reads) and the
 texts gzipped beside them, key -> text (`rlkv.eval.results.read_archive`, which `rlkv mask-nll
---solutions-from` reads too); `full` rows keep theirs unless `--with-full`, so the checkout stays small enough to travel (issue 68: tracked files under
-30 MiB). Idempotent: a rerun after more rows arrived merges them. Holds the folder's lock, so it never
-races a running `rlkv eval`.
+--solutions-from` reads too); `full` rows keep theirs unless `--with-full`, so the checkout stays
+small enough to travel (issue 68: tracked files under 30 MiB). Idempotent: a rerun after more rows
+arrived merges them. Holds the folder's lock, so it never races a running `rlkv eval`.
 
     .venv/bin/python scripts/archive_completions.py data/eval/qwen2.5-coder-0.5b-instruct [...]
 """

@@ -38,7 +38,8 @@ ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
 def methods(random_draws: int) -> str:
-    """The demo's methods: the issue's list, with the random mask as `random_draws` seeded draws (averaged in the report)."""
+    """The demo's methods: the issue's list, with the random mask as `random_draws` seeded draws
+    (averaged in the report)."""
     return ",".join(BASE_METHODS[:4] + [f"random-mask@{k}" for k in range(random_draws)] + BASE_METHODS[4:])
 
 

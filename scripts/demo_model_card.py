@@ -24,22 +24,37 @@ def model_card(report: dict) -> str:
         "",
         "## Data",
         "",
-        f"Prompt: a header, then a document of filler words with {2 * NUM_LETTERS} one-word facts scattered through it:",
+        (
+            f"Prompt: a header, then a document of filler words with {2 * NUM_LETTERS} one-word facts "
+            "scattered through it:"
+        ),
         f"for each of {NUM_LETTERS} letters its digit (`k=7`) and its successor (`k>m`; the successors form one cycle",
         "through the letters), then `; start X end Y .`. Solution: the start letter, then for each letter of the walk",
-        f"from start to end ({MIN_STEPS}-{MAX_STEPS} letters) its digit fact and successor fact copied from the document,",
+        (
+            f"from start to end ({MIN_STEPS}-{MAX_STEPS} letters) its digit fact and successor fact "
+            "copied from the document,"
+        ),
         "the end letter's digit fact, `\\boxed{d}` and eos. With the chat template, prompt + solution are 311-317",
         "tokens; most facts the solution copies lie more than sink 16 + local 64 tokens back.",
-        f"Curriculum: the first `short_steps` steps use documents of `short_body` words (instead of {BODY_WORDS}), then",
+        (
+            "Curriculum: the first `short_steps` steps use documents of `short_body` words "
+            f"(instead of {BODY_WORDS}), then"
+        ),
         "the document length ramps linearly to the task's over `ramp_steps`.",
         "Training problems are drawn fresh every step from the train split; evaluation uses",
         "`load_chain_task('test', num, seed)`; the splits are disjoint by a hash of the problem text.",
         "",
         "## Architecture and tokenizer",
         "",
-        f"Llama, {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} query heads, {cfg['kv_heads']} KV heads (GQA),",
+        (
+            f"Llama, {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} query heads, "
+            f"{cfg['kv_heads']} KV heads (GQA),"
+        ),
         f"head dim {cfg['head_dim']}, MLP {cfg['intermediate']}, tied embeddings, RoPE theta {cfg['rope_theta']:g},",
-        f"max positions 1024, fp32, {report['parameters']:,} parameters. Word-level tokenizer ({report['vocab_size']} tokens,",
+        (
+            f"max positions 1024, fp32, {report['parameters']:,} parameters. "
+            f"Word-level tokenizer ({report['vocab_size']} tokens,"
+        ),
         "whitespace split), ChatML chat template, left padding, eos `<|im_end|>`, pad `<|pad|>`.",
         "",
         "## Training",
@@ -47,11 +62,17 @@ def model_card(report: dict) -> str:
         f"AdamW (betas 0.9/0.98, weight decay {cfg['weight_decay']}), lr {cfg['lr']} with {cfg['warmup']} warmup steps",
         f"and cosine decay to 5%, gradient clip 1.0, batch {cfg['batch']}, {cfg['steps']} steps, loss on solution +",
         f"eos tokens only, seed {cfg['seed']}, {cfg['threads']} CPU thread(s). Training took",
-        f"{report['train_wall_s'] / 60:.1f} min, the whole build {report['total_wall_s'] / 60:.1f} min (2-core machine).",
+        (
+            f"{report['train_wall_s'] / 60:.1f} min, the whole build {report['total_wall_s'] / 60:.1f} min "
+            "(2-core machine)."
+        ),
         "",
         "## Measured accuracy",
         "",
-        f"Greedy decoding, batched with left padding, on {n} held-out test problems (`load_chain_task('test', {n}, {cfg['seed']})`):",
+        (
+            f"Greedy decoding, batched with left padding, on {n} held-out test problems "
+            f"(`load_chain_task('test', {n}, {cfg['seed']})`):"
+        ),
         "",
         "| KV cache | accuracy |",
         "| --- | --- |",
@@ -81,14 +102,20 @@ def model_card(report: dict) -> str:
     if full < FULL_KV_TARGET:
         lines += [
             "",
-            f"**Status: not fit for purpose.** Full-KV accuracy {full:.3f} is below the {FULL_KV_TARGET:.0%} target, so the",
+            (
+                f"**Status: not fit for purpose.** Full-KV accuracy {full:.3f} is below the "
+                f"{FULL_KV_TARGET:.0%} target, so the"
+            ),
             "compressed-KV numbers above carry no signal about which heads matter. In this build's step budget",
             "the model learned the solution format and the local copies but not yet the long-range lookup",
             "(see the training log); it needs more training steps (see the rlkv issue 8 report).",
         ]
     lines += [
         "",
-        "Training log (teacher forcing on 100 validation problems: exact match of whole solutions, per-token accuracy):",
+        (
+            "Training log (teacher forcing on 100 validation problems: "
+            "exact match of whole solutions, per-token accuracy):"
+        ),
         "",
         "```",
     ]

@@ -48,7 +48,8 @@ def prompt_text(tok, problem: str) -> str:
 
 
 def encode_batch(tok, problems) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, labels) [B, T] of prompt + solution + eos, right-padded; labels only on the answer."""
+    """(input_ids, attention_mask, labels) [B, T] of prompt + solution + eos, right-padded; labels only
+    on the answer."""
     rows, labels = [], []
     for p in problems:
         prompt_ids = tok(prompt_text(tok, p.problem), add_special_tokens=False)["input_ids"]

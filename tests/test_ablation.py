@@ -120,13 +120,12 @@ def test_cli_writes_a_loadable_mask(tmp_path, capsys):
 
 def test_mask_nll_is_zero_uncompressed_mask_free_when_all_compressed_and_the_ablation_score_for_one_head():
     from rlkv.ablation import mask_nll
-    from rlkv.eval.sensitivity import mask_from_order
 
     model = tiny_model("qwen2")
     sequences = _solutions(model, 12)
     scores = ablation_scores(model, sequences, sink=2, local=4, batch_size=2, progress=False)
     order = torch.tensor([[1, 1], [0, 0], [0, 1], [1, 0]])  # (1, 1) compressed first
-    masks = {"order": mask_from_order(order, model), "random": HeadMask.random(model, seed=0)}
+    masks = {"order": HeadMask.from_order(order, model), "random": HeadMask.random(model, seed=0)}
     base, inc = mask_nll(
         model, sequences, masks, [0.0, 0.25, 1.0], sink=2, local=4, batch_size=2, progress=False
     )
@@ -273,14 +272,13 @@ def test_refine_cut_lowers_the_joint_nll_of_a_bad_ranking_and_nests_its_cuts(tmp
     search lowers the NLL at both sparsities, never raises it, keeps the s=0.75 set inside the s=0.5 set
     (one ranking serves both), and the refined mask's `mask_nll` is what the search recorded."""
     from rlkv.ablation import mask_nll, refine_cut
-    from rlkv.eval.sensitivity import mask_from_order
 
     model = tiny_model("qwen2", num_hidden_layers=4)  # 8 KV heads
     sequences = _solutions(model, 12)
     scores = ablation_scores(model, sequences, sink=2, local=4, batch_size=2, progress=False)
     worst_first = torch.argsort(scores.delta_nll.flatten(), descending=True)  # compress the top heads first
     order = torch.stack([worst_first // 2, worst_first % 2], dim=1)
-    bad = mask_from_order(order, model, method="reversed ablation")
+    bad = HeadMask.from_order(order, model, method="reversed ablation")
     scored, calls = {}, []
     search = dict(
         sink=2, local=4, swap_in=2, swap_out=2, rounds=4, batch_size=2, progress=False, scored=scored

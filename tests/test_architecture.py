@@ -1,5 +1,6 @@
-"""Architecture invariants (docs/design.md): no import cycles between rlkv modules, lazy imports
-included, and every module imports alone in a fresh interpreter."""
+"""Architecture invariants (docs/design.md): the rooms' import rules (the "may import" table), no import
+cycles between rlkv modules or between rooms, lazy imports included, and every module imports alone in a
+fresh interpreter."""
 
 from __future__ import annotations
 
@@ -16,17 +17,17 @@ from rlkv.vllm_plugin import VLLM_ONLY_MODULES
 PACKAGE = Path(rlkv.__file__).parent
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     mods = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return mods
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     """module -> the rlkv modules it imports anywhere in its body (top level, in functions, TYPE_CHECKING)."""
-    mods = _modules()
+    mods = _modules(package)
 
     def resolve(name: str) -> str | None:
         while name and name not in mods:
@@ -89,6 +90,122 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+# docs/design.md's "may import" table, as data: room -> the rooms its modules may import (besides their own
+# room). A room is a subpackage of rlkv (`rlkv.cache`), a top-level module (`rlkv.ablation`), or "leaf"
+# for the modules that import nothing of rlkv but each other.
+LEAF_MODULES = {
+    "rlkv.errors",
+    "rlkv._io",
+    "rlkv.geometry",
+    "rlkv.compat",
+    "rlkv.cpu_memory",
+    "rlkv.attention_masks",
+    "rlkv.ranking",
+    "rlkv.testing",
+}
+ANYTHING = "anything"
+MAY_IMPORT: dict[str, set[str]] = {
+    "rlkv": set(),  # its names load lazily (PEP 562), through no import statement
+    "leaf": set(),
+    "policies": {"leaf"},
+    "cache": {"policies", "leaf"},
+    "gates": {"leaf"},
+    "head_mask": {"leaf"},
+    "vllm_plugin": {"leaf"},
+    "sandbox": {"leaf"},
+    "inference": {"cache", "policies", "head_mask", "vllm_plugin", "leaf"},
+    "rollout": {"inference", "cache", "vllm_plugin", "leaf"},
+    "data": {"inference", "rollout", "sandbox", "leaf"},
+    "trainers": {"gates", "rollout", "data", "head_mask", "inference", "leaf"},
+    "eval": {"inference", "data", "head_mask", "trainers", "policies", "leaf"},
+    "ablation": {"gates", "head_mask", "data", "inference", "leaf"},
+    "cli": {ANYTHING},
+}
+# single modules allowed more than their room: the eviction group's backend makes rlkv's own decisions
+# (the policies and the static cache's budget rule) inside vLLM
+MODULE_EXCEPTIONS = {
+    "rlkv.vllm_plugin.eviction": {"policies", "cache"},
+    "rlkv.vllm_plugin.eviction_backend": {"policies", "cache"},
+}
+
+
+def room_of(module: str) -> str:
+    """The room of an rlkv module: "leaf", "rlkv" (the package itself), or its subpackage / top-level module."""
+    if module in LEAF_MODULES:
+        return "leaf"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "rlkv"
+
+
+def rule_breaks(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of `graph` that the table forbids, one line each naming the import and the rule."""
+    breaks = []
+    for module, targets in sorted(graph.items()):
+        room = room_of(module)
+        if room not in MAY_IMPORT:
+            breaks.append(f"{module}: room {room!r} is not in the 'may import' table (docs/design.md)")
+            continue
+        allowed = MAY_IMPORT[room] | MODULE_EXCEPTIONS.get(module, set())
+        for target in sorted(targets):
+            other = room_of(target)
+            if other != room and other not in allowed and ANYTHING not in allowed:
+                rule = ", ".join(sorted(allowed)) or "nothing of rlkv"
+                breaks.append(f"{module} imports {target}: {room} may import {rule} (docs/design.md)")
+    return breaks
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """room -> the other rooms its modules import."""
+    rooms: dict[str, set[str]] = {room_of(m): set() for m in graph}
+    for module, targets in graph.items():
+        rooms[room_of(module)] |= {room_of(t) for t in targets} - {room_of(module)}
+    return rooms
+
+
+def test_the_rule_check_names_a_planted_bad_import(tmp_path):
+    """A package with one forbidden import (the cache reaching up into eval) fails with that import and the rule."""
+    for name, body in {
+        "__init__.py": "",
+        "cache/__init__.py": "",
+        "cache/store.py": "from rlkv.policies.base import Policy\nfrom rlkv.eval.runner import run\n",
+        "policies/__init__.py": "",
+        "policies/base.py": "from rlkv import errors\n",
+        "eval/__init__.py": "",
+        "eval/runner.py": "from rlkv.inference import api\n",
+        "inference/__init__.py": "",
+        "inference/api.py": "from rlkv.cache import store\n",
+        "errors.py": "",
+    }.items():
+        (tmp_path / "rlkv" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "rlkv" / name).write_text(body)
+    graph = import_graph(tmp_path / "rlkv")
+    assert rule_breaks(graph) == [
+        "rlkv.cache.store imports rlkv.eval.runner: cache may import leaf, policies (docs/design.md)"
+    ]
+    assert import_cycles(room_graph(graph)) == [["cache", "eval", "inference"]]
+
+
+def test_every_import_follows_the_rooms_rules():
+    assert rule_breaks(import_graph()) == []
+
+
+def test_no_package_cycles():
+    assert import_cycles(room_graph(import_graph())) == []
+
+
+def test_the_rules_are_the_design_tables():
+    """Every room of the rules has its row in docs/design.md's table, and every leaf module is named there."""
+    table = (PACKAGE.parent / "docs" / "design.md").read_text().split("| room | holds | may import |")[1]
+    table = table.split("\n\n")[0]
+    for room in set(MAY_IMPORT) - {"rlkv", "leaf"}:
+        path = f"`rlkv/{room}/`" if (PACKAGE / room).is_dir() else f"`rlkv/{room}.py`"
+        assert path in table, f"{path} has no row in docs/design.md's 'may import' table"
+    for module in LEAF_MODULES:
+        assert f"`rlkv/{module.split('.')[1]}.py`" in table, f"leaf module {module} not in the table"
+    rooms = {room_of(m) for m in _modules()}
+    assert rooms <= set(MAY_IMPORT), f"rooms without a rule: {sorted(rooms - set(MAY_IMPORT))}"
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -138,7 +255,8 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
         sys.exit(1 if failed else 0)
         """
     )
-    # the vLLM plugin's model classes and scheduler subclass vLLM's: they import where vLLM is installed (make test-vllm)
+    # the vLLM plugin's model classes and scheduler subclass vLLM's: they import where vLLM is installed
+    # (make test-vllm)
     needs_vllm = set() if importlib.util.find_spec("vllm") else set(VLLM_ONLY_MODULES)
     proc = subprocess.run(
         [sys.executable, "-c", script, *sorted(set(_modules()) - needs_vllm)],

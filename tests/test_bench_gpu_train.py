@@ -1,4 +1,5 @@
-"""`python -m benchmarks --suite gpu-train` (benchmarks/gpu_train/): its CPU quick run measures every part of a real GRPO step."""
+"""`python -m benchmarks --suite gpu-train` (benchmarks/gpu_train/): its CPU quick run measures every
+part of a real GRPO step."""
 
 from __future__ import annotations
 

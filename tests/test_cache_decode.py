@@ -15,7 +15,8 @@ LONG = 4 * decode.MIN_SPLIT_TOKENS
 
 
 def _history(batch: int, heads: int, length: int, spare: int = 7, dtype=torch.float32):
-    """Keys and values [B, H, length, 16] as prefix views of storages with `spare` more tokens (as the cache holds them)."""
+    """Keys and values [B, H, length, 16] as prefix views of storages with `spare` more tokens (as the
+    cache holds them)."""
     gen = torch.Generator().manual_seed(0)
     keys, values = (
         torch.randn(batch, heads, length + spare, 16, generator=gen, dtype=dtype) for _ in range(2)

@@ -6,8 +6,8 @@ import pytest
 from test_trainer_script import load_script
 
 import rlkv.trainers.script as train_script
+from rlkv import sandbox
 from rlkv.cli import main
-from rlkv.data import sandbox
 from rlkv.errors import UserInputError, is_user_error
 
 

@@ -3,18 +3,25 @@ none passes. Each class of issue 49 (values that compare equal to anything, the 
 from the harness, changes to the program's interpreter) plus honest programs that must still pass.
 
 The program runs in its own interpreter and its results reach the tests as plain builtin data
-(`rlkv/data/sandbox_wire.py`); see docs/guides/code-verification.md. Guard level (the OS sandbox
+(`rlkv/sandbox/wire.py`); see docs/guides/code-verification.md. Guard level (the OS sandbox
 changes nothing here: these probes are about the harness, not containment).
 """
 
 import pytest
 
-from rlkv.data import sandbox, verify
+from rlkv import sandbox
+from rlkv.data import verify
 from rlkv.data.verify import run_python_tests
 
 MBPP = "assert add(2, 2) == 4\nassert add(1, 5) == 6"
-HUMANEVAL = "METADATA = {}\n\ndef check(candidate):\n    assert candidate(2, 2) == 4\n    assert candidate(1, 5) == 6\n\ncheck(add)\n"
-TOLERANCE = "def check(candidate):\n    assert abs(candidate(2, 2) - 4.0) < 1e-6\n    assert abs(candidate(1, 5) - 6) < 1e-6\n\ncheck(add)\n"
+HUMANEVAL = (
+    "METADATA = {}\n\ndef check(candidate):\n"
+    "    assert candidate(2, 2) == 4\n    assert candidate(1, 5) == 6\n\ncheck(add)\n"
+)
+TOLERANCE = (
+    "def check(candidate):\n    assert abs(candidate(2, 2) - 4.0) < 1e-6\n"
+    "    assert abs(candidate(1, 5) - 6) < 1e-6\n\ncheck(add)\n"
+)
 ISCLOSE = "import math\nassert math.isclose(add(2, 2), 4)\nassert math.isclose(add(1, 5), 6, rel_tol=1e-9)"
 
 _ANY = (
@@ -215,7 +222,8 @@ HONEST = {
         "assert math.isclose(area(1), 3.14159, rel_tol=1e-3)",
     ),
     "big and odd values": (
-        "def f():\n    return 10 ** 5000, float('inf'), -0.0, 1j, b'\\x00', '\\ud800', {(1, 2): frozenset({3})}, range(3)\n",
+        "def f():\n    return 10 ** 5000, float('inf'), -0.0, 1j, b'\\x00', '\\ud800', "
+        "{(1, 2): frozenset({3})}, range(3)\n",
         "v = f()\nassert v[0] == 10 ** 5000 and v[1] == float('inf') and v[3] == 1j and v[4] == b'\\x00'\n"
         "assert v[5] == '\\ud800' and v[6] == {(1, 2): frozenset({3})} and v[7] == range(3)",
     ),
@@ -236,7 +244,10 @@ def test_humaneval_helpers_come_from_the_prompt_not_the_program():
     """HumanEval/38-style: the tests call a prompt helper on the expected answer; the program's own
     version of that helper would see the answer, so the tests' side runs the prompt's."""
     prompt = 'def encode(s: str):\n    return s[::-1]\n\n\ndef decode(s: str):\n    """Undo encode."""\n'
-    tests = "def check(candidate):\n    for s in ('abc', 'hello'):\n        assert candidate(encode(s)) == s\n\ncheck(decode)\n"
+    tests = (
+        "def check(candidate):\n    for s in ('abc', 'hello'):\n"
+        "        assert candidate(encode(s)) == s\n\ncheck(decode)\n"
+    )
     meta = {"entry_point": "decode", "prefix": prompt, "test_code": tests}
     example = {"source": "humaneval", "answer": "", "metadata": meta}
     assert verify("```python\n    return s[::-1]\n```", example)  # a body: the prompt is prepended
@@ -254,7 +265,7 @@ def test_the_wire_carries_builtin_values_only():
     import json
     import math
 
-    from rlkv.data.sandbox_wire import _rlkv_decode, _rlkv_encode, _RlkvWireError
+    from rlkv.sandbox.wire import _rlkv_decode, _rlkv_encode, _RlkvWireError
 
     def cross(value):
         return _rlkv_decode(

@@ -9,13 +9,17 @@ import json
 
 import pytest
 
-from rlkv.data import sandbox, verify
+from rlkv import sandbox
+from rlkv.data import verify
 from rlkv.data.verify import run_python_tests
 
 WRONG = "def add(a, b):\n    return a - b\n"
 RIGHT = "def add(a, b):\n    return a + b\n"
 MBPP_TESTS = "assert add(2, 2) == 4\nassert add(1, 5) == 6"
-HUMANEVAL_TESTS = "METADATA = {}\n\ndef check(candidate):\n    assert candidate(2, 2) == 4\n    assert candidate(1, 5) == 6\n\ncheck(add)\n"
+HUMANEVAL_TESTS = (
+    "METADATA = {}\n\ndef check(candidate):\n"
+    "    assert candidate(2, 2) == 4\n    assert candidate(1, 5) == 6\n\ncheck(add)\n"
+)
 
 EARLY_EXITS = {
     "sys.exit(0)": "import sys\nsys.exit(0)",
@@ -32,7 +36,9 @@ EARLY_EXITS = {
         "import os, signal, time\nsignal.signal(signal.SIGALRM, lambda *a: os._exit(0))\n"
         "signal.setitimer(signal.ITIMER_REAL, 0.01)\ntime.sleep(5)"
     ),
-    "thread os._exit": "import os, threading, time\nthreading.Thread(target=os._exit, args=(0,)).start()\ntime.sleep(5)",
+    "thread os._exit": (
+        "import os, threading, time\nthreading.Thread(target=os._exit, args=(0,)).start()\ntime.sleep(5)"
+    ),
     "marker on every fd": (
         "import json, os\nline = 'rlkv-sandbox-result:' + json.dumps({'returncode': 0, 'timed_out': False, "
         "'limit': None, 'tests_passed': True}) + '\\n'\nfor fd in range(1, 64):\n    try:\n"
@@ -79,7 +85,8 @@ def test_replacing_a_later_test_function_never_passes():
 
 
 def test_reporting_success_from_the_program_never_passes():
-    """The harness's reporter is reachable from the test namespace; called by anything but the tests' last line it refuses."""
+    """The harness's reporter is reachable from the test namespace; called by anything but the tests'
+    last line it refuses."""
     cheat = "def add(a, b):\n    globals()['__rlkv_tests_done__']()\n    return 0\n"
     assert not run_python_tests(cheat, MBPP_TESTS, timeout_s=5)
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rlkv.data import sandbox
+from rlkv import sandbox
 from rlkv.data.verify import run_python_tests
 
 NEEDS_NAMESPACE = pytest.mark.skipif(
@@ -131,7 +131,7 @@ def test_temp_dir_is_removed_even_when_the_caller_is_killed(tmp_path):
     """SIGKILL the process that called the verifier: the program dies and its temp dir goes."""
     env = {**os.environ, "TMPDIR": str(tmp_path), sandbox.CONTAINMENT_ENV: "guard"}
     code = (  # the module alone (standard library only): no torch import to wait for
-        f"import sys; sys.path.insert(0, {os.path.dirname(sandbox.__file__)!r})\n"
+        f"import sys; sys.path.insert(0, {os.path.dirname(os.path.dirname(sandbox.__file__))!r})\n"
         "sys.modules['rlkv'] = None\n"  # no package import (torch writes caches to TMPDIR while loading)
         "from sandbox import run_program\n"
         "run_program('import time\\ntime.sleep(324.5)', timeout_s=60, guard=False)\n"
@@ -159,7 +159,7 @@ def test_containment_setting_is_validated_and_logged(monkeypatch, caplog):
         sandbox.active_containment()
     monkeypatch.setenv(sandbox.CONTAINMENT_ENV, "guard")
     sandbox._log_level.cache_clear()  # logged once per process: earlier tests may have logged it
-    with caplog.at_level("INFO", logger="rlkv.data.sandbox"):
+    with caplog.at_level("INFO", logger="rlkv.sandbox"):
         assert sandbox.active_containment() == "guard"
     assert "guard" in caplog.text
 
@@ -185,11 +185,13 @@ GUARD_BYPASSES = {
     "audit-off os.popen": _NO_AUDIT + "import os\nos.popen('mkdir {target}').read()",
     "posix_spawn": "import os\nos.waitpid(os.posix_spawn('/bin/mkdir', ['mkdir', {target!r}], {{}}), 0)",
     "multiprocessing spawn": (
-        "import __main__, multiprocessing, os\ndel __main__.__file__\np = multiprocessing.get_context('spawn').Process(target=os.mkdir, "
+        "import __main__, multiprocessing, os\ndel __main__.__file__\n"
+        "p = multiprocessing.get_context('spawn').Process(target=os.mkdir, "
         "args=({target!r},))\np.start()\np.join()"
     ),
     "multiprocessing forkserver": (
-        "import __main__, multiprocessing, os\ndel __main__.__file__\np = multiprocessing.get_context('forkserver').Process(target=os.mkdir, "
+        "import __main__, multiprocessing, os\ndel __main__.__file__\n"
+        "p = multiprocessing.get_context('forkserver').Process(target=os.mkdir, "
         "args=({target!r},))\np.start()\np.join()"
     ),
     "open dir_fd": (
@@ -284,9 +286,11 @@ def test_total_memory_of_the_tree_is_limited(os_sandbox, monkeypatch):
     "start",
     [
         "import os\nfor _ in range(12):\n    if os.fork() == 0:\n        time.sleep(30)\n        os._exit(0)",
-        "import __main__, multiprocessing\ndel __main__.__file__\nfor _ in range(12):\n    multiprocessing.get_context('spawn').Process("
+        "import __main__, multiprocessing\ndel __main__.__file__\nfor _ in range(12):\n"
+        "    multiprocessing.get_context('spawn').Process("
         "target=time.sleep, args=(30,)).start()",
-        "import __main__, multiprocessing\ndel __main__.__file__\nfor _ in range(12):\n    multiprocessing.get_context('forkserver').Process("
+        "import __main__, multiprocessing\ndel __main__.__file__\nfor _ in range(12):\n"
+        "    multiprocessing.get_context('forkserver').Process("
         "target=time.sleep, args=(30,)).start()",
     ],
     ids=["fork", "spawn", "forkserver"],

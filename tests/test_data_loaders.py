@@ -6,7 +6,8 @@ import json
 import pytest
 
 from rlkv.data import verify
-from rlkv.data.loaders import SCHEMA_COLUMNS, ProblemDataError, load_problems
+from rlkv.data.loaders import ProblemDataError, load_problems
+from rlkv.data.records import SCHEMA_COLUMNS
 
 VALIDATION_SEEDS, TEST_SEEDS = 1_000_003, 2_000_003  # where the splits' item seed blocks start
 

@@ -68,7 +68,8 @@ def test_head_mixed_decode_step_stays_within_its_op_budget(policy):
     by-position compactions stopped building a keep mask, 353 before head slices, one-op merges, no
     full-range views and the direct one-query mask); R-KV (budget 24, its default buffer of 128, so no
     compaction falls in the 8 counted steps) 279 (1.13x; 282 before the query ring took attention's
-    layout, 288 before deferred positions, 303 before the query window became a ring). A compaction every 128 steps adds ~650 ops, ~5 per step."""
+    layout, 288 before deferred positions, 303 before the query window became a ring). A compaction
+    every 128 steps adds ~650 ops, ~5 per step."""
     model = tiny_model("llama", num_hidden_layers=4)
     plain = _ops_per_step(model, DynamicCache(config=model.config))
     model.set_attn_implementation(register_attention())
@@ -86,11 +87,12 @@ def test_static_eager_decode_step_stays_within_its_op_budget(policy):
     """The static cache's eager step (CPU's `static_cache=True`) <= 1.25x plain's ops, as the dynamic one.
     Measured 2026-11-29: streaming 304 (1.24x; 298 before an unpadded batch's full heads read the written
     columns alone, two `narrow`s a layer that save attending every allocated column), R-KV 307 (its
-    positions now written at the next reader, which pays for its own narrows). 2026-11-28: streaming 298 (1.21x; 409 before eager steps wrote host-known slots with
-    `narrow` and stopped cloning the length counter), R-KV 307 (1.248x; 343 before, 310 before the full
-    heads took a decode step's one-row mask as it is instead of slicing it). What remains beyond the dynamic cache:
-    the device length counter each layer keeps for a compiled step and the compressed heads' validity
-    mask (empty slots exist)."""
+    positions now written at the next reader, which pays for its own narrows). 2026-11-28: streaming
+    298 (1.21x; 409 before eager steps wrote host-known slots with `narrow` and stopped cloning the
+    length counter), R-KV 307 (1.248x; 343 before, 310 before the full heads took a decode step's
+    one-row mask as it is instead of slicing it). What remains beyond the dynamic cache: the device
+    length counter each layer keeps for a compiled step and the compressed heads' validity mask
+    (empty slots exist)."""
     model = tiny_model("llama", num_hidden_layers=4)
     plain = _ops_per_step(model, DynamicCache(config=model.config))
     model.set_attn_implementation(register_attention())

@@ -20,3 +20,18 @@ def test_head_mixed_cache_logical_length_warns_and_returns_get_seq_length(make_m
         assert cache.logical_length() == cache.get_seq_length() == 8
     # the layers' attribute of the same name (read by the attention and the policies) is untouched
     assert [layer.logical_length for layer in cache.layers] == [8] * len(cache.layers)
+
+
+def test_mask_from_order_warns_and_builds_the_mask_from_order(make_model):
+    """`rlkv.eval.sensitivity.mask_from_order` moved to `HeadMask.from_order` (issue 77: the ablation room
+    no longer reaches into eval)."""
+    from rlkv import HeadMask
+    from rlkv.eval import sensitivity
+
+    model = make_model("qwen2")
+    mask = HeadMask.random(model, seed=3)
+    with pytest.warns(FutureWarning, match=r"mask_from_order is deprecated.*HeadMask.from_order"):
+        old = sensitivity.mask_from_order(mask.order(), model, method="x")
+    new = HeadMask.from_order(mask.order(), model, method="x")
+    assert torch.equal(old.scores, new.scores) and old.metadata == new.metadata == {"method": "x"}
+    assert torch.equal(new.order(), mask.order())

@@ -136,7 +136,10 @@ def test_the_vllm_engine_without_vllm_is_one_line_naming_the_install(tmp_path, c
 def test_a_tiny_model_on_the_vllm_engine_is_one_line_naming_the_fix(tmp_path, command):
     """`--help` offers tiny:<family>, which vLLM cannot load: refused before any model or vLLM loads (a
     subprocess, so the check is seen to need no vLLM import, whether vLLM is installed or not)."""
-    code = "import sys; from rlkv.cli import main; rc = main(sys.argv[1:]); assert 'vllm' not in sys.modules; sys.exit(rc)"
+    code = (
+        "import sys; from rlkv.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'vllm' not in sys.modules; sys.exit(rc)"
+    )
     args = [*command, "--model", "tiny:llama", "--engine", "vllm", "--out", str(tmp_path / "x")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(

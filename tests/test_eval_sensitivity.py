@@ -6,7 +6,7 @@ import torch
 from rlkv.cli import main
 from rlkv.eval import EvalConfig, method_config, read_results, run_sensitivity
 from rlkv.eval.methods import MethodError
-from rlkv.eval.sensitivity import mask_from_order, sensitivity_configs, sensitivity_curves
+from rlkv.eval.sensitivity import sensitivity_configs, sensitivity_curves
 from rlkv.eval.tables import accuracy_table
 from rlkv.head_mask import HeadMask
 from rlkv.testing import tiny_model, tiny_tokenizer
@@ -19,7 +19,7 @@ def test_sweep_runs_gate_ablation_and_random_order(tmp_path):
     model = tiny_model("qwen2")  # 2 layers x 2 KV heads
     paths = {}
     for name, order in (("gates", GATE_ORDER), ("ablation", ABLATION_ORDER)):
-        mask_from_order(torch.tensor(order), model, method=name).save_pretrained(tmp_path / name)
+        HeadMask.from_order(torch.tensor(order), model, method=name).save_pretrained(tmp_path / name)
         paths[name] = str(tmp_path / name)
     cfg = EvalConfig(
         model="tiny:qwen2",

@@ -163,7 +163,7 @@ def test_gated_decode_adds_no_host_sync_and_follows_gate_changes(make_model, tok
 def test_generate_loop_reads_finished_rows_every_few_steps(policy, make_model, tokenizer):
     """`rlkv.inference.generate`'s whole loop (forward, cache, policy, stopping, row-end stats) reads
     the device once per ROW_END_READ_EVERY steps: 16 more tokens cost 1 more read, not 16 or more."""
-    from rlkv.inference.api import ROW_END_READ_EVERY
+    from rlkv.inference.row_ends import ROW_END_READ_EVERY
 
     model = make_model("llama")
     config = _config(model, policy, tokenizer, full_heads=True)
@@ -181,7 +181,7 @@ def test_compressed_rollouts_read_finished_rows_every_few_steps(make_model, toke
     16 more sampled tokens cost 1 more host read, not 16 or more."""
     from transformers import GenerationConfig
 
-    from rlkv.inference.api import ROW_END_READ_EVERY
+    from rlkv.inference.row_ends import ROW_END_READ_EVERY
     from rlkv.rollout.compressed import CompressedRolloutConfig
     from rlkv.rollout.generation import generate_rollouts
 
@@ -216,7 +216,7 @@ def test_gate_trainer_rollouts_read_finished_rows_every_few_steps(race, make_mod
     from transformers import GenerationConfig
 
     from rlkv.gates import attach_gates
-    from rlkv.inference.api import ROW_END_READ_EVERY
+    from rlkv.inference.row_ends import ROW_END_READ_EVERY
     from rlkv.trainers.sampling import rollout_generation
 
     model = make_model("llama")

@@ -13,7 +13,7 @@ from test_cli_errors import assert_one_error_line, run_cli
 from rlkv import HeadMask, HeadMaskError
 from rlkv._io import check_output_path, read_text_file
 from rlkv.data import ProblemDataError
-from rlkv.data.loaders import read_records
+from rlkv.data.records import read_records
 from rlkv.errors import UserInputError
 from rlkv.head_mask import ModelFingerprint
 

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 
 from rlkv import HeadMask
 from rlkv.cache import StaticHeadMixedCache
-from rlkv.inference.api import ROW_END_READ_EVERY
+from rlkv.inference.row_ends import ROW_END_READ_EVERY
 from rlkv.rollout import CompressedRolloutConfig
 from rlkv.rollout.generation import RolloutGenerator
 from rlkv.testing import HostSyncCounter, graph_counting_compile, tiny_model

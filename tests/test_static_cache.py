@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlkv.cache.static import StaticHeadMixedCache
-from rlkv.cache.static_budget import StaticCacheError, unpadded_run
+from rlkv.cache.static.budget import StaticCacheError, unpadded_run
 from rlkv.compat import cache_kwargs
 from rlkv.head_mask import HeadMask
 from rlkv.inference import CompressionConfig, generate, make_cache

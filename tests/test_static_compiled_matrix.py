@@ -7,7 +7,7 @@ torch's bounds checks), not later as a device assert. Plus a decode forward comp
 import pytest
 import torch
 
-from rlkv.cache.static_budget import StaticCacheError
+from rlkv.cache.static.budget import StaticCacheError
 from rlkv.compat import cache_kwargs
 from rlkv.head_mask import HeadMask
 from rlkv.inference import CompressionConfig, make_cache

@@ -1,4 +1,5 @@
-"""train_gates.py and an output_dir that already holds a run: refuse, resume the latest complete checkpoint, or overwrite."""
+"""train_gates.py and an output_dir that already holds a run: refuse, resume the latest complete
+checkpoint, or overwrite."""
 
 import json
 import shutil

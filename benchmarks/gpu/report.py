@@ -62,7 +62,10 @@ def verdicts(summary: dict) -> list[dict]:
     if best is None:
         out.append(_verdict("roofline", "not measured", None))
     else:
-        measured = f"{best['of_roofline']:.0%} ({best['name']}: {best['ms_per_step']:.1f} vs {best['roofline_ms']:.1f} ms)"
+        measured = (
+            f"{best['of_roofline']:.0%} ({best['name']}: "
+            f"{best['ms_per_step']:.1f} vs {best['roofline_ms']:.1f} ms)"
+        )
         out.append(_verdict("roofline", measured, best["of_roofline"] >= 0.5))
     return out
 

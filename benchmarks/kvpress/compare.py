@@ -355,7 +355,10 @@ def _kib(x: float) -> str:
 def table(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> str:
     """Markdown side-by-side table (one row per kvpress method and per rlkv method paired with it)."""
     lines = [
-        "| setting | side | method | acc % | resident KV KiB | mean KV KiB | peak KV KiB | VmHWM MiB | decode tok/s | least-disturbed tok/s | same tokens as own full |",
+        (
+            "| setting | side | method | acc % | resident KV KiB | mean KV KiB | peak KV KiB | VmHWM MiB "
+            "| decode tok/s | least-disturbed tok/s | same tokens as own full |"
+        ),
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     full_kv = kv["methods"].get("full", {}).get("outputs")
@@ -372,7 +375,8 @@ def table(spec: dict[str, Any], kv: dict[str, Any], rl: dict[str, Any]) -> str:
         least = r.get("decode_tokens_per_s_least_disturbed")
         return (
             f"| {setting} | {side} | {name} | {r['accuracy']:.1f} | {_kib(r['resident_kv_bytes'])} | "
-            f"{_kib(r['mean_kv_bytes'])} | {_kib(r['peak_kv_bytes'])} | {_mib(r['vm_hwm_bytes'])} | {r['decode_tokens_per_s']:.0f} | "
+            f"{_kib(r['mean_kv_bytes'])} | {_kib(r['peak_kv_bytes'])} | {_mib(r['vm_hwm_bytes'])} | "
+            f"{r['decode_tokens_per_s']:.0f} | "
             f"{'-' if least is None else f'{least:.1f}'} | {same(r.get('outputs'), ref)} |"
         )
 
@@ -554,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"kvpress {kv.get('versions', {}).get('kvpress', '?')} (transformers "
         f"{kv.get('versions', {}).get('transformers', '?')}) vs rlkv (transformers {rl['versions']['transformers']}), "
-        f"torch {rl['versions']['torch']}; {len(ids)} chain test problems, greedy, {args.max_new_tokens} new tokens max, "
+        f"torch {rl['versions']['torch']}; {len(ids)} chain test problems, greedy, "
+        f"{args.max_new_tokens} new tokens max, "
         f"batch 1, fp32, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; kvpress side {kv_seconds:.0f} s; "
         f"decode tok/s: the median of {args.rounds} rounds; each round runs every method on both sides back to "
         f"back (fresh interpreters, the order alternating); a verdict's speed ratio is the least-disturbed one "

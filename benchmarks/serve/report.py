@@ -41,7 +41,8 @@ def report_serve(s: dict) -> list[str]:
         key = "rkv b=1024" if name.startswith("rkv") else name
         row = next(r for r in s["rows"] if r["method"] == name)
         lines.append(
-            f"| {serve_targets(s['device'])[key][1]} | {num(row['decode_vs_full'], '.2f')} | {'PASS' if ok else 'FAIL'} |"
+            f"| {serve_targets(s['device'])[key][1]} | {num(row['decode_vs_full'], '.2f')} | "
+            f"{'PASS' if ok else 'FAIL'} |"
         )
     return lines + [""]
 

@@ -16,8 +16,8 @@
 
 Each measurement is saved under --out/vllm-engines as it finishes; a rerun skips finished ones (the eval
 folders resume row by row). The two GRPO steps need ~13 GB each (fp32 weights, gradients, Adam, vLLM's
-copy); the first is freed before the second. Targets (issue 66): eval generation per problem, vLLM >= 2x faster; GRPO step,
-vLLM <= 0.7x the transformers step's time.
+copy); the first is freed before the second. Targets (issue 66): eval generation per problem,
+vLLM >= 2x faster; GRPO step, vLLM <= 0.7x the transformers step's time.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ rlkv >= 0.95x stock.
 (`rlkv.eval.methods.method_config`, matched budgets: buffer 0, the prompt evictable): `rlkv+rkv` (R-KV on
 the mask's compressed heads, budget 80 with sink 16 + window 8) and `rkv` (R-KV on every head at its
 matched ratio budget); each row reports the compactions per request. Targets: memory-bound, rlkv+rkv
-s=0.75 >= 2.0x stock and rkv s=0.5 >= 1.5x; unbound >= 0.9x.
+s=0.75 >= 2.0x stock and rkv s=0.5 >= 1.5x; unbound >= 0.9x. --vllm-policy-kwargs '{"buffer": 128}' measures
+R-KV's serving setting instead (a compaction every 128 generated tokens; 128 more slots per request).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.vllm import engines, padding
+from rlkv.cli import json_object
 
 TARGETS = {("bound", 0.5): 1.5, ("bound", 0.75): 2.0, ("unbound", 0.5): 0.95, ("unbound", 0.75): 0.95}
 # token eviction (--vllm-methods): (method, KV size, sparsity) -> the ratio to stock vLLM's tokens/s
@@ -83,6 +85,13 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         default="rlkv",
         help="comma-separated: rlkv (the head mask in --vllm-form), rlkv+rkv and/or rkv (token eviction on "
         "vLLM, the eval's matched configs)",
+    )
+    parser.add_argument(
+        "--vllm-policy-kwargs",
+        type=json_object,
+        default={},
+        help="constructor arguments of the eviction policy for --vllm-methods rlkv+rkv / rkv, over the "
+        "matched defaults (e.g. '{\"buffer\": 128}', R-KV's serving setting: a compaction every 128 tokens)",
     )
     parser.add_argument(
         "--vllm-parts",
@@ -277,7 +286,8 @@ def suite_serving(args: argparse.Namespace) -> dict:
     def config(method: str, sparsity: float):
         if method == "rlkv":
             return form(sparsity)
-        return method_config(method, sparsity, model=hf, masks={"rlkv": mask})
+        kwargs = {"rkv": args.vllm_policy_kwargs}
+        return method_config(method, sparsity, model=hf, masks={"rlkv": mask}, policy_kwargs=kwargs)
 
     runs = [("stock vLLM", 0.0, None)] + [
         (f"{m} s={s}", s, compression_overrides(model, config(m, s))) for m in methods for s in SPARSITIES

@@ -6,8 +6,8 @@
 - `attention`: the "rlkv_cache" attention function over a layer's split storage, and its registration;
 - `stats`: `CacheStats`, the one shape of cache statistics;
 - `hooks`: the model hooks feeding token ids / hidden states to observing policies;
-- `static`, `static_layer`, `static_slots`, `static_budget`: `StaticHeadMixedCache`, the same layouts
-  with static shapes and fixed addresses (torch.compile, CUDA graphs), and `StaticCacheError`.
+- `static/`: `StaticHeadMixedCache`, the same layouts with static shapes and fixed addresses
+  (torch.compile, CUDA graphs), and `StaticCacheError`.
 
 Importing the package registers the attention function with transformers.
 """
@@ -17,8 +17,7 @@ from rlkv.cache.growth import GROWTH_DIVISOR, append_along_tokens
 from rlkv.cache.hooks import install_observers, observing, uninstall_observers
 from rlkv.cache.layer import HeadMixedCache, HeadMixedLayer, StaleCacheError
 from rlkv.cache.settings import CompressionSettings
-from rlkv.cache.static import StaticHeadMixedCache
-from rlkv.cache.static_budget import StaticCacheError
+from rlkv.cache.static import StaticCacheError, StaticHeadMixedCache
 from rlkv.cache.stats import CacheStats
 from rlkv.cache.store import CompressedStore, storage_bytes
 

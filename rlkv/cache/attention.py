@@ -23,7 +23,7 @@ from rlkv.cache.layer import HeadMixedLayer
 from rlkv.policies.base import CompressionPolicy
 
 ATTENTION_NAME = "rlkv_cache"
-# Layers of other cache layouts (rlkv/cache/static.py) register their type here; `update` returns
+# Layers of other cache layouts (rlkv/cache/static/cache.py) register their type here; `update` returns
 # such a layer and its `attend(module, query, attention_mask, scaling)` -> [B, Q, H_q, D] runs.
 SELF_ATTENDING_LAYERS: list[type] = []
 # Float32 scores per query chunk of the explicit attention that policies observing attention (H2O)

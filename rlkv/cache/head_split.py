@@ -2,7 +2,8 @@
 
 A contiguous run of heads (a layer with one full KV head, or full heads 0..k) is served by a view
 (`narrow`) instead of `index_select`, and the two halves of an output are joined by one `cat` instead
-of an allocation and two indexed writes: fewer ops per decode step and no copy on the read side. Both caches use these; the values are bitwise those of the gather path.
+of an allocation and two indexed writes: fewer ops per decode step and no copy on the read side.
+Both caches use these; the values are bitwise those of the gather path.
 """
 
 from __future__ import annotations

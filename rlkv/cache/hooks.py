@@ -1,7 +1,7 @@
 """Model hooks that feed a head-mixed cache's policy what it observes besides attention.
 
 The dynamic cache's policy gets token ids before the forward and final hidden states after it. The
-static cache (rlkv/cache/static.py) gets them through its eager host bookkeeping: the pre-hook runs
+static cache (rlkv/cache/static/cache.py) gets them through its eager host bookkeeping: the pre-hook runs
 it in a direct forward (`generate` runs it from the step hook), and the norm hook only copies the
 last hidden state into the cache's fixed buffer, the one op it adds to a compiled step.
 

@@ -85,7 +85,7 @@ class ObservedQueries:
 
     @queries.setter
     def queries(self, value: torch.Tensor | None) -> None:
-        # a store view that a static cache fills (rlkv/cache/static_budget.py) holds them explicitly
+        # a store view that a static cache fills (rlkv/cache/static/budget.py) holds them explicitly
         self._queries = value
 
     @property

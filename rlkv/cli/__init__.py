@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         # any vLLM engine this command starts (serve, eval, curriculum) dies with it, kill -9 included
         os.environ.update(exit_with_parent_env())
         if args.code_sandbox:
-            from rlkv.data.sandbox import CONTAINMENT_ENV, active_containment
+            from rlkv.sandbox import CONTAINMENT_ENV, active_containment
 
             os.environ[CONTAINMENT_ENV] = args.code_sandbox
             active_containment()  # a required sandbox that is missing fails here, before any work

@@ -77,7 +77,8 @@ def load_for_solutions(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def greedy_solutions_of(args: argparse.Namespace, model: Any, tokenizer: Any, problems: Any) -> list:
-    """The model's greedy solutions of `problems` with the `add_solution_args` flags (rlkv.ablation.greedy_solutions)."""
+    """The model's greedy solutions of `problems` with the `add_solution_args` flags
+    (rlkv.ablation.greedy_solutions)."""
     from rlkv.ablation import greedy_solutions
 
     return greedy_solutions(

@@ -139,11 +139,13 @@ def run(args: argparse.Namespace) -> int:
         stats = out.cache_stats
         ratio = stats["resident_bytes"] / max(stats["full_resident_bytes"], 1)
         print(
-            f"=== prompt {i}: {out.num_prompt_tokens} prompt + {out.num_generated_tokens} generated ({out.finish_reason})"
+            f"=== prompt {i}: {out.num_prompt_tokens} prompt + {out.num_generated_tokens} generated "
+            f"({out.finish_reason})"
         )
         print(out.text)
         print(
-            f"--- cache: {stats['resident_bytes']} bytes resident ({ratio:.1%} of full {stats['full_resident_bytes']}), "
+            f"--- cache: {stats['resident_bytes']} bytes resident "
+            f"({ratio:.1%} of full {stats['full_resident_bytes']}), "
             f"logical length {stats['logical_length']}, kept {stats['kept_tokens']} KV entries, "
             f"{stats['evictions']} evicted"
         )

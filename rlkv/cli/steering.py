@@ -70,7 +70,8 @@ def run_compute(args: argparse.Namespace) -> int:
         return 2
     vector.save(args.out)
     print(
-        f"wrote {args.out}: layer {vector.layer}, hidden {vector.vector.numel()}, norm {float(vector.vector.norm()):.4g}, "
+        f"wrote {args.out}: layer {vector.layer}, hidden {vector.vector.numel()}, "
+        f"norm {float(vector.vector.norm()):.4g}, "
         f"from {vector.num_execution} execution and {vector.num_non_execution} non-execution sentences "
         f"of {len(texts)} traces"
     )

@@ -2,8 +2,9 @@
 
 from rlkv.data import chain_task  # noqa: F401  (registers the "chain" verifier)
 from rlkv.data.curriculum import CurriculumConfig, CurriculumError, CurriculumResult, build_curriculum
-from rlkv.data.loaders import SCHEMA_COLUMNS, ProblemDataError, load_problems, problem_sources
+from rlkv.data.loaders import ProblemDataError, load_problems, problem_sources
 from rlkv.data.prompts import PROMPT_TEMPLATES, build_prompt, format_problem, register_template
+from rlkv.data.records import SCHEMA_COLUMNS
 from rlkv.data.verify import (
     extract_boxed,
     extract_code,

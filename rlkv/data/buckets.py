@@ -1,9 +1,16 @@
-"""Length buckets of the curriculum: "LOW-HIGH:QUOTA,..." in solution tokens (k = 1024), parsed and checked."""
+"""Length buckets of the curriculum: "LOW-HIGH:QUOTA,..." in solution tokens (k = 1024), parsed and checked, and
+the selection of generated records by bucket (`select_curriculum`)."""
 
 from __future__ import annotations
 
+import logging
+import random
 import re
+import warnings
 from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
 
 TOKENS_PER_K = 1024
 PAPER_BUCKETS = "0-2k:600,2k-4k:600,4k-6k:1000,6k-8k:800"  # RLKV's curriculum (3000 problems)
@@ -57,3 +64,54 @@ def parse_buckets(spec: str) -> list[Bucket]:
         if nxt.low < prev.high:
             raise ValueError(f"buckets={spec!r}: ranges {prev.label!r} and {nxt.label!r} overlap")
     return buckets
+
+
+def histogram(lengths: list[int], max_new_tokens: int, bins: int) -> list[int]:
+    """Counts of `lengths` in `bins` equal bins over [0, max_new_tokens] (the last bin takes the rest)."""
+    width = max_new_tokens / bins
+    counts = [0] * bins
+    for n in lengths:
+        counts[min(int(n / width), bins - 1)] += 1
+    return counts
+
+
+def is_kept(record: dict[str, Any], keep: str) -> bool:
+    """Whether a generated record counts under `keep` ("solved", "finished" or "all")."""
+    if keep == "all":
+        return True
+    return record["finish_reason"] == "eos" and (keep == "finished" or record["correct"])
+
+
+def select_curriculum(
+    records: dict[int, dict[str, Any]], buckets: list[Bucket], seed: int, keep: str = "solved"
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Sample each bucket's quota from the kept records (seeded: "solved", "finished" or "all", see
+    `CurriculumConfig.keep`); returns pool indices easy to hard and bucket stats."""
+    solved = sorted(i for i, r in records.items() if is_kept(r, keep))
+    rng = random.Random(seed)
+    selected, bucket_stats = [], []
+    for bucket in buckets:
+        available = [i for i in solved if bucket.holds(records[i]["solution_tokens"])]
+        chosen = sorted(rng.sample(available, min(bucket.quota, len(available))))
+        shortfall = bucket.quota - len(chosen)
+        if shortfall:
+            message = (
+                f"bucket {bucket.label}: quota {bucket.quota} but only {len(available)} {keep} problems "
+                f"have a solution of {bucket.low}-{bucket.high} tokens (shortfall {shortfall})"
+            )
+            warnings.warn(message, stacklevel=3)
+            logger.warning(message)
+        selected += chosen
+        bucket_stats.append(
+            {
+                "bucket": bucket.label,
+                "low": bucket.low,
+                "high": bucket.high,
+                "quota": bucket.quota,
+                "available": len(available),
+                "selected": len(chosen),
+                "shortfall": shortfall,
+            }
+        )
+    selected.sort(key=lambda i: (records[i]["solution_tokens"], i))
+    return selected, bucket_stats

@@ -18,26 +18,24 @@ short to long solutions (easy to hard) and writes, under `out_dir`:
   sizes and full heads); resuming with a different pool, settings or generator is refused.
 
 An engine with a compressed cache (`TransformersEngine(compression=...)`, `VLLMEngine(compression=...)`,
-`rlkv data curriculum --head-mask`, on either engine) makes an on-policy distillation set: the compressed model's own completions, on
-which the distillation objective matches it to the full model (the states it drifts into).
+`rlkv data curriculum --head-mask`, on either engine) makes an on-policy distillation set: the
+compressed model's own completions, on which the distillation objective matches it to the full
+model (the states it drifts into).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import random
 import shutil
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlkv._io import FolderLock, atomic_write_text, read_text_file
-from rlkv.data.buckets import PAPER_BUCKETS, Bucket, parse_buckets
+from rlkv.data.buckets import PAPER_BUCKETS, histogram, is_kept, parse_buckets, select_curriculum
 from rlkv.data.prompts import build_prompt
 from rlkv.data.verify import check_verifiers, verify
 from rlkv.errors import UserError
@@ -48,7 +46,6 @@ if TYPE_CHECKING:
     from rlkv.inference.config import CompressionConfig
     from rlkv.rollout.engines import GenerationEngine
 
-logger = logging.getLogger(__name__)
 
 KEEP_CHOICES = ("solved", "finished", "all")
 
@@ -278,55 +275,6 @@ def _generate_pool(
     return records, throughput
 
 
-def _histogram(lengths: list[int], max_new_tokens: int, bins: int) -> list[int]:
-    width = max_new_tokens / bins
-    counts = [0] * bins
-    for n in lengths:
-        counts[min(int(n / width), bins - 1)] += 1
-    return counts
-
-
-def _kept(record: dict[str, Any], keep: str) -> bool:
-    if keep == "all":
-        return True
-    return record["finish_reason"] == "eos" and (keep == "finished" or record["correct"])
-
-
-def select_curriculum(
-    records: dict[int, dict[str, Any]], buckets: list[Bucket], seed: int, keep: str = "solved"
-) -> tuple[list[int], list[dict[str, Any]]]:
-    """Sample each bucket's quota from the kept records (seeded: "solved", "finished" or "all", see
-    `CurriculumConfig.keep`); returns pool indices easy to hard and bucket stats."""
-    solved = sorted(i for i, r in records.items() if _kept(r, keep))
-    rng = random.Random(seed)
-    selected, bucket_stats = [], []
-    for bucket in buckets:
-        available = [i for i in solved if bucket.holds(records[i]["solution_tokens"])]
-        chosen = sorted(rng.sample(available, min(bucket.quota, len(available))))
-        shortfall = bucket.quota - len(chosen)
-        if shortfall:
-            message = (
-                f"bucket {bucket.label}: quota {bucket.quota} but only {len(available)} {keep} problems "
-                f"have a solution of {bucket.low}-{bucket.high} tokens (shortfall {shortfall})"
-            )
-            warnings.warn(message, stacklevel=3)
-            logger.warning(message)
-        selected += chosen
-        bucket_stats.append(
-            {
-                "bucket": bucket.label,
-                "low": bucket.low,
-                "high": bucket.high,
-                "quota": bucket.quota,
-                "available": len(available),
-                "selected": len(chosen),
-                "shortfall": shortfall,
-            }
-        )
-    selected.sort(key=lambda i: (records[i]["solution_tokens"], i))
-    return selected, bucket_stats
-
-
 def _save_dataset(dataset: Dataset, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -384,11 +332,12 @@ def _build_locked(
     records, throughput = _generate_pool(engine, problems, prompts, out_dir, config)
 
     max_new_tokens = config.resolved_max_new_tokens()
-    kept = [i for i, r in records.items() if _kept(r, config.keep)]
-    solved = [i for i, r in records.items() if _kept(r, "solved")]
+    kept = [i for i, r in records.items() if is_kept(r, config.keep)]
+    solved = [i for i, r in records.items() if is_kept(r, "solved")]
     if not kept:
         raise CurriculumError(
-            f"the model {'solved' if config.keep == 'solved' else 'finished'} none of the {len(problems)} problems (finished: "
+            f"the model {'solved' if config.keep == 'solved' else 'finished'} none of the {len(problems)} "
+            f"problems (finished: "
             f"{sum(r['finish_reason'] == 'eos' for r in records.values())}); check the template "
             f"({config.template!r}), max_new_tokens ({max_new_tokens}) and the answer format; "
             f"completions are in {out_dir / 'shards'}"
@@ -407,7 +356,8 @@ def _build_locked(
         rows.append(row)
     if not rows:
         raise CurriculumError(
-            f"{len(kept)} problems were kept ({config.keep}) but no solution length falls in the buckets {config.buckets!r}"
+            f"{len(kept)} problems were kept ({config.keep}) but no solution length falls in the buckets "
+            f"{config.buckets!r}"
         )
     dataset = Dataset.from_list(rows)
     _save_dataset(dataset, out_dir / "dataset")
@@ -434,10 +384,10 @@ def _build_locked(
         ),
         "length_histogram": {
             "edges": [round(k * max_new_tokens / bins, 3) for k in range(bins + 1)],
-            "all": _histogram([r["solution_tokens"] for r in records.values()], max_new_tokens, bins),
-            "solved": _histogram([records[i]["solution_tokens"] for i in solved], max_new_tokens, bins),
-            "kept": _histogram([records[i]["solution_tokens"] for i in kept], max_new_tokens, bins),
-            "selected": _histogram([records[i]["solution_tokens"] for i in selected], max_new_tokens, bins),
+            "all": histogram([r["solution_tokens"] for r in records.values()], max_new_tokens, bins),
+            "solved": histogram([records[i]["solution_tokens"] for i in solved], max_new_tokens, bins),
+            "kept": histogram([records[i]["solution_tokens"] for i in kept], max_new_tokens, bins),
+            "selected": histogram([records[i]["solution_tokens"] for i in selected], max_new_tokens, bins),
         },
         "mean_solution_tokens_selected": sum(records[i]["solution_tokens"] for i in selected) / len(selected),
         "config": asdict(config),

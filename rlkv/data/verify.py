@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from rlkv.data.answers import extract_boxed, strip_thinking
 from rlkv.data.errors import ProblemDataError
-from rlkv.data.sandbox import run_program
+from rlkv.sandbox import run_program
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def run_python_tests(
 ) -> bool:
     """True when `test_code`, run against `program`, ran to its end within `timeout_s`.
 
-    The program and the tests run in two contained interpreters (`rlkv.data.sandbox`): the tests
+    The program and the tests run in two contained interpreters (`rlkv.sandbox`): the tests
     call the program's functions through proxies, arguments and return values cross as plain
     builtin data (a value whose `__eq__` says yes to anything arrives as a handle equal only to
     itself), and nothing of the tests is in the program's process. Success is reported by the tests'

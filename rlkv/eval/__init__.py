@@ -2,12 +2,12 @@
 
 `run_eval(EvalConfig(...))` writes results.jsonl (resumable) and, through `write_report`, report.md
 and PNG plots; `run_sensitivity` runs the head-sensitivity sweep. Method names and the
-budget-matching rule are in `rlkv.eval.methods`; the error-mode rules in `rlkv.eval.errors`.
+budget-matching rule are in `rlkv.eval.methods`; the error-mode rules in `rlkv.eval.error_modes`.
 `full_kv_solutions` turns a folder's full-KV rows into token sequences (`rlkv mask-nll --solutions-from`).
 """
 
 from rlkv.eval.config import EvalConfig
-from rlkv.eval.errors import ERROR_MODES, RepetitionRule, RepetitionStop, classify_error
+from rlkv.eval.error_modes import ERROR_MODES, RepetitionRule, RepetitionStop, classify_error
 from rlkv.eval.methods import BudgetRule, MethodError, matched_tokens_per_head, method_config, parse_method
 from rlkv.eval.results import current_results, read_results
 from rlkv.eval.runner import run_eval, run_sensitivity

@@ -8,7 +8,7 @@ from typing import Any
 
 from rlkv._io import read_text_file
 from rlkv.errors import UserInputError
-from rlkv.eval.errors import RepetitionRule
+from rlkv.eval.error_modes import RepetitionRule
 from rlkv.eval.methods import MASK_FIELDS, BudgetRule, parse_method
 from rlkv.eval.stopping import StopRule, stop_rule
 from rlkv.inference.vllm_engine import check_vllm_model

@@ -102,7 +102,8 @@ class BudgetRule:
 
 @dataclass(frozen=True)
 class Method:
-    """A parsed method name: `mask` (a MASK_METHODS name, `random-mask@K`, or None) and the `policy` of the compressed heads."""
+    """A parsed method name: `mask` (a MASK_METHODS name, `random-mask@K`, or None) and the `policy`
+    of the compressed heads."""
 
     name: str
     mask: str | None

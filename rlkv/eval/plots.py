@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlkv.eval.errors import ERROR_MODES
+from rlkv.eval.error_modes import ERROR_MODES
 from rlkv.eval.tables import (
     Row,
     _draw_groups,

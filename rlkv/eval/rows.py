@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlkv.eval.errors import RepetitionRule, classify_error
+from rlkv.eval.error_modes import RepetitionRule, classify_error
 from rlkv.eval.results import row_key
 
 

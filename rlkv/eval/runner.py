@@ -22,7 +22,7 @@ from typing import Any
 
 from rlkv._io import FolderLock, atomic_write_text
 from rlkv.eval.config import EvalConfig
-from rlkv.eval.errors import RepetitionStop
+from rlkv.eval.error_modes import RepetitionStop
 from rlkv.eval.methods import (
     MASK_FIELDS,
     BudgetRule,

@@ -4,7 +4,7 @@
 as s grows, so evaluating a mask method at the fractions k / N *is* compressing heads one by one
 in that mask's order: `rlkv` = gate order, `ablation-mask` = per-head ablation order (`rlkv
 ablation-mask`), `random-mask` = a random order, `duo` = another mask's order (e.g. DuoAttention
-retrieval heads). `mask_from_order` turns any explicit order into a mask.
+retrieval heads). `HeadMask.from_order` turns any explicit order into a mask.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from rlkv.eval.plots import benchmark_panels, save_figure
 from rlkv.eval.tables import accuracy_table
-from rlkv.head_mask import HeadMask, ModelFingerprint
+from rlkv.head_mask import HeadMask
 
 ORDER_METHODS = ("rlkv", "ablation-mask", "random-mask", "duo")
 ORDER_LABELS = {
@@ -29,22 +27,19 @@ ORDER_LABELS = {
 }
 
 
-def mask_from_order(order: torch.Tensor, model: Any, **metadata: Any) -> HeadMask:
-    """A HeadMask whose `full_heads(k / N)` compresses exactly the first k heads of `order`.
+def __getattr__(name: str) -> Any:
+    # deprecated names of this module (CONTRIBUTING.md, "Other changes"): removed in 0.3
+    if name == "mask_from_order":
+        import warnings
 
-    order: LongTensor[N, 2] of (layer, head) pairs, first = compressed first (as `HeadMask.order()`).
-    """
-    fp = ModelFingerprint.of(model)
-    n = fp.num_hidden_layers * fp.num_key_value_heads
-    order = torch.as_tensor(order, dtype=torch.long)
-    flat = order[:, 0] * fp.num_key_value_heads + order[:, 1]
-    if order.shape != (n, 2) or sorted(flat.tolist()) != list(range(n)):
-        raise ValueError(f"order must list each of the model's {n} (layer, KV head) pairs exactly once")
-    scores = torch.empty(n)
-    scores[flat] = torch.arange(n, dtype=torch.float32) / max(n - 1, 1)
-    return HeadMask(
-        scores=scores.view(fp.num_hidden_layers, fp.num_key_value_heads), fingerprint=fp, metadata=metadata
-    )
+        warnings.warn(
+            "rlkv.eval.sensitivity.mask_from_order is deprecated and will be removed in rlkv 0.3; use "
+            "rlkv.HeadMask.from_order(order, model, **metadata)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return HeadMask.from_order
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def sensitivity_fractions(num_heads: int, steps: int | None = None) -> list[float]:

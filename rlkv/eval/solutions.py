@@ -18,8 +18,9 @@ def full_kv_solutions(
     the length cap, in the eval's problem order, at most `num`.
 
     The prompts are the token ids the eval fed the model; the completions are re-encoded from the rows' text
-    (special tokens such as the EOS are not in it), or from the folder's archive where the text left the row. Raises UserInputError when `benchmark` is not one of the
-    recipe's or the folder holds no such row.
+    (special tokens such as the EOS are not in it), or from the folder's archive where the text left
+    the row. Raises UserInputError when `benchmark` is not one of the recipe's or the folder holds no
+    such row.
     """
     from rlkv.errors import UserInputError
     from rlkv.inference import encode_prompts

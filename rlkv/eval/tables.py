@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from statistics import mean
 from typing import Any
 
-from rlkv.eval.errors import ERROR_MODES
+from rlkv.eval.error_modes import ERROR_MODES
 from rlkv.eval.methods import matched_tokens_per_head, random_mask_seed
 
 Row = dict[str, Any]

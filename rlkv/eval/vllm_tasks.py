@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from rlkv.eval.errors import RepetitionRule
+from rlkv.eval.error_modes import RepetitionRule
 from rlkv.eval.methods import parse_method
 from rlkv.eval.rows import RowContext, eval_row
 from rlkv.eval.stopping import StopRule, closes_first_code_block

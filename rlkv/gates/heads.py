@@ -1,4 +1,5 @@
-"""Learnable per-(layer, KV head) gates that switch a frozen model to RLKV's mixed attention (rlkv/gates/attention.py)."""
+"""Learnable per-(layer, KV head) gates that switch a frozen model to RLKV's mixed attention
+(rlkv/gates/attention.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers import PreTrainedModel
 from rlkv.errors import UserError
 from rlkv.gates import attention as mixed_attention
 from rlkv.geometry import attention_geometry, text_config
-from rlkv.head_mask.ranking import rank_heads
+from rlkv.ranking import rank_heads
 
 
 class UnsupportedModelError(ValueError, UserError):
@@ -93,7 +94,10 @@ class HeadGates(nn.Module):
 
     def extra_repr(self) -> str:
         hard = "" if self.hard_keep is None else f", hard_keep={self.hard_keep}"
-        return f"layers={self.alpha.shape[0]}, kv_heads={self.alpha.shape[1]}, sink={self.sink}, local={self.local}{hard}"
+        return (
+            f"layers={self.alpha.shape[0]}, kv_heads={self.alpha.shape[1]}, "
+            f"sink={self.sink}, local={self.local}{hard}"
+        )
 
 
 def _contiguous_input(module: nn.Module, args: tuple) -> tuple | None:

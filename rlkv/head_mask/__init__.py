@@ -25,7 +25,7 @@ from rlkv.head_mask.formats import (
     RLKV_AUTHORS_TSV,
     TIE_BREAK_BELOW_ZERO,
 )
-from rlkv.head_mask.ranking import rank_heads
+from rlkv.ranking import rank_heads
 
 __all__ = [
     "DUO_CONFIG",

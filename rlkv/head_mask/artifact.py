@@ -1,7 +1,7 @@
 """`HeadMask`: what the gates learned, tied to the model it came from (the artifact itself).
 
 Its file formats live in `rlkv.head_mask.formats`, the Hub in `rlkv.head_mask.hub`, the ranking of
-heads in `rlkv.head_mask.ranking`; this class puts them behind one set of fields.
+heads in `rlkv.ranking`; this class puts them behind one set of fields.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from rlkv.head_mask.formats import (
     tsv_text,
 )
 from rlkv.head_mask.hub import looks_like_hub_id, model_card, snapshot, upload_folder
-from rlkv.head_mask.ranking import compression_order, select_full_heads, ties_decided_by_index
+from rlkv.ranking import compression_order, select_full_heads, ties_decided_by_index
 
 
 @dataclass
@@ -269,3 +269,24 @@ class HeadMask:
         g = torch.Generator().manual_seed(seed)
         scores = torch.rand(fp.num_hidden_layers, fp.num_key_value_heads, generator=g)
         return HeadMask(scores=scores, fingerprint=fp, metadata={"kind": "random", "seed": seed})
+
+    @staticmethod
+    def from_order(order: torch.Tensor, model: Any, **metadata: Any) -> HeadMask:
+        """A mask whose `full_heads(k / N)` compresses exactly the first k heads of `order`.
+
+        order: LongTensor[N, 2] of (layer, head) pairs, first = compressed first (as `order()` returns);
+        N = layers x KV heads of `model`, each pair once. `metadata` is stored on the mask.
+        """
+        fp = ModelFingerprint.of(model)
+        n = fp.num_hidden_layers * fp.num_key_value_heads
+        order = torch.as_tensor(order, dtype=torch.long)
+        flat = order[:, 0] * fp.num_key_value_heads + order[:, 1]
+        if order.shape != (n, 2) or sorted(flat.tolist()) != list(range(n)):
+            raise ValueError(f"order must list each of the model's {n} (layer, KV head) pairs exactly once")
+        scores = torch.empty(n)
+        scores[flat] = torch.arange(n, dtype=torch.float32) / max(n - 1, 1)
+        return HeadMask(
+            scores=scores.view(fp.num_hidden_layers, fp.num_key_value_heads),
+            fingerprint=fp,
+            metadata=metadata,
+        )

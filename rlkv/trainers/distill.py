@@ -7,8 +7,9 @@ KL(full attention || gated) of the next-token distributions, plus the gate penal
 (`rlkv.gates.full_attention`). The reference does not change during training, so each sequence's
 reference hidden states are computed once, at its first batch, and kept (N x hidden size per
 sequence, in the model's dtype: 0.4 MB for a 240-token solution of a 0.5B model in bf16); a step
-then costs one forward with gradients and the backward to the gates. Built on transformers' `Trainer`: checkpoints, resume, schedules and logging
-are its own; the checkpoints hold the gates only, as GRPO's do.
+then costs one forward with gradients and the backward to the gates. Built on transformers'
+`Trainer`: checkpoints, resume, schedules and logging are its own; the checkpoints hold the gates
+only, as GRPO's do.
 """
 
 from __future__ import annotations

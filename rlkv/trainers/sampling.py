@@ -36,7 +36,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rlkv.inference.api import host_row_ends
+from rlkv.inference.row_ends import host_row_ends
 
 
 class ExponentialRaceSampler(LogitsProcessor):
@@ -79,7 +79,7 @@ def rollout_generation(
 ) -> Iterator[GenerationConfig]:
     """Within the block, `model.generate(..., generation_config=<yielded>)` samples as `config` says
     and learns which rows ended (an id of `eos_token_ids`) from the device only every
-    ROW_END_READ_EVERY decode steps (`rlkv.inference.api.host_row_ends`), not at every step; finished
+    ROW_END_READ_EVERY decode steps (`rlkv.inference.row_ends.host_row_ends`), not at every step; finished
     rows get padding until then, which TRL masks after the first EOS as it always did.
 
     With `race`, sampling is by the exponential race and the yielded config is a greedy copy of

@@ -6,7 +6,7 @@ lazily (by module path: nothing of vLLM's model code is imported until a model n
 selects one with `architectures` and carries the split under `rlkv_head_split` (`split.py`), both
 from `hf_overrides` or its folder's `config.json`. This room reads only that plain data; its token-eviction
 group (`eviction.py`, only where a split names a policy) runs rlkv's own policies and schedule
-(`rlkv.policies`, `rlkv.cache.static_budget`), so both engines make the same decisions.
+(`rlkv.policies`, `rlkv.cache.static.budget`), so both engines make the same decisions.
 """
 
 from __future__ import annotations

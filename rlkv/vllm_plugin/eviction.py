@@ -5,7 +5,7 @@ The transformers path's budget rule, on vLLM's pages (docs/design.md, "Token evi
 - `EvictionSpec`: an attention spec of a type of its own (vLLM's hybrid manager puts these layers in
   groups of their own) carrying the compression settings as plain data: the policy's name and
   constructor arguments, the budget (an int, or a ratio of the row's real tokens), sink, window and
-  whether the prompt is protected. Its schedule is `rlkv.cache.static_budget`'s (`StaticForm`,
+  whether the prompt is protected. Its schedule is `rlkv.cache.static.budget`'s (`StaticForm`,
   `RowSchedule`): the same host-known compactions as rlkv's transformers caches.
 - Slots, not positions: a request's slot j holds some token of its history; the prompt fills slots
   [0, P) while it is computed (read in full by every prompt query, as on transformers), then a
@@ -76,8 +76,8 @@ class EvictionSpec(AttentionSpec):
 
     @cached_property
     def form(self) -> Any:
-        """The `StaticForm` of these settings (`rlkv.cache.static_budget.static_form`), sized for max_len."""
-        from rlkv.cache.static_budget import static_form
+        """The `StaticForm` of these settings (`rlkv.cache.static.budget.static_form`), sized for max_len."""
+        from rlkv.cache.static.budget import static_form
 
         return static_form(self.settings(), True, self.max_len)
 

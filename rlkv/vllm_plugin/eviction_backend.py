@@ -12,7 +12,7 @@ sink/window group's):
 3. each generated token is written at its slot and attends the request's occupied slots;
 4. a due compaction builds a `CompressedStore` view of the request's slots (keys, values, their
    positions, the last observation queries) and runs the policy's own `select` on it
-   (`rlkv.cache.static_budget.policy_view` / `keep_in_run`): the kept slots, in order, move to the
+   (`rlkv.cache.static.budget.policy_view` / `keep_in_run`): the kept slots, in order, move to the
    leading slots. The same code, on the same tensors, as rlkv's static cache.
 
 Per request, what the pages cannot hold lives in two tables per layer, indexed by a row the builder
@@ -51,8 +51,9 @@ class EvictionMetadata:
     decode_*: [W] per generated token: its token index, request index, table row, slot, occupied slots
     after writing it, and (kept prompt blocks, prompt blocks) of its request (`EvictionSpec.block_index`);
     before / after: compactions (request index, table row, occupied slots, kept slots, tokens, prompt,
-    kept prompt blocks, prompt blocks) run before the step's writes (a prompt's) or after its attention; identity: (table row, prompt) of
-    requests whose prompt stays whole at their first generated step (its slots' positions are recorded).
+    kept prompt blocks, prompt blocks) run before the step's writes (a prompt's) or after its attention;
+    identity: (table row, prompt) of requests whose prompt stays whole at their first generated step (its
+    slots' positions are recorded).
     """
 
     num_actual_tokens: int
@@ -105,7 +106,7 @@ class EvictionMetadataBuilder(AttentionMetadataBuilder[EvictionMetadata]):
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> EvictionMetadata:
-        from rlkv.cache.static_budget import RowSchedule
+        from rlkv.cache.static.budget import RowSchedule
 
         m, spec = common_attn_metadata, self.spec
         starts = m.query_start_loc_cpu.tolist()
@@ -303,7 +304,7 @@ class EvictionImpl(PagedTorchImpl):
         and each row starts at its shift; its slots past its occupied ones are empty (position -1).
         identity: the slots hold the prompt at slot = position (its first compaction).
         """
-        from rlkv.cache.static_budget import keep_in_run, policy_view
+        from rlkv.cache.static.budget import keep_in_run, policy_view
 
         d, size, device = self.head_size, kv_cache.shape[2], kv_cache.device
         spec = layer.rlkv_spec

@@ -33,7 +33,7 @@ def _method(model, mask, method, sparsity=0.5):
 def _scheduled(config, prompt_lengths, served) -> int:
     """Compactions `RowSchedule` makes for requests of these prompt lengths and generated tokens."""
     from rlkv.cache.settings import CompressionSettings
-    from rlkv.cache.static_budget import RowSchedule, static_form
+    from rlkv.cache.static.budget import RowSchedule, static_form
     from rlkv.policies import get_policy
 
     policy = get_policy(config.policy, **config.policy_kwargs)

@@ -1,10 +1,10 @@
 """What runs inside the program's contained interpreter before its first line (standard library only).
 
-The supervisor (`sandbox_supervisor.py`) sends this file's text, `sandbox_wire.py`'s, and one call
+The supervisor (`supervisor.py`) sends this file's text, `wire.py`'s, and one call
 line to a fresh `python -I -B -`: `_rlkv_guard()` (the guard level's audit hook), then either the
 program itself (a run without tests) or `_rlkv_serve(program, read_fd, write_fd)`: the program runs,
 then its functions answer the calls of the tests, which run in another interpreter
-(`sandbox_tests.py`) and reach this one only through that pipe pair, as plain data. Nothing of the
+(`harness.py`) and reach this one only through that pipe pair, as plain data. Nothing of the
 tests (their text, frames, code objects, expected values) and nothing that reports success is in
 this process, so a program that walks its frames, exits early, kills itself, prints a marker or
 rebinds names here changes nothing but its own answers.
@@ -16,7 +16,7 @@ rebinds names here changes nothing but its own answers.
 if (
     "_RlkvChannel" not in globals()
 ):  # imported as a module; the contained interpreter runs the wire text first
-    from rlkv.data.sandbox_wire import (  # noqa: F401
+    from rlkv.sandbox.wire import (  # noqa: F401
         _rlkv_decode,
         _rlkv_encode,
         _RlkvChannel,
@@ -122,11 +122,11 @@ def _rlkv_guard() -> None:
 def _rlkv_serve(program, read_fd, write_fd):
     """Run `program`, then answer the tests' requests over (`read_fd`, `write_fd`) until they end.
 
-    Requests (`sandbox_tests.py` sends them): `["names", [name, ...]]`, which of the names the
+    Requests (`harness.py` sends them): `["names", [name, ...]]`, which of the names the
     tests read the program defines, each as `[name, "m", module name]` or `[name, "v", value]`;
     `["call", id, args, kwargs]`; `["iter", id]`, the object's items as a list. Replies: `["ok",
     value]`, `["exc", builtin type name, message]` for an exception the program raised, `["bad",
-    why]` for a value that cannot cross. Values are `sandbox_wire.py`'s tagged plain data; any other
+    why]` for a value that cannot cross. Values are `wire.py`'s tagged plain data; any other
     object stays here and crosses as a handle (an id into `objects`, which keeps it alive).
     Nothing here holds a secret or the tests' text: what the program does to this code only
     changes what it answers, and the tests' side decodes every answer as plain data.

@@ -9,7 +9,7 @@ once and written in place, so a decode step has one shape and one set of address
 - compressed heads: `[B, H_c, early + region, D]` slots with int32 positions (-1 = empty). The
   early region holds each row's protected prompt and sink, shifted so a row's first real token
   sits at the same slot; the region is a ring of window + 1 slots (streaming) or a budget +
-  slack region compacted in place between decode steps (rlkv/cache/static_budget.py).
+  slack region compacted in place between decode steps (rlkv/cache/static/budget.py).
 
 Prefill runs eagerly (one SDPA over the prompt, as the dynamic cache attends before it evicts);
 a decode step is device ops only: every index comes from a device counter, never from the host.
@@ -30,9 +30,9 @@ import torch
 
 from rlkv.cache.layer import PolicyCache, full_head_layout
 from rlkv.cache.settings import CompressionSettings
-from rlkv.cache.static_budget import StaticCacheError, static_form
-from rlkv.cache.static_layer import StaticHeadMixedLayer
-from rlkv.cache.static_slots import kept_per_head
+from rlkv.cache.static.budget import StaticCacheError, static_form
+from rlkv.cache.static.layer import StaticHeadMixedLayer
+from rlkv.cache.static.slots import kept_per_head
 from rlkv.cache.stats import CacheStats
 from rlkv.compat import forward_cache, mark_static_address
 from rlkv.geometry import attention_geometry

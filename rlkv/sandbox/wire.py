@@ -1,7 +1,7 @@
 """Plain data across the boundary between the program's interpreter and the tests' (standard library only).
 
-Both contained interpreters get this file's text ahead of their harness (`sandbox_child.py` for the
-program, `sandbox_tests.py` for the tests). A value crosses as one line of tagged JSON: None, bool,
+Both contained interpreters get this file's text ahead of their harness (`child.py` for the
+program, `harness.py` for the tests). A value crosses as one line of tagged JSON: None, bool,
 int, float, complex, str, bytes, bytearray, range, and list, tuple, dict, set, frozenset of these.
 Anything else the program hands over crosses as an opaque handle (`["h", id]`) that the tests can
 only pass back or iterate. The decoder builds builtin objects of exactly these types from the tags

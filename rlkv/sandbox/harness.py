@@ -1,11 +1,11 @@
 """The tests' interpreter: runs the test code against the program, which lives in another process.
 
-The supervisor (`sandbox_supervisor.py`) sends `sandbox_child.py`'s guard, `sandbox_wire.py`, this
+The supervisor (`supervisor.py`) sends `child.py`'s guard, `wire.py`, this
 file and one call line to a fresh `python -I -B -`; no line of the program ever runs here. The
-program's interpreter (`sandbox_child.py`'s `_rlkv_serve`) holds no frame, code object or string
+program's interpreter (`child.py`'s `_rlkv_serve`) holds no frame, code object or string
 of the tests: what the tests need from it (the names they read that the program defines) arrives
 here as proxies, and every call sends plain-data arguments over a pipe and gets back plain data
-(`sandbox_wire.py`), an opaque handle, or the builtin type and message of the exception the
+(`wire.py`), an opaque handle, or the builtin type and message of the exception the
 program raised. So the tests compare builtin values only, and nothing the program changes in its
 interpreter changes how they run.
 
@@ -20,7 +20,7 @@ the supervisor to `result_fd` after the tests' last line; the program has neithe
 if (
     "_RlkvChannel" not in globals()
 ):  # imported as a module; the contained interpreter runs the wire text first
-    from rlkv.data.sandbox_wire import (  # noqa: F401
+    from rlkv.sandbox.wire import (  # noqa: F401
         _rlkv_decode,
         _rlkv_encode,
         _RlkvChannel,

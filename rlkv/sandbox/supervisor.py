@@ -1,12 +1,13 @@
-"""The code sandbox's supervisor: runs as `python -I -S -B sandbox_supervisor.py SPEC` (standard library only).
+"""The code sandbox's supervisor: runs as `python -I -S -B supervisor.py SPEC` (standard library only).
 
 It reads `{"program", "tests", "setup", "entry_point"}` as JSON on stdin, starts the contained
-interpreters (see `rlkv.data.sandbox`; with tests, one for the program and one for the tests), and
+interpreters (see `rlkv.sandbox`; with tests, one for the program and one for the tests), and
 prints one `rlkv-sandbox-result:{json}` line: `returncode` (None when it killed the run), `timed_out`,
 `limit` (why it killed the run over a whole-program limit, else None) and `tests_passed` (None
-without tests; else whether the tests' interpreter wrote this run's nonce). While the program runs it measures the whole process tree (this supervisor is a child
-subreaper, so every descendant stays under it, also after a double fork or `setsid`) and kills the
-tree when the processes or the sum of their resident memory exceed the limits.
+without tests; else whether the tests' interpreter wrote this run's nonce). While the program runs
+it measures the whole process tree (this supervisor is a child subreaper, so every descendant stays
+under it, also after a double fork or `setsid`) and kills the tree when the processes or the sum of
+their resident memory exceed the limits.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def _program_source(spec: dict, payload: dict, fds: tuple[int, int] | None) -> s
 
     fds: the (requests, replies) pipe ends it serves the tests on; None runs the program alone.
     """
-    lines = [_harness("sandbox_wire.py", "sandbox_child.py")]
+    lines = [_harness("wire.py", "child.py")]
     if spec["guard"]:
         lines.append("_rlkv_guard()")
     if fds is None:
@@ -139,7 +140,7 @@ def _program_source(spec: dict, payload: dict, fds: tuple[int, int] | None) -> s
 
 def _tests_source(spec: dict, payload: dict, fds: tuple[int, int, int, int]) -> str:
     """The tests' interpreter's whole input (never the program's): guard, wire format, harness, the call."""
-    lines = [_harness("sandbox_wire.py", "sandbox_child.py", "sandbox_tests.py")]
+    lines = [_harness("wire.py", "child.py", "harness.py")]
     # without `site`, nothing imported `types` yet, and its first import reads a traceback's frame,
     # which the guard refuses: what the harness needs is imported before the guard
     lines.append("import importlib, json, types")
@@ -220,8 +221,8 @@ def _start(
 def supervise(spec: dict, payload: dict) -> dict:
     """Run the payload contained as `spec` says, clean up everything it left, and report how it ended.
 
-    With tests, two interpreters: the tests' (`sandbox_tests.py`, outside the OS sandbox; it alone
-    holds the nonce and the result pipe) and the program's (`sandbox_child.py`'s server). They
+    With tests, two interpreters: the tests' (`harness.py`, outside the OS sandbox; it alone
+    holds the nonce and the result pipe) and the program's (`child.py`'s server). They
     share one pair of pipes and nothing else.
     """
     _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the caller's death reaches us

@@ -1,9 +1,9 @@
-"""Where a `StaticHeadMixedLayer` (rlkv/cache/static_layer.py) writes its compressed heads' tokens.
+"""Where a `StaticHeadMixedLayer` (rlkv/cache/static/layer.py) writes its compressed heads' tokens.
 
 The compressed slots of a layer are `[early | region]`: the early region holds each row's protected
 prompt and sink (row b's first real token at slot `early_offset`, so rows line up as in the dynamic
 cache's store), the region a ring of window + 1 slots (streaming) or the budget region
-(rlkv/cache/static_budget.py). `write_prompt` fills them after prefill; `write_streaming` /
+(rlkv/cache/static/budget.py). `write_prompt` fills them after prefill; `write_streaming` /
 `write_budget` write one decode token with device indices only; `observe_prompt` hands a policy that
 observes attention the prompt's own; `kept_per_head` counts, on the
 host, how many tokens the dynamic cache keeps per compressed head at a given length.
@@ -17,11 +17,11 @@ import torch
 
 from rlkv.cache.attention import EAGER_CHUNK_ELEMENTS
 from rlkv.cache.settings import CompressionSettings
-from rlkv.cache.static_budget import RowSchedule, StaticForm
+from rlkv.cache.static.budget import RowSchedule, StaticForm
 
 
 class StaticHeadMixedLayer(Protocol):
-    """What these functions read of a `rlkv.cache.static_layer.StaticHeadMixedLayer` (a protocol, so
+    """What these functions read of a `rlkv.cache.static.layer.StaticHeadMixedLayer` (a protocol, so
     the layer can import this module and not the other way round)."""
 
     buffers: dict[str, torch.Tensor]

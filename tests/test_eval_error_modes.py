@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from rlkv.eval.errors import RepetitionRule, RepetitionStop, classify_error
+from rlkv.eval.error_modes import RepetitionRule, RepetitionStop, classify_error
 
 
 def _ids(tokenizer, text):

@@ -1,6 +1,6 @@
 """Which layouts have a static form, and the in-place compaction of a budgeted static region.
 
-A `StaticHeadMixedCache` (rlkv/cache/static.py) lays each layer's compressed heads out as
+A `StaticHeadMixedCache` (rlkv/cache/static/cache.py) lays each layer's compressed heads out as
 `[early | region]` slots of fixed size. `static_form` decides the region from the policy:
 
 - "streaming": a ring of window + 1 slots (no compaction ever runs; the slot a new token
@@ -23,7 +23,7 @@ what it accumulates in per-slot buffers of static shape, moved with the slots by
 An unprotected prompt scored by attention (H2O) gets the prompt's own attention at the prefill, from an
 explicit softmax over the slots. RPC without a budget follows its own target (k * P / c + R after its
 k-th compaction), sized for the cycles `max_cache_len` allows. SkipKV observes token ids and final
-hidden states: the cache hands them over in its host bookkeeping before each forward (rlkv/cache/static.py),
+hidden states: the cache hands them over in its host bookkeeping before each forward (rlkv/cache/static/cache.py),
 and the policy sizes its sentence state for `max_cache_len` at the prefill (`reserve`). SkipKV with
 steering has no static form (it decodes sentences' text on the host): `StaticCacheError` names
 `static_cache=False` as the fix.

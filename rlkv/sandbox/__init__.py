@@ -3,16 +3,16 @@
 Two levels, chosen by `RLKV_CODE_SANDBOX` (`auto`, the default; `guard`; `namespace`):
 
 - `guard` (always on): the program runs in a fresh `python -I -B` under a supervisor process
-  (`sandbox_supervisor.py`), in its own session, with per-process rlimits (address space, CPU
+  (`supervisor.py`), in its own session, with per-process rlimits (address space, CPU
   time, file size), a private temporary working directory and an in-interpreter guard
-  (`sandbox_child.py`): an audit hook, installed before the program's first line, that refuses
+  (`child.py`): an audit hook, installed before the program's first line, that refuses
   process creation (fork, exec, spawn, `os.system`, `_posixsubprocess`, so `subprocess` and
   multiprocessing's spawn/forkserver), signals to other processes, sockets, ctypes, rlimit
   changes, frame introspection, other processes' `/proc` entries, opening directories outside the
   working directory, and writes, deletes or renames outside it. Replacing `sys.audit` lifts none
-  of it. With tests, the tests run in a second contained interpreter (`sandbox_tests.py`) that
+  of it. With tests, the tests run in a second contained interpreter (`harness.py`) that
   calls the program's functions over a pipe pair, values crossing as plain data
-  (`sandbox_wire.py`).
+  (`wire.py`).
 - `namespace` (an OS sandbox, with util-linux `unshare` and user namespaces): additionally a
   private network namespace (no interface but a down loopback), a PID namespace (every process
   of the program dies with it), every mount read-only, a private tmpfs as working directory and
@@ -59,7 +59,7 @@ MAX_PROCESSES = 64
 FILE_BYTES = 64 << 20
 _SUPERVISOR_GRACE_S = 15.0
 _RESULT_PREFIX = "rlkv-sandbox-result:"  # = sandbox_supervisor.RESULT_PREFIX (this module imports no sibling)
-_SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_supervisor.py")
+_SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
 
 
 class SandboxError(RuntimeError, UserError):
@@ -220,7 +220,7 @@ def run_program(
 ) -> RunResult:
     """Run Python `source` contained (see the module docstring) and report how it ended.
 
-    tests: test code run in another interpreter against the program (`sandbox_tests.py`): the
+    tests: test code run in another interpreter against the program (`harness.py`): the
     names the tests read that the program defines are proxies to it, and only plain data crosses;
     `RunResult.passed` is then True only when the tests' interpreter reported, over a channel the
     program cannot write, that every test ran and passed. setup: trusted code run before the tests
