@@ -140,6 +140,29 @@ def test_load_from_saved_model_with_mask_file(make_model, tokenizer, tmp_path):
     assert out[0].cache_stats["evictions"] > 0
 
 
+def test_load_reads_the_mask_file_once_for_the_whole_run(make_model, tokenizer, tmp_path, monkeypatch):
+    """`load` resolves a mask path to its `HeadMask` once; the checks and every `generate` call reuse it."""
+    model = make_model("llama")
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    mask_path = _mask(model).save(tmp_path / "mask.json")
+    reads = []
+    original = HeadMask.from_pretrained.__func__
+
+    def counted(cls, *args, **kwargs):
+        reads.append(args[0])
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(HeadMask, "from_pretrained", classmethod(counted))
+    config = CompressionConfig(head_mask=str(mask_path), sparsity=0.5, sink=2, window=4)
+    loaded, tok = load(tmp_path / "model", compression=config, dtype=torch.float32)
+    generate(loaded, tok, PROMPTS[:2], 6, progress=False)
+    generate(loaded, tok, PROMPTS[2:4], 6, progress=False)
+    assert reads == [str(mask_path)]
+    assert isinstance(loaded.rlkv_compression.head_mask, HeadMask)
+    assert config.head_mask == str(mask_path)  # the caller's config is not changed
+
+
 def test_cli_generate_prints_text_and_stats(make_model, tmp_path, capsys):
     mask_path = _mask(make_model("llama")).save(tmp_path / "mask.json")
     argv = ["generate", "--model", "tiny:llama", "--head-mask", str(mask_path), "--sparsity", "0.5"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,23 +48,9 @@ class GenerationOutput:
     cache_stats: CacheStats | None = None  # None: the engine reports no cache statistics (vLLM)
 
 
-def make_cache(
-    model: PreTrainedModel,
-    compression: CompressionConfig,
-    batch_size: int | None = None,
-    *,
-    static: bool = False,
-    max_cache_len: int | None = None,
-    max_prompt_len: int | None = None,
-) -> HeadMixedCache | StaticHeadMixedCache:
-    """A `HeadMixedCache` for `model` laid out by `compression`; switches the model to "rlkv_cache" attention.
-
-    static: a `StaticHeadMixedCache` instead (static shapes, fixed addresses: torch.compile and CUDA
-    graphs), holding at most `max_cache_len` (prompt + new tokens) columns; raises `StaticCacheError`
-    for a layout without a static form. max_prompt_len: the widest prompt the static cache will see
-    (its tensors are sized for it at once, so every request up to it keeps one set of shapes).
-    Raises `CompressionConfigError` / `HeadMaskError` for an invalid config or a mask of another model.
-    """
+def _prepare_model(model: PreTrainedModel, compression: CompressionConfig) -> tuple[torch.Tensor | None, Any]:
+    """Check `compression` against `model` and switch the model to "rlkv_cache" attention (and the hooks its
+    policy observes through); returns the full heads (BoolTensor[L, H_kv] or None) and the attached policy."""
     compression.validate()
     if hasattr(model, "rlkv_gates"):
         raise ValueError(
@@ -83,6 +69,27 @@ def make_cache(
             raise ValueError(
                 f"policy {compression.policy!r} needs final hidden states, but the model has no decoder.norm"
             )
+    return full_heads, policy
+
+
+def make_cache(
+    model: PreTrainedModel,
+    compression: CompressionConfig,
+    batch_size: int | None = None,
+    *,
+    static: bool = False,
+    max_cache_len: int | None = None,
+    max_prompt_len: int | None = None,
+) -> HeadMixedCache | StaticHeadMixedCache:
+    """A `HeadMixedCache` for `model` laid out by `compression`; switches the model to "rlkv_cache" attention.
+
+    static: a `StaticHeadMixedCache` instead (static shapes, fixed addresses: torch.compile and CUDA
+    graphs), holding at most `max_cache_len` (prompt + new tokens) columns; raises `StaticCacheError`
+    for a layout without a static form. max_prompt_len: the widest prompt the static cache will see
+    (its tensors are sized for it at once, so every request up to it keeps one set of shapes).
+    Raises `CompressionConfigError` / `HeadMaskError` for an invalid config or a mask of another model.
+    """
+    full_heads, policy = _prepare_model(model, compression)
     if static:
         if compression.window_prefill:
             raise StaticCacheError(
@@ -177,7 +184,10 @@ def load(
         keep_freed_memory()  # decode loops free and reallocate [B, vocabulary] tensors every step
     model.eval()
     if compression is not None:
-        make_cache(model, compression)  # validates against this model and activates the attention
+        # the mask is read once here (a path or Hub id becomes its HeadMask), then checked against this model
+        # and the attention switched on; `generate` builds each request's cache from the stored config
+        compression = replace(compression, head_mask=compression.resolve_head_mask(model))
+        _prepare_model(model, compression)
         model.rlkv_compression = compression
     return model, tokenizer
 
