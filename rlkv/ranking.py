@@ -54,6 +54,39 @@ def select_full_heads(
     return mask.view_as(scores)
 
 
+def select_balanced_heads(
+    scores: torch.Tensor, tie_break: torch.Tensor | None, count: int, shards: int, min_full_per_layer: int = 0
+) -> torch.Tensor:
+    """BoolTensor like `scores` [L, H_kv] whose every layer keeps a multiple of `shards` full heads (vLLM's
+    tensor parallelism over `shards` ranks): each layer's heads, in the ranking's order, form groups of
+    `shards`; the round(count / shards) groups of the best mean rank are kept (ties: the lower layer), after
+    reserving ceil(min_full_per_layer / shards) groups of every layer. So the total is within shards / 2 of
+    `count` (unless the reservation alone passes it) and every layer keeps its most important heads."""
+    layers, heads = scores.shape
+    order = rank_heads(scores, tie_break)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    by_layer = torch.sort(rank.view_as(scores), dim=1)  # per layer: ranks ascending, and which heads
+    groups = heads // shards
+    # a group's priority: the sum of its heads' ranks (increasing within a layer, so the kept groups are
+    # always a layer's first ones)
+    group_rank = by_layer.values.view(layers, groups, shards).sum(dim=-1)
+    reserved = -(-min_full_per_layer // shards)
+    chosen = torch.zeros(layers, groups, dtype=torch.bool)
+    chosen[:, :reserved] = True
+    wanted = max(round(count / shards) - int(chosen.sum()), 0)
+    ranks = group_rank.tolist()
+    candidates = sorted(
+        (ranks[layer][g], layer, g) for layer in range(layers) for g in range(reserved, groups)
+    )
+    for _, layer, g in candidates[:wanted]:
+        chosen[layer, g] = True
+    mask = torch.zeros(layers, heads, dtype=torch.bool)
+    kept = chosen.repeat_interleave(shards, dim=1)  # [L, H] in each layer's ranking order
+    mask.scatter_(1, by_layer.indices, kept)
+    return mask
+
+
 def ties_decided_by_index(scores: torch.Tensor, tie_break: torch.Tensor | None) -> int:
     """How many neighbouring pairs of the ranking are decided by index alone (equal score and tie-break)."""
     flat = rank_heads(scores, tie_break)

@@ -81,11 +81,20 @@ def test_a_port_in_use_is_refused_before_vllm_starts(capsys, mask_dir):
     assert_one_error_line(err, "rlkv serve", f"--port {port}", "pick a free port")
 
 
-@pytest.mark.parametrize("flag", [["--tensor-parallel-size", "2"], ["-tp=2"], ["--pipeline-parallel-size=2"]])
-def test_parallelism_is_refused_before_vllm_starts(capsys, mask_dir, flag):
+@pytest.mark.parametrize(
+    "flag, needles",
+    [
+        (["--pipeline-parallel-size=2"], ("pipeline-parallel-size", "tensor parallelism only")),
+        (["-pp", "2"], ("pipeline-parallel-size", "tensor-parallel-size instead")),
+        # the demo model has 2 KV heads per layer: 3 ranks cannot share them
+        (["--tensor-parallel-size", "3"], ("tensor_parallel_size=3", "do not divide")),
+        (["-tp=0"], ("--tensor-parallel-size '0'", "positive integer")),
+    ],
+)
+def test_parallelism_the_split_cannot_serve_is_one_line_before_vllm_starts(capsys, mask_dir, flag, needles):
     code, err = run_cli(_serve(mask_dir, *flag, "--port", str(_free_port())), capsys)
     assert code == 2
-    assert_one_error_line(err, "rlkv serve", "parallel-size", "one device")
+    assert_one_error_line(err, "rlkv serve", *needles)
 
 
 @pytest.mark.parametrize("command", ["serve", "export-vllm"])

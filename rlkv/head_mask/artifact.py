@@ -40,7 +40,7 @@ from rlkv.head_mask.formats import (
     tsv_text,
 )
 from rlkv.head_mask.hub import looks_like_hub_id, model_card, snapshot, upload_folder
-from rlkv.ranking import compression_order, select_full_heads, ties_decided_by_index
+from rlkv.ranking import compression_order, select_balanced_heads, select_full_heads, ties_decided_by_index
 
 
 @dataclass
@@ -226,20 +226,37 @@ class HeadMask:
         check_sparsity(sparsity)
         return int(round((1.0 - sparsity) * self.scores.numel()))
 
-    def full_heads(self, sparsity: float, min_full_per_layer: int = 0) -> torch.Tensor:
+    def full_heads(self, sparsity: float, min_full_per_layer: int = 0, shards: int = 1) -> torch.Tensor:
         """BoolTensor[L, H_kv]: True where the head keeps a full KV cache at target `sparsity`.
 
         Heads are ranked by score, equal scores by `tie_break` (when the mask has one), and only then
         towards the lower (layer, head) index, so the result is deterministic. `min_full_per_layer`
         first reserves that many top heads in every layer, then fills the remaining slots globally
         (the total stays round((1 - s) * L * H) unless the reservation alone exceeds it).
+
+        shards: every layer keeps a multiple of `shards` full heads (vLLM's tensor parallelism over that many
+        ranks; `rlkv.ranking.select_balanced_heads`): each layer's heads in ranking order form groups of
+        `shards`, and the groups of the best mean rank are kept, round(count / shards) of them. The sparsity
+        served, 1 - full.sum() / full.numel(), can then differ from `sparsity` by up to shards / 2 heads' worth;
+        shards=1 is the plain cut.
         """
         if not 0 <= min_full_per_layer <= self.num_kv_heads:
             raise HeadMaskError(
                 f"min_full_per_layer={min_full_per_layer} must be in [0, {self.num_kv_heads}]"
             )
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise HeadMaskError(
+                f"shards={shards!r}: a positive integer (the tensor-parallel size), 1 for none"
+            )
+        if self.num_kv_heads % shards:
+            raise HeadMaskError(
+                f"shards={shards}: the model's {self.num_kv_heads} KV heads per layer do not divide among "
+                f"{shards} shards; choose a shard count that divides {self.num_kv_heads}"
+            )
         count = self.num_full_heads(sparsity)
-        return select_full_heads(self.scores, self.tie_break, count, min_full_per_layer)
+        if shards == 1:
+            return select_full_heads(self.scores, self.tie_break, count, min_full_per_layer)
+        return select_balanced_heads(self.scores, self.tie_break, count, shards, min_full_per_layer)
 
     def order(self) -> torch.Tensor:
         """LongTensor[L * H_kv, 2]: (layer, head) pairs from least to most important (compression order).

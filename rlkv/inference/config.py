@@ -117,9 +117,10 @@ class CompressionConfig:
             return self.head_mask
         return HeadMask.from_pretrained(self.head_mask, model)
 
-    def full_heads(self, model: Any) -> torch.Tensor | None:
+    def full_heads(self, model: Any, shards: int = 1) -> torch.Tensor | None:
         """BoolTensor[L, H_kv] of full heads for `model`, or None (no mask: all heads compressed).
 
+        shards: every layer's full-head count a multiple of it (vLLM tensor parallelism; `HeadMask.full_heads`).
         Raises `HeadMaskError` when the mask was made for another model.
         """
         mask = self.resolve_head_mask(model)
@@ -127,6 +128,8 @@ class CompressionConfig:
             return None
         mask.check_compatible(model)
         try:
-            return mask.full_heads(self.sparsity, min_full_per_layer=self.min_full_per_layer)
+            return mask.full_heads(self.sparsity, min_full_per_layer=self.min_full_per_layer, shards=shards)
         except HeadMaskError as e:
+            if shards != 1:  # the mask's message names the shard count or the per-layer minimum
+                raise CompressionConfigError(str(e)) from None
             raise CompressionConfigError(f"min_full_per_layer={self.min_full_per_layer}: {e}") from None

@@ -76,8 +76,11 @@ def vllm_compression(
     )
 
 
-def head_split(model_or_config: Any, compression: CompressionConfig) -> HeadSplit:
+def head_split(model_or_config: Any, compression: CompressionConfig, shards: int = 1) -> HeadSplit:
     """The `HeadSplit` of `compression` for a model or its config.
+
+    shards: vLLM's tensor-parallel size; the mask is cut so that every layer's full heads divide among the
+    ranks (`HeadMask.full_heads(..., shards=)`: the sparsity served can differ from the one asked for).
 
     Policy "streaming": compressed heads keep sink + window; a token-eviction policy of
     `EVICTION_POLICIES` (rkv, snapkv, random, ...): they keep what the policy chooses at the config's budget
@@ -102,7 +105,14 @@ def head_split(model_or_config: Any, compression: CompressionConfig) -> HeadSpli
             c.policy, c.budget if c.budget is not None else _default_budget(c.policy), kwargs
         )
     geometry = attention_geometry(model_or_config)
-    full = compression.full_heads(model_or_config)
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise CompressionConfigError(f"tensor_parallel_size={shards!r}: a positive integer (vLLM's ranks)")
+    if geometry.num_key_value_heads % shards:
+        raise CompressionConfigError(
+            f"tensor_parallel_size={shards}: the model's {geometry.num_key_value_heads} KV heads per layer do not "
+            "divide among the ranks; use a size that divides them"
+        )
+    full = compression.full_heads(model_or_config, shards=shards)
     if full is None:  # no mask: every head compressed
         layers = [() for _ in range(geometry.num_hidden_layers)]
     else:
@@ -139,9 +149,13 @@ def vllm_overrides(
     window_prefill: bool = False,
     protect_prompt: bool = False,
     policy: str = "streaming",
+    tensor_parallel_size: int = 1,
     **policy_fields: Any,
 ) -> dict[str, Any]:
     """`hf_overrides` that make vLLM serve `model` with `head_mask` cut at `sparsity` (rlkv's plugin).
+
+    tensor_parallel_size: the engine's; the mask is cut balanced for it (every layer's full heads a multiple
+    of it), so each rank serves its share of full and compressed heads.
 
     model: a model folder, Hub id or transformers config; the form as `vllm_compression` (default: the
     eval's, sink 16 + window 64 after a full prompt; `policy="rkv", budget=N` for R-KV eviction on the
@@ -158,11 +172,14 @@ def vllm_overrides(
         policy=policy,
         **policy_fields,
     )
-    return compression_overrides(model_config(model), form)
+    return compression_overrides(model_config(model), form, shards=tensor_parallel_size)
 
 
-def compression_overrides(model_or_config: Any, compression: CompressionConfig) -> dict[str, Any]:
-    """`hf_overrides` of a `CompressionConfig` in vLLM's form (see `head_split`) for a model or its config.
+def compression_overrides(
+    model_or_config: Any, compression: CompressionConfig, shards: int = 1
+) -> dict[str, Any]:
+    """`hf_overrides` of a `CompressionConfig` in vLLM's form (see `head_split`) for a model or its config,
+    balanced for `shards` tensor-parallel ranks.
 
     A model with sliding-window layers of its own is refused here (`CompressionConfigError`), before an
     engine starts, as the plugin would refuse it at engine start.
@@ -172,7 +189,7 @@ def compression_overrides(model_or_config: Any, compression: CompressionConfig) 
         check_full_attention_layers(config)
     except HeadSplitError as e:
         raise CompressionConfigError(str(e)) from None
-    split = head_split(config, compression)
+    split = head_split(config, compression, shards)
     return {"architectures": [_head_mixed_architecture(config)], CONFIG_KEY: split.to_config()}
 
 

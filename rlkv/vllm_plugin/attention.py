@@ -22,7 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlkv.vllm_plugin.fence import attention_class, current_vllm_config, forget_attention_layer, layer_index
+from rlkv.vllm_plugin.fence import (
+    attention_class,
+    current_vllm_config,
+    forget_attention_layer,
+    layer_index,
+    tensor_parallel,
+)
 from rlkv.vllm_plugin.head_order import HeadOrder
 from rlkv.vllm_plugin.split import HeadSplit, HeadSplitError
 
@@ -33,11 +39,19 @@ class HeadMixedAttention(nn.Module):
     original: the stock `Attention` (its registration is dropped; no KV cache is allocated for it).
     full_kv_heads: KV heads of this layer with full attention; the others get `sliding_window` tokens.
     unit: KV heads per part (equal-sized parts keep one page size across KV cache groups).
+    parallel: (tensor-parallel rank, size): this rank holds 1 / size of the layer's full and compressed heads.
     """
 
-    def __init__(self, original: nn.Module, full_kv_heads: tuple[int, ...], split: HeadSplit, unit: int):
+    def __init__(
+        self,
+        original: nn.Module,
+        full_kv_heads: tuple[int, ...],
+        split: HeadSplit,
+        unit: int,
+        parallel: tuple[int, int] = (0, 1),
+    ):
         super().__init__()
-        num_kv, num_heads = original.num_kv_heads, original.num_heads
+        num_kv, num_heads = original.num_kv_heads, original.num_heads  # this rank's share under TP
         self.num_kv_heads, self.groups, self.head_size = num_kv, num_heads // num_kv, original.head_size
         if getattr(original, "sliding_window", None) is not None:
             raise HeadSplitError(
@@ -52,9 +66,11 @@ class HeadMixedAttention(nn.Module):
             )
         forget_attention_layer(original.layer_name)
         cache_config = current_vllm_config().cache_config
-        num_full = len(full_kv_heads)
+        rank, shards = parallel
+        num_full = len(full_kv_heads) // shards
         layer = layer_index(original.layer_name)
-        served = split.served_order(layer, num_kv)
+        # this rank's KV heads, in the served order (`HeadSplit.served_order`): its full ones, then compressed
+        served = split.served_order(layer, num_kv * shards, shards)[rank * num_kv : (rank + 1) * num_kv]
         # (module name, its served KV-head positions): full heads at [0, num_full), compressed after
         self.parts: list[tuple[str, slice]] = []
         for kind, start, stop in (("full", 0, num_full), ("window", num_full, num_kv)):
@@ -135,10 +151,14 @@ def split_attention_layers(model: nn.Module, split: HeadSplit, num_kv_heads: int
     """Replace every stock decoder `Attention` of `model` by a `HeadMixedAttention`; returns the head order
     its weights must be loaded in (`HeadOrder.weights`).
 
-    A layer whose heads are all full keeps its stock module (one full-attention part, the same spec).
+    A layer whose heads are all full keeps its stock module (one full-attention part, the same spec). Under
+    tensor parallelism (`split.check_shards` passed at engine start) each rank builds its share of every
+    layer: the same parts and KV cache groups on every rank.
     """
     attention = attention_class()
-    unit = split.unit(num_kv_heads)
+    parallel = tensor_parallel()
+    shards = parallel[1]
+    unit = split.unit(num_kv_heads, shards)
     orders: dict[int, tuple[int, ...]] = {}
     geometry = (1, 1)
     for parent in list(model.modules()):
@@ -147,9 +167,10 @@ def split_attention_layers(model: nn.Module, split: HeadSplit, num_kv_heads: int
                 continue
             layer = layer_index(child.layer_name)
             full = split.full_kv_heads[layer]
-            if len(full) == num_kv_heads and unit == num_kv_heads:
+            if len(full) == num_kv_heads and unit == num_kv_heads // shards:
                 continue
-            setattr(parent, child_name, HeadMixedAttention(child, full, split, unit))
-            orders[layer] = split.served_order(layer, num_kv_heads)
+            setattr(parent, child_name, HeadMixedAttention(child, full, split, unit, parallel))
+            # the checkpoint's whole tensors are permuted; vLLM's loaders then give each rank its slice
+            orders[layer] = split.served_order(layer, num_kv_heads, shards)
             geometry = (child.num_heads // child.num_kv_heads, child.head_size)
     return HeadOrder(orders, *geometry)

@@ -26,6 +26,13 @@ def current_vllm_config() -> Any:
     return get_current_vllm_config()
 
 
+def tensor_parallel() -> tuple[int, int]:
+    """(this worker's tensor-parallel rank, the tensor-parallel size) of the engine being built."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
 def forget_attention_layer(layer_name: str) -> None:
     """Drop a stock `Attention` from the engine's layer registry, so vLLM allocates no KV cache for it."""
     context = current_vllm_config().compilation_config.static_forward_context

@@ -31,11 +31,13 @@ def check_engine(vllm_config: Any) -> HeadSplit:
     config = vllm_config.model_config.hf_config
     split = HeadSplit.from_config(config)
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1:
         raise HeadSplitError(
-            f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
-            f"{parallel.pipeline_parallel_size}: rlkv's head split is written for one device; use 1"
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}: rlkv's head split is served with tensor "
+            "parallelism only; use tensor_parallel_size instead"
         )
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    split.check_shards(num_kv_heads, parallel.tensor_parallel_size)
     if vllm_config.quant_config is not None:
         raise HeadSplitError(
             f"quantization {vllm_config.model_config.quantization!r}: rlkv permutes each layer's attention heads "

@@ -148,13 +148,36 @@ class HeadSplit:
         full = set(self.full_kv_heads[layer])
         return tuple(h for h in range(num_kv_heads) if h not in full)
 
-    def served_order(self, layer: int, num_kv_heads: int) -> tuple[int, ...]:
-        """The stock KV head at each position of `layer` as served: its full heads, then its compressed
-        ones (the order its attention weights are permuted to at load)."""
-        return self.full_kv_heads[layer] + self.compressed_kv_heads(layer, num_kv_heads)
+    def served_order(self, layer: int, num_kv_heads: int, shards: int = 1) -> tuple[int, ...]:
+        """The stock KV head at each position of `layer` as served (the order its attention weights are
+        permuted to at load): per shard (tensor-parallel rank, in rank order) its share of the full heads,
+        then its share of the compressed ones. vLLM gives rank r the KV heads at positions
+        [r * H / shards, (r + 1) * H / shards), so every rank holds full heads first, then compressed ones.
+        """
+        full, compressed = self.full_kv_heads[layer], self.compressed_kv_heads(layer, num_kv_heads)
+        f, c = len(full) // shards, len(compressed) // shards
+        return sum((full[r * f : (r + 1) * f] + compressed[r * c : (r + 1) * c] for r in range(shards)), ())
 
-    def unit(self, num_kv_heads: int) -> int:
-        """KV heads per vLLM attention module: the gcd of every layer's full and compressed head counts.
+    def check_shards(self, num_kv_heads: int, shards: int) -> None:
+        """`HeadSplitError` unless every layer's full and compressed heads divide evenly among `shards`
+        tensor-parallel ranks (so every rank builds the same KV cache groups)."""
+        if num_kv_heads % shards:
+            raise HeadSplitError(
+                f"tensor_parallel_size={shards}: the model's {num_kv_heads} KV heads per layer do not divide "
+                "among the ranks; use a size that divides them"
+            )
+        for layer, full in enumerate(self.full_kv_heads):
+            if len(full) % shards:
+                raise HeadSplitError(
+                    f"tensor_parallel_size={shards}: layer {layer} has {len(full)} full KV heads, not a multiple "
+                    f"of {shards}, so its heads cannot be split evenly among the ranks; cut the mask for "
+                    f"{shards} shards (HeadMask.full_heads(sparsity, shards={shards}), vllm_overrides(..., "
+                    f"tensor_parallel_size={shards}), rlkv serve --tensor-parallel-size {shards})"
+                )
+
+    def unit(self, num_kv_heads: int, shards: int = 1) -> int:
+        """KV heads per vLLM attention module on one rank: the gcd of every layer's full and compressed head
+        counts per rank (`shards` tensor-parallel ranks, each holding 1 / shards of either kind).
 
         Equal-sized modules give every KV cache group the same page size, so vLLM's hybrid KV cache
         manager forms one group per kind (and per multiple of the smaller kind's layer count) instead of
@@ -162,8 +185,8 @@ class HeadSplit:
         """
         counts = []
         for layer, full in enumerate(self.full_kv_heads):
-            counts += [len(full), len(self.compressed_kv_heads(layer, num_kv_heads))]
-        return math.gcd(*[c for c in counts if c]) or num_kv_heads
+            counts += [len(full) // shards, len(self.compressed_kv_heads(layer, num_kv_heads)) // shards]
+        return math.gcd(*[c for c in counts if c]) or num_kv_heads // shards
 
     def describe(self, num_kv_heads: int, architecture: str) -> str:
         """One line for logs: how many KV heads are full and what the others keep."""
