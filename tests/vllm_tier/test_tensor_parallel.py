@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
 
-from vllm_engines import DEMO, demo_chain, engine, greedy  # noqa: E402
+from vllm_engines import DEMO, blocks_per_step, demo_chain, engine, greedy, kv_groups  # noqa: E402
 
 from rlkv.inference.vllm import model_config, vllm_overrides  # noqa: E402
 from rlkv.vllm_plugin.split import HeadSplit  # noqa: E402
@@ -79,3 +79,24 @@ def test_four_kv_heads_two_ranks_with_both_kinds_on_each_rank(tmp_path, make_mod
             runs.append([list(o.outputs[0].token_ids) for o in outs])
     equal = sum(a == b for a, b in zip(*runs, strict=True))
     assert equal >= 11, f"{equal} of 12 equal"
+
+
+def test_on_two_ranks_the_compressed_groups_blocks_stay_constant_during_decode():
+    """vLLM's one block pool serves both ranks (each holds its heads' share of every block): over 400 decode
+    steps of a 300-token prompt the compressed group holds its sink and window blocks, as on one rank."""
+    _, _, _, _, mask = demo_chain(1)
+    with engine(DEMO, hf_overrides=vllm_overrides(DEMO, mask, 0.5, tensor_parallel_size=2), **TP2) as llm:
+        managers, pool = kv_groups(llm)
+        kinds = [type(m).__name__ for m in managers]
+        full_group, sink_group = (
+            managers[kinds.index("FullAttentionManager")],
+            managers[kinds.index("SinkWindowManager")],
+        )
+        free_before = pool.get_num_free_blocks()
+        held = blocks_per_step(llm, (full_group, sink_group), [5 + i % 50 for i in range(300)], 400)
+        free_after = pool.get_num_free_blocks()
+    full, kept, _ = zip(*held)
+    bound = -(-16 // 32) + -(-(64 + 1) // 32) + 1  # sink blocks + window blocks (+1 unaligned)
+    assert kept[0] == -(-300 // 32) and max(kept[1:]) <= bound and len(set(kept[100:])) == 1
+    assert full[-1] == -(-(300 + len(held) - 1) // 32)  # the full group holds every token
+    assert free_after == free_before
