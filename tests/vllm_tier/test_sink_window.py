@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
 
-from vllm_engines import blocks_per_step, demo_chain, engine, greedy, kv_groups, solved  # noqa: E402
+from vllm_engines import blocks_per_step, demo_chain, engine, greedy, groups_by_kind, kv_groups, solved  # noqa: E402
 
 from rlkv import HeadMask  # noqa: E402
 from rlkv.data.chain_task import load_chain_task  # noqa: E402
@@ -80,12 +80,7 @@ def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_
     model, _, _, _, mask = demo
     form = _form(mask, 0.5, protect_prompt=protect_prompt)
     with engine(hf_overrides=compression_overrides(model.config, form)) as llm:
-        managers, pool = kv_groups(llm)
-        kinds = [type(m).__name__ for m in managers]
-        full_group, sink_group = (
-            managers[kinds.index("FullAttentionManager")],
-            managers[kinds.index("SinkWindowManager")],
-        )
+        (full_group, sink_group), pool = groups_by_kind(llm, "FullAttentionManager", "SinkWindowManager")
         free_before = pool.get_num_free_blocks()
         prompt_tokens = 300  # 10 blocks of 32
         held = blocks_per_step(llm, (full_group, sink_group), [5 + i % 50 for i in range(prompt_tokens)], 400)

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
 
-from vllm_engines import DEMO, blocks_per_step, demo_chain, engine, greedy, kv_groups  # noqa: E402
+from vllm_engines import DEMO, blocks_per_step, demo_chain, engine, greedy, groups_by_kind  # noqa: E402
 
 from rlkv.inference.vllm import model_config, vllm_overrides  # noqa: E402
 from rlkv.vllm_plugin.split import HeadSplit  # noqa: E402
@@ -86,12 +86,7 @@ def test_on_two_ranks_the_compressed_groups_blocks_stay_constant_during_decode()
     steps of a 300-token prompt the compressed group holds its sink and window blocks, as on one rank."""
     _, _, _, _, mask = demo_chain(1)
     with engine(DEMO, hf_overrides=vllm_overrides(DEMO, mask, 0.5, tensor_parallel_size=2), **TP2) as llm:
-        managers, pool = kv_groups(llm)
-        kinds = [type(m).__name__ for m in managers]
-        full_group, sink_group = (
-            managers[kinds.index("FullAttentionManager")],
-            managers[kinds.index("SinkWindowManager")],
-        )
+        (full_group, sink_group), pool = groups_by_kind(llm, "FullAttentionManager", "SinkWindowManager")
         free_before = pool.get_num_free_blocks()
         held = blocks_per_step(llm, (full_group, sink_group), [5 + i % 50 for i in range(300)], 400)
         free_after = pool.get_num_free_blocks()

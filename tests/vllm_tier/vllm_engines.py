@@ -37,6 +37,15 @@ def kv_groups(llm):
     return manager.coordinator.single_type_managers, manager.block_pool
 
 
+def groups_by_kind(llm, *kinds: str):
+    """([the group manager of each of `kinds` (class names, e.g. "FullAttentionManager")], the block pool);
+    fails unless the engine has exactly one group of each kind named."""
+    managers, pool = kv_groups(llm)
+    names = [type(m).__name__ for m in managers]
+    assert all(names.count(k) == 1 for k in kinds), names
+    return [managers[names.index(k)] for k in kinds], pool
+
+
 def blocks_per_step(llm, groups, prompt_ids, max_tokens):
     """Run one request (EOS ignored) step by step; per step after its first scheduling: the blocks it holds
     in each of `groups` (managers of `kv_groups`, null blocks not counted) and the pool's free blocks."""
