@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # 23.2 MB tracked. 2026-12-02 (issue 68, target 30 MiB): the eval folders' compressed-method completions
 # moved to completions.jsonl.gz (scripts/archive_completions.py), 37.1 MB -> 27.6 MB. 2026-12-05: the vLLM
 # rows of the real model brought it to 32.3 MB; the full rows' texts archived too (mask-nll reads the archive)
-# and the plots of three ablation folders dropped (`rlkv eval --report-only` redraws them): 30.7 MB.
+# and the plots of three ablation folders dropped (`rlkv eval --report-only` redraws them): 30.7 MB. Later that
+# day the tensor-parallel balancing rows (issue 78) came in and the side folders' eval plots left: 30.0 MB.
 # The bound only goes down.
-MAX_TRACKED_BYTES = 31_000_000
+MAX_TRACKED_BYTES = 30_500_000
 
 TOKENIZER_FILES = {
     "tokenizer.json",
