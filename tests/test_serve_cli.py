@@ -2,6 +2,7 @@
 split), no source file deleted or shared, every refusal one line. No vLLM needed: each check runs before
 the command looks for vLLM (the vLLM tier, tests/vllm_tier/test_serve.py, runs the server itself)."""
 
+import importlib.util
 import json
 import socket
 
@@ -95,6 +96,17 @@ def test_parallelism_the_split_cannot_serve_is_one_line_before_vllm_starts(capsy
     code, err = run_cli(_serve(mask_dir, *flag, "--port", str(_free_port())), capsys)
     assert code == 2
     assert_one_error_line(err, "rlkv serve", *needles)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None,
+    reason="with vLLM installed the command would start the server",
+)
+def test_a_balanced_cut_that_changes_the_sparsity_is_reported(capsys, mask_dir):
+    """Demo model, 8 KV heads in 4 layers of 2: s=0.4 asks for 5 full heads, 2 ranks need whole layers (4)."""
+    argv = ["serve", "--model", DEMO, "--head-mask", mask_dir, "--sparsity", "0.4", "-tp", "2"]
+    _, err = run_cli([*argv, "--port", str(_free_port())], capsys)
+    assert "cut balanced for 2 ranks" in err and "serving sparsity 0.5, asked 0.4" in err, err
 
 
 @pytest.mark.parametrize("command", ["serve", "export-vllm"])

