@@ -48,9 +48,11 @@ def test_freed_blocks_are_reused_without_page_faults():
     # glibc's default hands freed blocks back to the kernel (how many depends on its adaptive
     # thresholds: 1,000-9,500 faults per round on average measured), so they fault in again ...
     assert sum(default) / len(default) > max(sum(kept) / len(kept), 100)
-    # ... and kept, the rounds reuse the heap: at most one round of eight faults in a block again
-    # (CI once measured a mean of 593.5 over 8 rounds: 4,748 pages, exactly one block, once)
-    assert sum(count >= pages / 20 for count in kept) <= 1, kept
+    # ... and kept, the rounds reuse the heap: once it has settled no round faults a block in again. CI
+    # measured the settling: one block in one round (a mean of 593.5 over 8 rounds: 4,748 pages), and once
+    # one block in each of two rounds ([0, 9496, 9497, 0, ...]), so at most two early rounds, the last four none
+    faulted = [count >= pages / 20 for count in kept]
+    assert sum(faulted) <= 2 and not any(faulted[-4:]), kept
 
 
 def test_repeated_calls_are_cached():
