@@ -58,7 +58,7 @@ MEMORY_BYTES = 2 << 30
 MAX_PROCESSES = 64
 FILE_BYTES = 64 << 20
 _SUPERVISOR_GRACE_S = 15.0
-_RESULT_PREFIX = "rlkv-sandbox-result:"  # = sandbox_supervisor.RESULT_PREFIX (this module imports no sibling)
+_RESULT_PREFIX = "rlkv-sandbox-result:"  # = supervisor.RESULT_PREFIX (this module imports no sibling)
 _SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
 
 
