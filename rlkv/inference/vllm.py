@@ -29,6 +29,7 @@ from rlkv.vllm_plugin.split import (
     HeadSplit,
     HeadSplitError,
     check_full_attention_layers,
+    check_kv_heads_divide,
 )
 
 
@@ -105,13 +106,10 @@ def head_split(model_or_config: Any, compression: CompressionConfig, shards: int
             c.policy, c.budget if c.budget is not None else _default_budget(c.policy), kwargs
         )
     geometry = attention_geometry(model_or_config)
-    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-        raise CompressionConfigError(f"tensor_parallel_size={shards!r}: a positive integer (vLLM's ranks)")
-    if geometry.num_key_value_heads % shards:
-        raise CompressionConfigError(
-            f"tensor_parallel_size={shards}: the model's {geometry.num_key_value_heads} KV heads per layer do not "
-            "divide among the ranks; use a size that divides them"
-        )
+    try:  # before the mask is cut, so the message names vLLM's setting rather than the mask's `shards`
+        check_kv_heads_divide(geometry.num_key_value_heads, shards)
+    except HeadSplitError as e:
+        raise CompressionConfigError(str(e)) from None
     full = compression.full_heads(model_or_config, shards=shards)
     if full is None:  # no mask: every head compressed
         layers = [() for _ in range(geometry.num_hidden_layers)]

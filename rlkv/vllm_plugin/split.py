@@ -111,6 +111,18 @@ class EvictionRule:
         return cls(name, budget, json.dumps(kwargs, sort_keys=True))
 
 
+def check_kv_heads_divide(num_kv_heads: int, shards: int) -> None:
+    """`HeadSplitError` unless `shards` (vLLM's tensor-parallel size) is a positive integer dividing the
+    model's KV heads per layer (vLLM gives each rank an equal share of every layer's KV heads)."""
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise HeadSplitError(f"tensor_parallel_size={shards!r}: a positive integer (vLLM's ranks)")
+    if num_kv_heads % shards:
+        raise HeadSplitError(
+            f"tensor_parallel_size={shards}: the model's {num_kv_heads} KV heads per layer do not divide "
+            "among the ranks; use a size that divides them"
+        )
+
+
 @dataclass(frozen=True)
 class HeadSplit:
     """Which KV heads of each layer keep a full cache; the rest keep a window of `window` past tokens.
@@ -161,11 +173,7 @@ class HeadSplit:
     def check_shards(self, num_kv_heads: int, shards: int) -> None:
         """`HeadSplitError` unless every layer's full and compressed heads divide evenly among `shards`
         tensor-parallel ranks (so every rank builds the same KV cache groups)."""
-        if num_kv_heads % shards:
-            raise HeadSplitError(
-                f"tensor_parallel_size={shards}: the model's {num_kv_heads} KV heads per layer do not divide "
-                "among the ranks; use a size that divides them"
-            )
+        check_kv_heads_divide(num_kv_heads, shards)
         for layer, full in enumerate(self.full_kv_heads):
             if len(full) % shards:
                 raise HeadSplitError(
