@@ -95,3 +95,17 @@ def test_on_two_ranks_the_compressed_groups_blocks_stay_constant_during_decode()
     assert kept[0] == -(-300 // 32) and max(kept[1:]) <= bound and len(set(kept[100:])) == 1
     assert full[-1] == -(-(300 + len(held) - 1) // 32)  # the full group holds every token
     assert free_after == free_before
+
+
+def test_r_kv_eviction_on_two_ranks_gives_one_ranks_tokens():
+    """Eviction decides per head from that head's own scores, so each rank compacts its heads alone."""
+    _, _, _, prompts, mask = demo_chain(16)
+    overrides = vllm_overrides(
+        DEMO, mask, 0.5, tensor_parallel_size=2, policy="rkv", budget=80, sink=16, window=8
+    )
+    with engine(DEMO, hf_overrides=overrides) as llm:
+        one = greedy(llm, prompts)
+    with engine(DEMO, hf_overrides=overrides, **TP2) as llm:
+        two = greedy(llm, prompts)
+    equal = sum(a == b for a, b in zip(one, two, strict=True))
+    assert equal >= 15, f"{equal} of 16 equal"
