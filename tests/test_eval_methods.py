@@ -138,5 +138,7 @@ def test_window_prefill_windows_the_prompt_of_the_head_mask_methods_with_their_s
     assert not method_config(
         "rlkv", 0.5, model=model, masks=masks
     ).window_prefill  # the eval's form by default
-    with pytest.raises(ValueError, match="window_prefill=true windows the prompt"):
+    with pytest.raises(ValueError, match="protect_prompt=True with window_prefill=True"):
         EvalConfig(model="tiny:llama", methods=["full"], window_prefill=True, protect_prompt=True)
+    with pytest.raises(ValueError, match="window_only is already windowed"):
+        EvalConfig(model="tiny:llama", methods=["full"], window_prefill=True, window_only=True)

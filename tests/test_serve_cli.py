@@ -219,7 +219,7 @@ def test_export_writes_the_form_asked_for(capsys, mask_dir, tmp_path):
         assert {k: split[k] for k in want} == want
     code, err = run_cli([*base, "--protect-prompt", "--window-prefill", "--out", str(tmp_path / "x")], capsys)
     assert code == 2
-    assert_one_error_line(err, "rlkv export-vllm", "--protect-prompt with --window-prefill")
+    assert_one_error_line(err, "rlkv export-vllm", "protect_prompt=True with window_prefill=True")
 
 
 def test_export_writes_a_token_eviction_policy_and_refuses_what_vllm_cannot_run(capsys, mask_dir, tmp_path):

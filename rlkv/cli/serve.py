@@ -103,10 +103,6 @@ def _form(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("sink", "window"):
         if getattr(args, name) < 0:
             raise UserInputError(f"--{name} {getattr(args, name)}: must be >= 0")
-    if args.protect_prompt and args.window_prefill:
-        raise UserInputError(
-            "--protect-prompt with --window-prefill: a protected prompt is read whole; drop one of them"
-        )
     form = {
         "window": args.window,
         "sink": args.sink,

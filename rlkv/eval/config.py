@@ -11,6 +11,7 @@ from rlkv.errors import UserInputError
 from rlkv.eval.error_modes import RepetitionRule
 from rlkv.eval.methods import MASK_FIELDS, BudgetRule, parse_method
 from rlkv.eval.stopping import StopRule, stop_rule
+from rlkv.inference.config import check_prompt_form
 from rlkv.inference.vllm_engine import check_vllm_model
 from rlkv.policies import available
 
@@ -128,11 +129,12 @@ class EvalConfig:
             raise ValueError(f"EvalConfig.engine={self.engine!r}: choose one of {list(ENGINES)}")
         if self.engine == "vllm":
             check_vllm_model(self.model, "engine: vllm (--engine vllm)")  # before any model or vLLM loads
-        if self.window_prefill and (self.window_only or self.protect_prompt):
+        if self.window_prefill and self.window_only:
             raise ValueError(
-                "EvalConfig: window_prefill=true windows the prompt of sink + window heads; it goes with neither "
-                "window_only (already windowed, sink 0) nor protect_prompt (a protected prompt is read whole)"
+                "EvalConfig: window_prefill=true windows the prompt of sink + window heads; window_only is already "
+                "windowed (sink 0): give one of them"
             )
+        check_prompt_form(self.protect_prompt, self.window_prefill)
         if self.window_only and self.protect_prompt:
             raise ValueError(
                 "EvalConfig: protect_prompt=true needs window_only=false and the transformers engine (a "

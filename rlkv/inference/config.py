@@ -17,6 +17,17 @@ class CompressionConfigError(ValueError, UserError):
     """A `CompressionConfig` field with an invalid value (the message names the field and the fix)."""
 
 
+def check_prompt_form(protect_prompt: bool, window_prefill: bool) -> None:
+    """The one rule on how the compressed heads read the prompt, for every entry point (`CompressionConfig`,
+    `rlkv serve` / `export-vllm`, `EvalConfig`): a protected prompt is read and kept whole, a windowed one is
+    read through the window, so the two cannot be asked together. Raises `CompressionConfigError`."""
+    if protect_prompt and window_prefill:
+        raise CompressionConfigError(
+            "protect_prompt=True with window_prefill=True: a protected prompt is read and kept whole, a windowed "
+            "prompt is read through the window; set one of them to False (--protect-prompt / --window-prefill)"
+        )
+
+
 MAX_TOKENS = 1 << 30  # a token count beyond any context length: larger values are typos or overflows
 
 
@@ -94,6 +105,7 @@ class CompressionConfig:
                 f"window_prefill=True with policy={self.policy!r}: a windowed prompt forward is the streaming "
                 "policy's form; use policy='streaming' or window_prefill=False"
             )
+        check_prompt_form(self.protect_prompt, self.window_prefill)
         if not isinstance(self.policy_kwargs, dict):
             raise CompressionConfigError(
                 f"policy_kwargs={self.policy_kwargs!r}: must be a dict of keyword arguments"

@@ -90,11 +90,11 @@ def head_split(model_or_config: Any, compression: CompressionConfig, shards: int
     """
     c = compression
     evicting = c.policy in EVICTION_POLICIES and c.policy != "streaming"
-    if (c.policy != "streaming" and not evicting) or (c.window_prefill and (c.protect_prompt or evicting)):
+    # the prompt's form (protect_prompt, window_prefill, their policy) was checked by CompressionConfig
+    if c.policy != "streaming" and not evicting:
         raise CompressionConfigError(
-            f"policy={c.policy!r}, protect_prompt={c.protect_prompt}, window_prefill={c.window_prefill}: vLLM serves "
-            f"compressed heads as sink + window (policy='streaming') or with token eviction (policy one of "
-            f"{', '.join(EVICTION_POLICIES)}), the prompt read whole unless window_prefill (streaming only); "
+            f"policy={c.policy!r}: vLLM serves compressed heads as sink + window (policy='streaming') or with "
+            f"token eviction (policy one of {', '.join(EVICTION_POLICIES)}); "
             "use vllm_compression(mask, sparsity, sink=16, window=64) (rollouts: "
             "CompressedRolloutConfig.for_vllm(mask, sparsity)), or matched_compression(mask, sparsity, window) "
             "for the window-only form"
