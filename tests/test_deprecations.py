@@ -35,3 +35,11 @@ def test_mask_from_order_warns_and_builds_the_mask_from_order(make_model):
     new = HeadMask.from_order(mask.order(), model, method="x")
     assert torch.equal(old.scores, new.scores) and old.metadata == new.metadata == {"method": "x"}
     assert torch.equal(new.order(), mask.order())
+
+
+def test_vllm_engines_warns_and_is_the_vllm_runner():
+    """`VLLMEngines` was one letter from `rlkv.rollout.VLLMEngine` (issue 77): renamed `VLLMRunner`."""
+    from rlkv.inference import vllm_engine
+
+    with pytest.warns(FutureWarning, match=r"VLLMEngines is deprecated.*use VLLMRunner"):
+        assert vllm_engine.VLLMEngines is vllm_engine.VLLMRunner

@@ -1,6 +1,6 @@
 """Generation on vLLM for rlkv's long jobs (`rlkv eval --engine vllm`, `rlkv data curriculum --engine vllm`).
 
-`VLLMEngines(model)` keeps one `vllm.LLM` at a time, keyed by its `hf_overrides`: vLLM fixes a model's KV
+`VLLMRunner(model)` keeps one `vllm.LLM` at a time, keyed by its `hf_overrides`: vLLM fixes a model's KV
 cache groups when it starts, so each head split (`rlkv.inference.vllm.compression_overrides`; None = the
 stock model) is an engine of its own. A caller that groups its work by split starts each engine once.
 `stream(overrides, requests, stop)` submits every request, steps the engine (continuous batching) and
@@ -72,8 +72,9 @@ def import_vllm() -> Any:
     return vllm
 
 
-class VLLMEngines:
-    """vLLM engines for one model, one at a time, each started once per head split.
+class VLLMRunner:
+    """Runs requests on vLLM engines of one model, one engine at a time, each started once per head split
+    (the one vLLM wrapper: `rlkv.rollout.VLLMEngine` and the eval's vLLM tasks run on it).
 
     model: local folder or Hub id; dtype: as `vllm.LLM` ("auto", "float32", "bfloat16", ...);
     llm_kwargs: further `vllm.LLM` arguments (max_model_len, enforce_eager, gpu_memory_utilization, ...).
@@ -153,6 +154,21 @@ class VLLMEngines:
                 torch.cuda.empty_cache()
         except ImportError:  # pragma: no cover - vLLM always brings torch
             pass
+
+
+def __getattr__(name: str) -> Any:
+    # deprecated names of this module (CONTRIBUTING.md, "Other changes"): removed in 0.3
+    if name == "VLLMEngines":
+        import warnings
+
+        warnings.warn(
+            "rlkv.inference.vllm_engine.VLLMEngines is deprecated and will be removed in rlkv 0.3; use "
+            "VLLMRunner (renamed: rlkv.rollout.VLLMEngine is the generation engine, this the vLLM runner under it)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return VLLMRunner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _finish_reason(completion: Any) -> str:

