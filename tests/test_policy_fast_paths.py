@@ -1,6 +1,6 @@
 """The host-flag fast paths of scoring (no empty slot, no padded row) keep exactly what the masked paths keep.
 
-`rlkv.policies.scoring.window_start` (the observation window read from host counts; with
+`rlkv.policies.helpers.scoring.window_start` (the observation window read from host counts; with
 `observation_prefix`, the window as the last slots: scored on the slots before it and kept by count) and
 `rlkv.policies.base._host_extra` (one kept count per (row, head), no rank tensor; with the forced set
 at the ends of every (row, head), `select_top_scores` returns the kept slots themselves and the store
@@ -14,7 +14,8 @@ import torch
 
 from rlkv.cache import CompressedStore, HeadMixedCache, register_attention
 from rlkv.compat import cache_kwargs
-from rlkv.policies import base, get_policy, scoring
+from rlkv.policies import base, get_policy
+from rlkv.policies.helpers import scoring
 from rlkv.testing import tiny_model
 
 LAYOUT = torch.tensor([[False, False], [True, False], [False, True]])  # 3 layers x 2 KV heads

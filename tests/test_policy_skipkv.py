@@ -16,9 +16,9 @@ from transformers import AutoTokenizer
 from rlkv.cache import HeadMixedCache, install_observers, register_attention, storage_bytes
 from rlkv.compat import cache_kwargs
 from rlkv.inference import CompressionConfig, make_cache
+from rlkv.policies.helpers.steering import SteeringError, SteeringVector, compute_steering_vector
 from rlkv.policies.rkv import RKVPolicy
 from rlkv.policies.skipkv import DELIMITERS, SkipKVPolicy, delimiter_token_mask
-from rlkv.policies.steering import SteeringError, SteeringVector, compute_steering_vector
 
 TRACE = (
     "let x be 3.\nthen x + 4 = 7.\nWait, check again.\nlet x be 3.\nthen x + 4 = 7.\n\n"

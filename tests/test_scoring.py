@@ -1,4 +1,4 @@
-"""Shared scoring helpers (rlkv/policies/scoring.py) against plain loop references."""
+"""Shared scoring helpers (rlkv/policies/helpers/scoring.py) against plain loop references."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from rlkv.cache import CompressedStore, CompressionSettings
 from rlkv.policies.full import FullPolicy
-from rlkv.policies.scoring import (
+from rlkv.policies.helpers.scoring import (
     masked_softmax,
     mean_over_queries,
     observation_attention,

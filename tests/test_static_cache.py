@@ -8,7 +8,7 @@ from rlkv.cache.static.budget import StaticCacheError, unpadded_run
 from rlkv.compat import cache_kwargs
 from rlkv.head_mask import HeadMask
 from rlkv.inference import CompressionConfig, generate, make_cache
-from rlkv.policies.steering import SteeringVector
+from rlkv.policies.helpers.steering import SteeringVector
 from rlkv.testing import HostSyncCounter, graph_counting_compile, tiny_model, tiny_tokenizer
 
 SINK, WINDOW = 2, 4

@@ -59,7 +59,7 @@ def run_compute(args: argparse.Namespace) -> int:
     import sys
 
     from rlkv.inference import load
-    from rlkv.policies.steering import SteeringError, compute_steering_vector
+    from rlkv.policies.helpers.steering import SteeringError, compute_steering_vector
 
     try:
         texts = _read_traces(args.data, args.field, args.limit)

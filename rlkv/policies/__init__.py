@@ -47,7 +47,7 @@ def _load_builtins() -> None:
         return
     _BUILTINS_LOADED = True
     for info in pkgutil.iter_modules(__path__):
-        if info.name != "base":
+        if info.name not in ("base", "helpers"):
             importlib.import_module(f"{__name__}.{info.name}")
 
 

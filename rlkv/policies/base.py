@@ -74,7 +74,7 @@ policies depend on the protocol only, so nothing under rlkv/policies imports the
   where rows start), so a policy can decide and size a compression from them alone.
   `row_start_host` (list[int], or None where only the device knows: the static cache's view) and
   `all_valid` (bool: no slot is empty; False where unknown) let a policy skip masks it knows are
-  all True (`rlkv.policies.scoring.real_queries`, `window_start`); `oldest_query_position` (int,
+  all True (`rlkv.policies.helpers.scoring.real_queries`, `window_start`); `oldest_query_position` (int,
   or None where only the device knows) is the oldest remembered query's position;
   `forced_ends()` ((e, w) or None) says when the forced set is the first e and last w slots of
   every (row, head) (`select_top_scores`).

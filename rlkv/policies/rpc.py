@@ -28,7 +28,7 @@ import torch
 
 from rlkv.policies import register_policy
 from rlkv.policies.base import CompressionPolicy, PolicyStore, keep_top_scores, top_scores_counts
-from rlkv.policies.scoring import (
+from rlkv.policies.helpers.scoring import (
     NEG_INF,
     check_window_and_kernel,
     masked_softmax,

@@ -15,7 +15,7 @@ a sentence in a (row, head) is the first and last slot holding one of its surviv
 
 The policy needs the tokenizer to recognise delimiter tokens: pass it (or its path) as
 `CompressionConfig(policy="skipkv", policy_kwargs={"tokenizer": tok})`.
-Adaptive steering: `policy_kwargs={"steering": "vector.json"}` (see `rlkv.policies.steering`).
+Adaptive steering: `policy_kwargs={"steering": "vector.json"}` (see `rlkv.policies.helpers.steering`).
 Batch grouping by prompt length: `rlkv.inference.generate(..., group_by_length=True)`.
 """
 
@@ -30,15 +30,15 @@ import torch
 
 from rlkv.policies import register_policy
 from rlkv.policies.base import PolicyStore
-from rlkv.policies.rkv import RKVPolicy
-from rlkv.policies.sentences import (
+from rlkv.policies.helpers.sentences import (
     DELIMITERS,
     NON_EXECUTION_KEYWORDS,
     delimiter_flags,
     delimiter_token_mask,
     sentence_starts,
 )
-from rlkv.policies.steering import SteeringVector, install_steering
+from rlkv.policies.helpers.steering import SteeringVector, install_steering
+from rlkv.policies.rkv import RKVPolicy
 
 
 def _grow(tensor: torch.Tensor, dim: int, size: int, fill: float | int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from rlkv.policies import register_policy
 from rlkv.policies.base import PolicyStore
-from rlkv.policies.scoring import (
+from rlkv.policies.helpers.scoring import (
     WindowedBufferPolicy,
     check_buffer,
     check_window_and_kernel,

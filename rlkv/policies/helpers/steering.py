@@ -29,7 +29,12 @@ from rlkv._io import atomic_write_text
 from rlkv.compat import forward_cache
 from rlkv.errors import UserError
 from rlkv.geometry import text_config
-from rlkv.policies.sentences import DELIMITERS, NON_EXECUTION_KEYWORDS, delimiter_token_mask, sentence_spans
+from rlkv.policies.helpers.sentences import (
+    DELIMITERS,
+    NON_EXECUTION_KEYWORDS,
+    delimiter_token_mask,
+    sentence_spans,
+)
 
 STEERING_FORMAT = "rlkv-steering-v1"
 
