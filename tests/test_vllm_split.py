@@ -215,3 +215,30 @@ def test_overrides_for_two_ranks_cut_the_mask_balanced(make_model):
         split.check_shards(4, 2)
     with pytest.raises(CompressionConfigError, match=r"tensor_parallel_size=3: the model's 4 KV heads"):
         vllm_overrides(model.config, mask, 0.5, tensor_parallel_size=3)
+
+
+def test_rollout_config_for_vllm_is_vllms_form_plus_the_rollout_fields(make_model):
+    """`CompressedRolloutConfig.for_vllm` takes vLLM's form from `vllm_compression` (no `config_class=`: the
+    inference room knows nothing of rollouts) and adds the rollout fields."""
+    from rlkv.rollout import CompressedRolloutConfig
+
+    model = make_model("llama")
+    mask = HeadMask.random(model)
+    config = CompressedRolloutConfig.for_vllm(
+        mask, 0.5, 32, policy="rkv", budget=96, static_cache=False, vllm_kwargs={"dtype": "float32"}
+    )
+    assert isinstance(config, CompressedRolloutConfig)
+    assert (config.sink, config.window, config.window_prefill, config.protect_prompt) == (
+        16,
+        32,
+        False,
+        False,
+    )
+    assert (config.policy, config.budget, config.static_cache) == ("rkv", 96, False)
+    assert config.vllm_kwargs == {"dtype": "float32"} and config.importance_sampling_correction
+    same_form = vllm_compression(mask, 0.5, window=32, policy="rkv", budget=96)
+    assert head_split(model, config) == head_split(model, same_form)
+    with pytest.raises(CompressionConfigError, match="vllm_kwargs sets"):
+        CompressedRolloutConfig.for_vllm(mask, 0.5, vllm_kwargs={"hf_overrides": {}})
+    with pytest.raises(CompressionConfigError, match="protect_prompt=True with window_prefill=True"):
+        CompressedRolloutConfig.for_vllm(mask, 0.5, window_prefill=True, protect_prompt=True)

@@ -34,15 +34,13 @@ from rlkv.vllm_plugin.split import (
 
 
 def matched_compression(
-    head_mask: Any, sparsity: float, window: int = 64, config_class: type = CompressionConfig, **kwargs: Any
+    head_mask: Any, sparsity: float, window: int = 64, **kwargs: Any
 ) -> CompressionConfig:
     """The window-only form (sink 0, the prompt windowed): vLLM's own sliding window of `window + 1` tokens.
 
     For prompts too long to read whole; `vllm_compression(..., sink=0, window_prefill=True)`.
     """
-    return vllm_compression(
-        head_mask, sparsity, sink=0, window=window, window_prefill=True, config_class=config_class, **kwargs
-    )
+    return vllm_compression(head_mask, sparsity, sink=0, window=window, window_prefill=True, **kwargs)
 
 
 def vllm_compression(
@@ -54,7 +52,6 @@ def vllm_compression(
     window_prefill: bool = False,
     protect_prompt: bool = False,
     policy: str = "streaming",
-    config_class: type = CompressionConfig,
     **kwargs: Any,
 ) -> CompressionConfig:
     """The `CompressionConfig` of a form vLLM serves: streaming heads of `sink` + `window` tokens; the prompt
@@ -63,9 +60,9 @@ def vllm_compression(
 
     policy: "streaming", or a token-eviction policy of `EVICTION_POLICIES` (pass `budget=` and, if any,
     `policy_kwargs=`): the compressed heads keep what it chooses, sink + window forced.
-    config_class: `CompressionConfig` or a subclass (`rlkv.rollout.CompressedRolloutConfig`); kwargs: its other fields.
+    kwargs: `CompressionConfig`'s other fields (rollouts: `rlkv.rollout.CompressedRolloutConfig.for_vllm`).
     """
-    return config_class(
+    return CompressionConfig(
         head_mask=head_mask,
         sparsity=sparsity,
         policy=policy,

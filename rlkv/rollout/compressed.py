@@ -108,18 +108,21 @@ class CompressedRolloutConfig(CompressionConfig):
     ) -> CompressedRolloutConfig:
         """A config vLLM rollouts serve (`rlkv.inference.vllm.vllm_compression`'s fields: sink + window, the
         prompt read whole unless `window_prefill`; `policy="rkv", budget=N`: token eviction on the compressed
-        heads), plus `kwargs` (the rollout fields)."""
+        heads), plus `kwargs` (the rollout fields and any other `CompressionConfig` field)."""
         from rlkv.inference.vllm import vllm_compression
 
-        return vllm_compression(
+        compression_fields = {f.name for f in dataclasses.fields(CompressionConfig)}
+        rollout = {k: v for k, v in kwargs.items() if k not in compression_fields}
+        form = vllm_compression(
             head_mask,
             sparsity,
             sink=sink,
             window=window,
             window_prefill=window_prefill,
-            config_class=cls,
-            **kwargs,
+            **{k: v for k, v in kwargs.items() if k in compression_fields},
         )
+        # vLLM's form is decided (and checked) once, by vllm_compression; the rollout fields are added to it
+        return cls(**{name: getattr(form, name) for name in compression_fields}, **rollout)
 
     def validate(self) -> None:
         """`CompressionConfig.validate` plus the rollout fields."""
