@@ -4,7 +4,8 @@
 
 vLLM gives every KV cache group one page size and splits a kind of layer into groups of equal size,
 padding the last; rlkv's split makes one attention part per `unit` KV heads (the gcd of every layer's full
-and compressed counts, 1 for most learned masks). For the RLKV authors' released masks (a clone of their
+and compressed counts, 1 for most learned masks) and spreads the compressed parts over spec buckets so that
+the full kind is not padded (`rlkv.vllm_plugin.groups`). For the RLKV authors' released masks (a clone of their
 repository: `head_dist/rlkv/<model>/<run>/adapter_weights.tsv`) this starts vLLM on synthetic models of
 the masks' geometries (the layers, query and KV heads and head size of Llama-3.1-8B and Qwen2.5-7B, as
 Llama models with a small hidden size and vocabulary and random weights: KV capacity depends on the

@@ -8,7 +8,8 @@ sink + window spec of its own, `sink_window.py`; or, for the window-only form, s
 over one block pool, and the compressed kind's manager returns a head's blocks outside its sink and
 window to that pool during decode: the memory a full head or another request then uses.
 
-Every module holds `unit` KV heads (`HeadSplit.unit`), so every group has one page size. The
+Every module holds `unit` KV heads (`HeadSplit.unit`), so every group has one page size; the compressed
+modules' specs are spread over buckets (`groups.py`) so that vLLM's groups pad no full-attention part. The
 decoder's own forward is unchanged: it calls `self.attn(q, k, v)` with q [T, H_q * D] and k, v
 [T, H_kv * D] after RoPE. The layer's weights were permuted at load (`head_order.py`) so that its full
 KV heads come first and its compressed ones after: each part's heads are a contiguous slice of q/k/v
@@ -40,6 +41,7 @@ class HeadMixedAttention(nn.Module):
     full_kv_heads: KV heads of this layer with full attention; the others get `sliding_window` tokens.
     unit: KV heads per part (equal-sized parts keep one page size across KV cache groups).
     parallel: (tensor-parallel rank, size): this rank holds 1 / size of the layer's full and compressed heads.
+    buckets: the spec bucket of each compressed part, keyed (layer, part index) (`HeadSplit.compressed_buckets`).
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class HeadMixedAttention(nn.Module):
         split: HeadSplit,
         unit: int,
         parallel: tuple[int, int] = (0, 1),
+        buckets: dict[tuple[int, int], int] | None = None,
     ):
         super().__init__()
         num_kv, num_heads = original.num_kv_heads, original.num_heads  # this rank's share under TP
@@ -76,7 +79,8 @@ class HeadMixedAttention(nn.Module):
         for kind, start, stop in (("full", 0, num_full), ("window", num_full, num_kv)):
             for i, first in enumerate(range(start, stop, unit)):
                 name, heads = f"{kind}_{i}", slice(first, min(first + unit, stop))
-                part = _part(original, kind, (layer, served[heads]), split, cache_config, name)
+                bucket = (buckets or {}).get((layer, i), 0) if kind == "window" else 0
+                part = _part(original, kind, (layer, served[heads]), split, cache_config, name, bucket)
                 self.add_module(name, part)
                 self.parts.append((name, heads))
 
@@ -108,9 +112,10 @@ def _part(
     split: HeadSplit,
     cache_config: Any,
     name: str,
+    bucket: int = 0,
 ) -> nn.Module:
     """One attention module over the KV heads `heads` (the layer, its stock KV heads): stock full attention,
-    vLLM's sliding window, rlkv's sink/window form or rlkv's token eviction."""
+    vLLM's sliding window, rlkv's sink/window form or rlkv's token eviction (the last two in spec `bucket`)."""
     layer, head_ids = heads
     num_kv = len(head_ids)
     args = (num_kv * (original.num_heads // original.num_kv_heads), original.head_size, original.impl.scale)
@@ -131,6 +136,7 @@ def _part(
             **split.policy.layer_kwargs(split),
             layer_index=layer,
             head_ids=head_ids,
+            bucket=bucket,
             **kwargs,
         )
     if split.is_sliding_window:
@@ -143,6 +149,7 @@ def _part(
         window=split.window,
         full_prompt=split.full_prompt,
         protect_prompt=split.protect_prompt,
+        bucket=bucket,
         **kwargs,
     )
 
@@ -159,6 +166,7 @@ def split_attention_layers(model: nn.Module, split: HeadSplit, num_kv_heads: int
     parallel = tensor_parallel()
     shards = parallel[1]
     unit = split.unit(num_kv_heads, shards)
+    buckets = split.compressed_buckets(num_kv_heads, shards)
     orders: dict[int, tuple[int, ...]] = {}
     geometry = (1, 1)
     for parent in list(model.modules()):
@@ -169,7 +177,7 @@ def split_attention_layers(model: nn.Module, split: HeadSplit, num_kv_heads: int
             full = split.full_kv_heads[layer]
             if len(full) == num_kv_heads and unit == num_kv_heads // shards:
                 continue
-            setattr(parent, child_name, HeadMixedAttention(child, full, split, unit, parallel))
+            setattr(parent, child_name, HeadMixedAttention(child, full, split, unit, parallel, buckets))
             # the checkpoint's whole tensors are permuted; vLLM's loaders then give each rank its slice
             orders[layer] = split.served_order(layer, num_kv_heads, shards)
             geometry = (child.num_heads // child.num_kv_heads, child.head_size)

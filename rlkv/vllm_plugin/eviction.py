@@ -44,7 +44,8 @@ class EvictionSpec(AttentionSpec):
     policy: a registered policy name (`split.EVICTION_POLICIES`); policy_kwargs: its constructor arguments as
     JSON (sorted keys); budget: evictable tokens a head keeps (an int) or the ratio of the row's real
     tokens (a float, plus sink + window); sink, window: forced tokens; protect_prompt: the prompt is
-    never evicted; max_len: the engine's max_model_len (a ratio budget's region is sized from it).
+    never evicted; max_len: the engine's max_model_len (a ratio budget's region is sized from it); bucket:
+    the split's compressed spec bucket (`groups.plan_groups`).
     """
 
     policy: str = "rkv"
@@ -54,6 +55,7 @@ class EvictionSpec(AttentionSpec):
     window: int = 0
     protect_prompt: bool = False
     max_len: int = 0
+    bucket: int = 0
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """A whole prompt may be held while it is computed (as full attention)."""
@@ -180,7 +182,7 @@ class EvictionAttention(Attention):
 
     policy, policy_kwargs (JSON), budget, sink, window, protect_prompt: the spec's fields; layer_index,
     head_ids: the model layer and its KV heads this module serves (a policy may depend on them, e.g.
-    random eviction's hash); other arguments as `Attention`'s.
+    random eviction's hash); bucket: the spec's bucket; other arguments as `Attention`'s.
     """
 
     def __init__(
@@ -194,6 +196,7 @@ class EvictionAttention(Attention):
         protect_prompt: bool,
         layer_index: int,
         head_ids: tuple[int, ...],
+        bucket: int = 0,
         **kwargs: Any,
     ) -> None:
         import torch
@@ -209,6 +212,7 @@ class EvictionAttention(Attention):
             window=window,
             protect_prompt=protect_prompt,
         )
+        self.rlkv_bucket = bucket
         config = current_vllm_config()
         # what the backend's impl reads: the rule (block sizes come from the group's spec, via the builder)
         self.rlkv_spec = self.get_kv_cache_spec(config)
@@ -221,4 +225,9 @@ class EvictionAttention(Attention):
     def get_kv_cache_spec(self, vllm_config: Any) -> EvictionSpec:
         spec = super().get_kv_cache_spec(vllm_config)  # full attention's
         fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(AttentionSpec) if f.init}
-        return EvictionSpec(**fields, **self.rlkv_rule, max_len=vllm_config.model_config.max_model_len)
+        return EvictionSpec(
+            **fields,
+            **self.rlkv_rule,
+            max_len=vllm_config.model_config.max_model_len,
+            bucket=self.rlkv_bucket,
+        )

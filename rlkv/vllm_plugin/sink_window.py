@@ -37,13 +37,16 @@ class SinkWindowSpec(AttentionSpec):
 
     sink: first tokens kept; window: past tokens kept besides the current one; full_prompt: the prompt is
     attended in full (its blocks kept until it is computed) rather than windowed; protect_prompt: the
-    prompt's blocks are kept for the request's life (and its tokens attended by every later query).
+    prompt's blocks are kept for the request's life (and its tokens attended by every later query);
+    bucket: which of the split's compressed spec buckets the layer is in (`groups.plan_groups`: specs that
+    differ only here are grouped apart, so that vLLM pads no full-attention group).
     """
 
     sink: int = 0
     window: int = 64
     full_prompt: bool = True
     protect_prompt: bool = False
+    bucket: int = 0
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """A whole prompt may be held (as full attention): max_model_len tokens of pages."""
@@ -113,8 +116,8 @@ class SinkWindowAttention(Attention):
     """vLLM's decoder `Attention` over compressed KV heads in rlkv's sink + window form.
 
     sink, window: tokens kept (besides the current one); full_prompt: the prompt is read in full;
-    protect_prompt: and kept whole. Other arguments as `Attention`'s (no sliding window: the form is the
-    spec's and the backend's).
+    protect_prompt: and kept whole; bucket: the spec's bucket. Other arguments as `Attention`'s (no sliding
+    window: the form is the spec's and the backend's).
     """
 
     def __init__(
@@ -124,13 +127,14 @@ class SinkWindowAttention(Attention):
         window: int,
         full_prompt: bool,
         protect_prompt: bool = False,
+        bucket: int = 0,
         **kwargs: Any,
     ) -> None:
         from rlkv.vllm_plugin.sink_window_backend import SinkWindowBackend
 
         super().__init__(*args, attn_backend=SinkWindowBackend, **kwargs)
         self.rlkv_sink, self.rlkv_window, self.rlkv_full_prompt = sink, window, full_prompt
-        self.rlkv_protect_prompt = protect_prompt
+        self.rlkv_protect_prompt, self.rlkv_bucket = protect_prompt, bucket
 
     def get_kv_cache_spec(self, vllm_config: Any) -> SinkWindowSpec:
         spec = super().get_kv_cache_spec(vllm_config)  # full attention's (no sliding window)
@@ -140,4 +144,5 @@ class SinkWindowAttention(Attention):
             window=self.rlkv_window,
             full_prompt=self.rlkv_full_prompt,
             protect_prompt=self.rlkv_protect_prompt,
+            bucket=self.rlkv_bucket,
         )

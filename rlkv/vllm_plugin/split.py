@@ -1,4 +1,5 @@
-"""The head split a vLLM engine serves, as plain data in the model's config (no torch, no vLLM, no rlkv).
+"""The head split a vLLM engine serves, as plain data in the model's config (no torch, no vLLM, nothing outside
+this room).
 
 A head-mixed architecture (`RlkvLlamaForCausalLM`, ...) reads `config.rlkv_head_split`:
 
@@ -22,6 +23,8 @@ import json
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from rlkv.vllm_plugin.groups import bucket_of_parts, plan_groups
 
 CONFIG_KEY = "rlkv_head_split"
 FORMAT = 1
@@ -195,6 +198,21 @@ class HeadSplit:
         for layer, full in enumerate(self.full_kv_heads):
             counts += [len(full) // shards, len(self.compressed_kv_heads(layer, num_kv_heads)) // shards]
         return math.gcd(*[c for c in counts if c]) or num_kv_heads // shards
+
+    def compressed_buckets(self, num_kv_heads: int, shards: int = 1) -> dict[tuple[int, int], int]:
+        """The spec bucket of each compressed part, keyed (layer, part index in the layer) (`groups.plan_groups`:
+        buckets laid out so that vLLM's KV cache groups pad no full-attention part). The window-only form
+        runs vLLM's own sliding-window spec, which has no bucket: all 0."""
+        unit = self.unit(num_kv_heads, shards)
+        parts = [
+            (layer, i)
+            for layer in range(self.num_layers)
+            for i in range(len(self.compressed_kv_heads(layer, num_kv_heads)) // shards // unit)
+        ]
+        if self.is_sliding_window:
+            return dict.fromkeys(parts, 0)
+        full = sum(len(heads) // shards // unit for heads in self.full_kv_heads)
+        return dict(zip(parts, bucket_of_parts(plan_groups(full, len(parts))), strict=True))
 
     def describe(self, num_kv_heads: int, architecture: str) -> str:
         """One line for logs: how many KV heads are full and what the others keep."""

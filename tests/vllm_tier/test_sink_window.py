@@ -142,3 +142,32 @@ def test_four_kv_heads_non_contiguous_parts_equal_the_transformers_path(tmp_path
     )
     equal = sum(a == o.token_ids for a, o in zip(served, reference))
     assert equal >= 11, f"{equal} of 12 equal"
+
+
+def test_an_uneven_mask_is_grouped_without_padding_the_full_heads(demo):
+    """s=0.375 on the demo model: 5 full and 3 compressed KV heads. In one spec bucket vLLM makes groups of 3
+    and pads the full kind to 6 (67% of the ideal saving); the split's buckets (`groups.plan_groups`) give
+    groups vLLM pads only in the compressed kind, as planned, and the transformers path's tokens."""
+    from rlkv.inference.vllm import head_split
+    from rlkv.vllm_plugin.groups import plan_groups
+
+    model, tokenizer, _, prompts, mask = demo
+    config = _form(mask, 0.375)
+    split = head_split(model, config)
+    full = sum(map(len, split.full_kv_heads))
+    plan = plan_groups(full, 8 - full)
+    assert (full, plan.saving_kept) == (5, 1.0) and len(plan.buckets) > 1
+    with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
+        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups  # read only
+        size = max(len(g.layer_names) for g in groups)
+        full_groups = [
+            len(g.layer_names) for g in groups if type(g.kv_cache_spec).__name__ == "FullAttentionSpec"
+        ]
+        assert sum(full_groups) == full and all(n == size for n in full_groups)  # no padding in the full kind
+        assert (size, len(groups)) == (plan.group_size, plan.groups)
+        served = greedy(llm, prompts[:16])
+    reference = generate(
+        model, tokenizer, prompts[:16], 200, compression=config, apply_chat_template=False, progress=False
+    )
+    equal = sum(a == o.token_ids for a, o in zip(served, reference))
+    assert equal >= 15, f"{equal} of 16 generations equal"
