@@ -172,6 +172,41 @@ def _slot_blocks(
     return block_table[requests[:, None], index], slots % size
 
 
+@dataclass
+class _DecodePlan:
+    """Where a step's generated tokens write ([W] block ids, offsets) and read ([W, S]), their occupied-slot
+    mask [W, 1, 1, S] and logical positions [W, 1]: the same for every layer of the group."""
+
+    write_blocks: torch.Tensor
+    write_offsets: torch.Tensor
+    read_blocks: torch.Tensor
+    read_offsets: torch.Tensor
+    occupied: torch.Tensor
+    token_positions: torch.Tensor
+
+
+def _decode_plan(m: EvictionMetadata, size: int) -> _DecodePlan:
+    """The step's `_DecodePlan`, built by the group's first layer and kept on the metadata for the others
+    (compactions move slot contents, never the block table, so it holds for the whole step)."""
+    cached = getattr(m, "_rlkv_decode_plan", None)
+    if cached is not None:
+        return cached
+    requests, pairs = m.decode_requests, m.decode_blocks
+    written, write_offsets = _slot_blocks(m.block_table, requests, pairs, m.decode_slots[:, None], size)
+    slots = torch.arange(m.max_read, device=requests.device)[None, :].expand(requests.shape[0], -1)
+    read_blocks, read_offsets = _slot_blocks(m.block_table, requests, pairs, slots, size)
+    occupied = (slots < m.decode_reads[:, None])[:, None, None, :]
+    m._rlkv_decode_plan = _DecodePlan(
+        written[:, 0],
+        write_offsets[:, 0],
+        read_blocks,
+        read_offsets,
+        occupied,
+        m.positions[m.decode_tokens][:, None],
+    )
+    return m._rlkv_decode_plan
+
+
 class EvictionImpl(PagedTorchImpl):
     """Attention of an `EvictionAttention` layer: writes, attention and compactions of its slots."""
 
@@ -242,23 +277,17 @@ class EvictionImpl(PagedTorchImpl):
 
     def _decode(self, layer, query, key, value, kv_cache, m, positions, output) -> None:
         """Write each generated token at its slot, then attend its request's occupied slots (one SDPA)."""
-        d, size = self.head_size, kv_cache.shape[2]
-        tokens, requests = m.decode_tokens, m.decode_requests
-        blocks, offsets = _slot_blocks(
-            m.block_table, requests, m.decode_blocks, m.decode_slots[:, None], size
-        )
+        d, tokens = self.head_size, m.decode_tokens
+        plan = _decode_plan(m, kv_cache.shape[2])  # shared by the group's layers this step
         new = torch.cat([key[tokens], value[tokens]], dim=-1).to(kv_cache.dtype)
-        kv_cache[blocks[:, 0], :, offsets[:, 0]] = new
-        positions[m.decode_rows, :, m.decode_slots] = m.positions[tokens][:, None]
-        slots = torch.arange(m.max_read, device=query.device)[None, :].expand(tokens.shape[0], -1)
-        blocks, offsets = _slot_blocks(m.block_table, requests, m.decode_blocks, slots, size)
-        kv = kv_cache[blocks, :, offsets].permute(0, 2, 1, 3)  # [W, H_kv, S, 2D]
-        occupied = slots < m.decode_reads[:, None]
+        kv_cache[plan.write_blocks, :, plan.write_offsets] = new
+        positions[m.decode_rows, :, m.decode_slots] = plan.token_positions
+        kv = kv_cache[plan.read_blocks, :, plan.read_offsets].permute(0, 2, 1, 3)  # [W, H_kv, S, 2D]
         out = F.scaled_dot_product_attention(
             query[tokens][:, :, None, :],
             kv[..., :d],
             kv[..., d:],
-            attn_mask=occupied[:, None, None, :],
+            attn_mask=plan.occupied,
             scale=self.scale,
             enable_gqa=True,
         )
