@@ -18,7 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from rlkv.attention_masks import decode_mask
 from rlkv.cache.decode import decode_splits, split_attention
-from rlkv.cache.head_split import merge_heads, pick_heads
+from rlkv.cache.head_index import merge_heads, pick_heads
 from rlkv.cache.layer import HeadMixedLayer
 from rlkv.policies.base import CompressionPolicy
 

@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from rlkv.cache.growth import append_along_tokens, grows_in_place, token_prefix
-from rlkv.cache.head_split import head_split, pick_heads
+from rlkv.cache.head_index import head_indices, pick_heads
 from rlkv.cache.settings import CompressionSettings
 from rlkv.cache.stats import CacheStats, head_mixed_counts, head_mixed_stats
 from rlkv.cache.store import CompressedStore, storage_bytes
@@ -45,11 +45,11 @@ class HeadMixedLayer(CacheLayerMixin):
         self.num_kv_heads = int(full_heads.numel())
         self.num_groups = int(num_groups)
         self.settings = settings
-        self.full_idx, self.full_slice = head_split(full_heads)
-        self.comp_idx, self.comp_slice = head_split(~full_heads)
+        self.full_idx, self.full_slice = head_indices(full_heads)
+        self.comp_idx, self.comp_slice = head_indices(~full_heads)
         self.has_full = bool(full_heads.any())  # host flags: a decode step asks, and reads no tensor
-        self.full_q, self.full_q_slice = head_split(full_heads, self.num_groups)
-        self.comp_q, self.comp_q_slice = head_split(~full_heads, self.num_groups)
+        self.full_q, self.full_q_slice = head_indices(full_heads, self.num_groups)
+        self.comp_q, self.comp_q_slice = head_indices(~full_heads, self.num_groups)
         self.store = (
             CompressedStore(layer_idx, self.comp_idx, self.num_groups, settings)
             if self.comp_idx.numel()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlkv.cache.head_split import merge_heads, pick_heads
+from rlkv.cache.head_index import merge_heads, pick_heads
 from rlkv.cache.static.budget import RowSchedule
 from rlkv.cache.static.slots import observe_prompt, write_prompt, written_run
 

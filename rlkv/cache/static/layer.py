@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from rlkv.cache.attention import SELF_ATTENDING_LAYERS
-from rlkv.cache.head_split import head_split, pick_heads
+from rlkv.cache.head_index import head_indices, pick_heads
 from rlkv.cache.settings import CompressionSettings
 from rlkv.cache.static.attention import StaticLayerAttention
 from rlkv.cache.static.budget import (
@@ -79,10 +79,10 @@ class StaticHeadMixedLayer(StaticLayerAttention, CacheLayerMixin):
         self.num_kv_heads = int(full_heads.numel())
         self.max_cache_len = int(max_cache_len)
         self.prompt_capacity = int(prompt_capacity)  # prompt columns the early region is first sized for
-        self.full_idx, self.full_slice = head_split(full_heads)
-        self.comp_idx, self.comp_slice = head_split(~full_heads)
-        self.full_q, self.full_q_slice = head_split(full_heads, self.num_groups)
-        self.comp_q, self.comp_q_slice = head_split(~full_heads, self.num_groups)
+        self.full_idx, self.full_slice = head_indices(full_heads)
+        self.comp_idx, self.comp_slice = head_indices(~full_heads)
+        self.full_q, self.full_q_slice = head_indices(full_heads, self.num_groups)
+        self.comp_q, self.comp_q_slice = head_indices(~full_heads, self.num_groups)
         self.buffers: dict[str, torch.Tensor] = {}
         self.slot_fills: dict[str, float] = {}  # the policy's per-slot buffers in `buffers`, and their fills
         self.slot_view = _SlotBuffers(self)

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from rlkv.cache.head_split import head_split, merge_heads, pick_heads
+from rlkv.cache.head_index import head_indices, merge_heads, pick_heads
 
 
 @pytest.mark.parametrize("layout", list(itertools.product([False, True], repeat=4))[1:-1])
@@ -13,8 +13,8 @@ from rlkv.cache.head_split import head_split, merge_heads, pick_heads
 def test_pick_and_merge_equal_the_gather_path(layout, groups):
     full = torch.tensor(layout)
     t = torch.randn(2, 4 * groups, 5, 8)
-    full_idx, full_slice = head_split(full, groups)
-    comp_idx, comp_slice = head_split(~full, groups)
+    full_idx, full_slice = head_indices(full, groups)
+    comp_idx, comp_slice = head_indices(~full, groups)
     kv = torch.nonzero(full, as_tuple=True)[0]
     assert full_idx.tolist() == [h * groups + g for h in kv.tolist() for g in range(groups)]
     contiguous = kv.tolist() == list(range(kv[0], kv[-1] + 1))
@@ -29,5 +29,5 @@ def test_pick_and_merge_equal_the_gather_path(layout, groups):
 
 def test_every_head_is_the_tensor_itself():
     t = torch.randn(1, 4, 3, 2)
-    idx, sl = head_split(torch.ones(4, dtype=torch.bool))
+    idx, sl = head_indices(torch.ones(4, dtype=torch.bool))
     assert pick_heads(t, idx, sl) is t

@@ -1,4 +1,4 @@
-"""Splitting a layer's heads into full and compressed ones: indices, and a slice when they are contiguous.
+"""A layer's full and compressed heads as indices, and a slice when they are contiguous (`head_indices`).
 
 A contiguous run of heads (a layer with one full KV head, or full heads 0..k) is served by a view
 (`narrow`) instead of `index_select`, and the two halves of an output are joined by one `cat` instead
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 
-def head_split(mask: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, slice | None]:
+def head_indices(mask: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, slice | None]:
     """(indices, slice-or-None) of the True entries of `mask` [H], each widened to `groups` consecutive
     heads (GQA: KV head h serves query heads h*G .. h*G+G-1); the slice is None unless they are contiguous."""
     kv = torch.nonzero(mask, as_tuple=True)[0]
