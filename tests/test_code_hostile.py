@@ -11,7 +11,7 @@ import pytest
 
 from rlkv import sandbox
 from rlkv.data import verify
-from rlkv.data.verify import run_python_tests
+from rlkv.verifiers.verify import run_python_tests
 
 MBPP = "assert add(2, 2) == 4\nassert add(1, 5) == 6"
 HUMANEVAL = (

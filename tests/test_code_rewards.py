@@ -11,7 +11,7 @@ import pytest
 
 from rlkv import sandbox
 from rlkv.data import verify
-from rlkv.data.verify import run_python_tests
+from rlkv.verifiers.verify import run_python_tests
 
 WRONG = "def add(a, b):\n    return a - b\n"
 RIGHT = "def add(a, b):\n    return a + b\n"
@@ -115,7 +115,7 @@ def test_ordinary_programs_still_pass():
 
 @pytest.mark.parametrize("timeout", ["nan", 1e12, "abc", -1, 0, True, [5], "inf"])
 def test_bad_timeout_metadata_is_a_problem_data_error(timeout):
-    from rlkv.data.errors import ProblemDataError
+    from rlkv.errors import ProblemDataError
 
     example = {
         "source": "mbpp",
@@ -128,7 +128,7 @@ def test_bad_timeout_metadata_is_a_problem_data_error(timeout):
 
 @pytest.mark.parametrize("metadata", [[1, 2], "not json", "[1]", 5])
 def test_bad_metadata_is_a_problem_data_error(metadata):
-    from rlkv.data.errors import ProblemDataError
+    from rlkv.errors import ProblemDataError
 
     with pytest.raises(ProblemDataError, match="metadata"):
         verify("```python\npass\n```", {"source": "mbpp", "answer": "", "metadata": metadata})

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rlkv import sandbox
-from rlkv.data.verify import run_python_tests
+from rlkv.verifiers.verify import run_python_tests
 
 NEEDS_NAMESPACE = pytest.mark.skipif(
     not sandbox.os_sandbox_available(),

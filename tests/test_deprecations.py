@@ -43,3 +43,25 @@ def test_vllm_engines_warns_and_is_the_vllm_runner():
 
     with pytest.warns(FutureWarning, match=r"VLLMEngines is deprecated.*use VLLMRunner"):
         assert vllm_engine.VLLMEngines is vllm_engine.VLLMRunner
+
+
+def test_the_verifiers_old_module_paths_warn_and_give_the_moved_names():
+    """`rlkv.data.verify` / `rlkv.data.answers` moved to the `rlkv.verifiers` room (issue 77); `from rlkv.data
+    import verify` stays the function."""
+    import importlib
+
+    import rlkv.data
+    import rlkv.verifiers
+
+    verify, answers = (importlib.import_module(f"rlkv.verifiers.{m}") for m in ("verify", "answers"))
+
+    assert rlkv.data.verify is rlkv.verifiers.verify and callable(rlkv.data.verify)
+    with pytest.warns(
+        FutureWarning, match=r"rlkv.data.verify.run_python_tests is deprecated.*rlkv.verifiers"
+    ):
+        from rlkv.data.verify import run_python_tests
+    assert run_python_tests is verify.run_python_tests
+    with pytest.warns(FutureWarning, match=r"rlkv.data.answers.extract_boxed is deprecated"):
+        from rlkv.data.answers import extract_boxed
+    assert extract_boxed is answers.extract_boxed
+    assert extract_boxed(r"so \boxed{42}.") == "42"

@@ -1,28 +1,24 @@
-"""Answer text helpers shared by the verifiers, the chain task and the evaluation harness."""
+"""Moved to `rlkv.verifiers.answers` (issue 77: the verifiers are a room of their own); the old module path
+warns with a FutureWarning until rlkv 0.3 (CONTRIBUTING.md, "Other changes")."""
 
 from __future__ import annotations
 
-import re
-
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_THINK_END = "</think>"
+from typing import Any
 
 
-def strip_thinking(completion: str) -> str:
-    """The answer part of a completion: the text after the last `</think>` (all of it if there is none)."""
-    head, sep, tail = completion.rpartition(_THINK_END)
-    return tail if sep else completion
+def __getattr__(name: str) -> Any:
+    import importlib
+    import warnings
 
+    moved = importlib.import_module(
+        "rlkv.verifiers.answers"
+    )  # the module (rlkv.verifiers.answers may name a function)
 
-def extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced; None if absent or unclosed."""
-    for match in reversed(list(_BOX_RE.finditer(text))):
-        depth, start = 1, match.end()
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i].strip()
-    return None
+    if name.startswith("__"):
+        raise AttributeError(name)
+    warnings.warn(
+        f"rlkv.data.answers.{name} is deprecated and will be removed in rlkv 0.3; use rlkv.verifiers.answers",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return getattr(moved, name)

@@ -29,8 +29,8 @@ import random
 import string
 from dataclasses import dataclass
 
-from rlkv.data.answers import extract_boxed, strip_thinking
-from rlkv.data.verify import register_verifier
+from rlkv.verifiers.answers import extract_boxed, strip_thinking
+from rlkv.verifiers.verify import register_verifier
 
 SOURCE = "chain"
 LETTERS = tuple(string.ascii_lowercase)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rlkv.data.errors import ProblemDataError
+from rlkv.errors import ProblemDataError
 
 ENTRY_POINT = "main_solution"
 _INTRO = "You are given a question that requires some input and output variables as follows:"

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 from rlkv._io import FolderLock, atomic_write_text, read_text_file
 from rlkv.data.buckets import PAPER_BUCKETS, histogram, is_kept, parse_buckets, select_curriculum
 from rlkv.data.prompts import build_prompt
-from rlkv.data.verify import check_verifiers, verify
 from rlkv.errors import UserError
+from rlkv.verifiers.verify import check_verifiers, verify
 
 if TYPE_CHECKING:
     from datasets import Dataset

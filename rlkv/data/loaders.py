@@ -1,7 +1,7 @@
 """Problem loaders: every dataset comes back as a `datasets.Dataset` with one schema.
 
 Columns (all strings): `problem`, `answer`, `source` (selects the verifier, see
-`rlkv.data.verify`), `solution` (reference solution, "" when unknown) and `metadata` (a JSON
+`rlkv.verifiers`), `solution` (reference solution, "" when unknown) and `metadata` (a JSON
 object as a string: code tests, reasoning-gym entry data, ids; "{}" when empty).
 
 `load_problems(name_or_path, ...)` accepts a registered name ("gsm8k", "math500", "aime24",
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlkv.data.errors import ProblemDataError
 from rlkv.data.records import (
     LOCAL_SUFFIXES,
     REQUIRED_COLUMNS,
@@ -31,6 +30,7 @@ from rlkv.data.records import (
     schema_row,
     to_dataset,
 )
+from rlkv.errors import ProblemDataError
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlkv.data.verify import CODE_SOURCES
 from rlkv.rollout.engines import strip_added_bos
+from rlkv.verifiers.verify import CODE_SOURCES
 
 MATH_PROMPT = (
     "Solve the following math problem efficiently and clearly. The last line of your response should be "

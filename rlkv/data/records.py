@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlkv._io import MAX_TEXT_BYTES, check_regular_file, read_text_file
-from rlkv.data.errors import ProblemDataError
+from rlkv.errors import ProblemDataError
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -37,8 +37,8 @@ def eval_row(
     stats: the generation's `CacheStats` (None: no compressed cache, or an engine that reports none);
     seconds: the wall time the row is charged (a cell's rows sum to its generation time).
     """
-    from rlkv.data import verify
-    from rlkv.data.verify import extract_boxed, strip_thinking
+    from rlkv.verifiers import verify
+    from rlkv.verifiers.verify import extract_boxed, strip_thinking
 
     pid, example = entry[0], entry[1]
     text = context.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -158,7 +158,7 @@ def _seed_for(cfg: EvalConfig, *parts: Any) -> int:
 def _benchmark_sets(cfg: EvalConfig) -> Iterator[tuple[str, Any]]:
     """(benchmark, its problems as a `datasets.Dataset`) for each of `cfg.benchmarks`, verifiers checked."""
     from rlkv.data.loaders import load_problems
-    from rlkv.data.verify import check_verifiers
+    from rlkv.verifiers.verify import check_verifiers
 
     excluded = frozenset(text for name in cfg.exclude_problems for text in load_problems(name)["problem"])
     for bench in cfg.benchmarks:

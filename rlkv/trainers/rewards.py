@@ -6,7 +6,7 @@ Completions are strings, or message lists for conversational datasets (the last 
 
 - `boxed_math_reward`: 1.0 when the last `\\boxed{}` answer equals the `answer` column (math-verify).
 - `verifier_reward`: dispatches each row to the verifier registered for its `source` column
-  (`rlkv.data.verify`), so procedural datasets (reasoning-gym, the demo chain task, code) plug in.
+  (`rlkv.verifiers`), so procedural datasets (reasoning-gym, the demo chain task, code) plug in.
 - `reward_from_verifier(fn)`: the hook that turns any `fn(completion, example) -> bool | float`
   into a reward function.
 
@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlkv.data.verify import get_verifier, verify_math
+from rlkv.verifiers.verify import get_verifier, verify_math
 
 logger = logging.getLogger(__name__)
 

@@ -217,7 +217,7 @@ def build_train_dataset(
 ):
     """The problems with a `prompt` column (chat-templated string) added; ProblemDataError if unusable or empty."""
     from rlkv.data import ProblemDataError, build_prompt, load_problems
-    from rlkv.data.verify import check_verifiers
+    from rlkv.verifiers.verify import check_verifiers
 
     if not script_args.dataset_name:
         raise ProblemDataError("dataset_name is empty: set it in the recipe or with --dataset_name")
