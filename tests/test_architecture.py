@@ -102,6 +102,7 @@ LEAF_MODULES = {
     "rlkv.attention_masks",
     "rlkv.ranking",
     "rlkv.testing",
+    "rlkv.deprecation",
 }
 ANYTHING = "anything"
 MAY_IMPORT: dict[str, set[str]] = {

@@ -1,24 +1,6 @@
 """Moved to `rlkv.verifiers.verify` (issue 77: the verifiers are a room of their own); the old module path
-warns with a FutureWarning until rlkv 0.3 (CONTRIBUTING.md, "Other changes")."""
+warns with a FutureWarning until rlkv 0.3."""
 
-from __future__ import annotations
+from rlkv.deprecation import moved_module
 
-from typing import Any
-
-
-def __getattr__(name: str) -> Any:
-    import importlib
-    import warnings
-
-    moved = importlib.import_module(
-        "rlkv.verifiers.verify"
-    )  # the module (rlkv.verifiers.verify may name a function)
-
-    if name.startswith("__"):
-        raise AttributeError(name)
-    warnings.warn(
-        f"rlkv.data.verify.{name} is deprecated and will be removed in rlkv 0.3; use rlkv.verifiers.verify",
-        FutureWarning,
-        stacklevel=2,
-    )
-    return getattr(moved, name)
+__getattr__ = moved_module(__name__, "rlkv.verifiers.verify")

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlkv.deprecation import moved_names
 from rlkv.eval.plots import benchmark_panels, save_figure
 from rlkv.eval.tables import accuracy_table
 from rlkv.head_mask import HeadMask
@@ -27,19 +28,11 @@ ORDER_LABELS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    # deprecated names of this module (CONTRIBUTING.md, "Other changes"): removed in 0.3
-    if name == "mask_from_order":
-        import warnings
-
-        warnings.warn(
-            "rlkv.eval.sensitivity.mask_from_order is deprecated and will be removed in rlkv 0.3; use "
-            "rlkv.HeadMask.from_order(order, model, **metadata)",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return HeadMask.from_order
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# deprecated names of this module, removed in 0.3
+__getattr__ = moved_names(
+    __name__,
+    {"mask_from_order": (lambda: HeadMask.from_order, "rlkv.HeadMask.from_order(order, model, **metadata)")},
+)
 
 
 def sensitivity_fractions(num_heads: int, steps: int | None = None) -> list[float]:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlkv.deprecation import moved_names
 from rlkv.errors import UserInputError
 from rlkv.inference.api import TINY_MODEL_PREFIX
 
@@ -156,19 +157,16 @@ class VLLMRunner:
             pass
 
 
-def __getattr__(name: str) -> Any:
-    # deprecated names of this module (CONTRIBUTING.md, "Other changes"): removed in 0.3
-    if name == "VLLMEngines":
-        import warnings
-
-        warnings.warn(
-            "rlkv.inference.vllm_engine.VLLMEngines is deprecated and will be removed in rlkv 0.3; use "
+# deprecated names of this module, removed in 0.3
+__getattr__ = moved_names(
+    __name__,
+    {
+        "VLLMEngines": (
+            lambda: VLLMRunner,
             "VLLMRunner (renamed: rlkv.rollout.VLLMEngine is the generation engine, this the vLLM runner under it)",
-            FutureWarning,
-            stacklevel=2,
         )
-        return VLLMRunner
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    },
+)
 
 
 def _finish_reason(completion: Any) -> str:
