@@ -6,7 +6,7 @@ texts gzipped beside them, key -> text (`rlkv.eval.results.read_archive`, which 
 small enough to travel (issue 68: tracked files under 30 MiB). Idempotent: a rerun after more rows
 arrived merges them. Holds the folder's lock, so it never races a running `rlkv eval`.
 
-    .venv/bin/python scripts/archive_completions.py data/eval/qwen2.5-coder-0.5b-instruct [...]
+    .venv/bin/python scripts/archive_completions.py results/eval/qwen2.5-coder-0.5b-instruct [...]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ parallelism over k ranks needs). This writes a mask whose plain `full_heads(s')`
 `rlkv eval` can score the balanced cut against the unbalanced one on any engine:
 
     .venv/bin/python scripts/balanced_mask.py --model models/qwen2.5-coder-0.5b-instruct \
-        --mask data/masks/qwen2.5-coder-0.5b-instruct-ablation --sparsity 0.5 --shards 2 --out runs/balanced-0.5
+        --mask results/masks/qwen2.5-coder-0.5b-instruct-ablation --sparsity 0.5 --shards 2 --out runs/balanced-0.5
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Build the embedded demo model: a small Llama (GQA) trained from scratch on the chain task.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/build_demo_model.py --out data/demo-model
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/build_demo_model.py --out assets/demo-model
 
 Makes a word-level tokenizer offline, trains with AdamW on generated train-split problems (loss on
 the solution tokens only), then measures greedy accuracy on held-out test problems with the full KV
@@ -52,7 +52,7 @@ def save_atomically(model, tok, out: Path, card: str, report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="data/demo-model")
+    parser.add_argument("--out", default="assets/demo-model")
     for field, value in asdict(BuildConfig()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--skip-sweep", action="store_true", help="skip the compressed-KV evaluations")

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO_MODEL = ROOT / "data" / "demo-model"
+DEMO_MODEL = ROOT / "assets" / "demo-model"
 BASE_METHODS = ["full", "rlkv", "rlkv+rkv", "ablation-mask", "rkv", "streaming"]
 DEVICES = ("cpu", "cuda")
 RLKV_CLI = [sys.executable, "-m", "rlkv.cli"]

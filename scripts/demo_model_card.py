@@ -123,7 +123,7 @@ def model_card(report: dict) -> str:
     lines += [
         "```",
         "",
-        "Rebuild: `OMP_NUM_THREADS=2 .venv/bin/python scripts/build_demo_model.py --out data/demo-model`.",
+        "Rebuild: `OMP_NUM_THREADS=2 .venv/bin/python scripts/build_demo_model.py --out assets/demo-model`.",
         "",
     ]
     return "\n".join(lines)

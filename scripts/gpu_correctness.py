@@ -1,4 +1,4 @@
-"""Correctness of rlkv on a device, on the embedded demo model (data/demo-model, real weights): host syncs
+"""Correctness of rlkv on a device, on the embedded demo model (assets/demo-model, real weights): host syncs
 per decode step for every registered policy, and tokens of plain generate vs rlkv's dynamic and static
 caches. Writes a small markdown report.
 
@@ -36,7 +36,7 @@ from rlkv.compat import cache_kwargs  # noqa: E402
 from rlkv.inference import CompressionConfig, generate, load, make_cache  # noqa: E402
 from rlkv.policies import available  # noqa: E402
 
-DEMO_MODEL = Path(__file__).resolve().parents[1] / "data" / "demo-model"
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-model"
 PROMPTS = [
     "What is 17 + 25?",
     "Tom has 3 apples and buys 4 more. How many apples does he have?",
@@ -188,7 +188,7 @@ def report(device: str, rows: list[dict], checks: list[dict], counted: bool, sec
     """The markdown report."""
     how = "torch.cuda.set_sync_debug_mode warnings" if device.startswith("cuda") else "HostSyncCounter"
     lines = [
-        f"## rlkv correctness on {device} (data/demo-model, {seconds:.0f} s)",
+        f"## rlkv correctness on {device} (assets/demo-model, {seconds:.0f} s)",
         "",
         f"Host syncs per decode forward (random s=0.5 mask, 4 rows; counted with {how}):",
         "",

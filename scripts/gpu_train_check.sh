@@ -51,7 +51,7 @@ else
 fi
 
 # 2. compressed rollouts on the demo model: resident KV, peak allocated, importance-sampling ratio
-MEMORY=("$PY" -m benchmarks.memory.rollout --model data/demo-model --device "$DEVICE" --sparsity 0.5 --sink 16
+MEMORY=("$PY" -m benchmarks.memory.rollout --model assets/demo-model --device "$DEVICE" --sparsity 0.5 --sink 16
   --window 64 "${MEMORY_SIZE[@]}")
 step rollout-memory "$STEP_S" "${MEMORY[@]}" --rollout-cache dynamic --out "$OUT/rollout_memory.json"
 

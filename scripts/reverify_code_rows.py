@@ -21,8 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = [
-    ROOT / "data/eval/qwen2.5-coder-0.5b-instruct/results.jsonl",
-    ROOT / "data/eval/qwen2.5-coder-0.5b-instruct-s0.75-lever/results.jsonl",
+    ROOT / "results/eval/qwen2.5-coder-0.5b-instruct/results.jsonl",
+    ROOT / "results/eval/qwen2.5-coder-0.5b-instruct-s0.75-lever/results.jsonl",
 ]
 
 

@@ -1,4 +1,4 @@
-"""The chain task (generator, splits, verifier) and the shipped demo model in data/demo-model."""
+"""The chain task (generator, splits, verifier) and the shipped demo model in assets/demo-model."""
 
 import random
 import re
@@ -21,7 +21,7 @@ from rlkv.data.chain_task import (
     verify_chain,
 )
 
-DEMO_MODEL = Path(__file__).resolve().parents[1] / "data" / "demo-model"
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-model"
 
 
 def solve_from_text(problem: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
@@ -189,7 +189,7 @@ def test_shipped_model_is_the_trained_one(demo_model, demo_tokenizer):
 
     The first three solution words are the start letter, its digit fact and its successor fact,
     which lie anywhere in the document; a random model of the same config writes neither.
-    (Held-out accuracy is measured by the build script and recorded in data/demo-model/eval.json.)
+    (Held-out accuracy is measured by the build script and recorded in assets/demo-model/eval.json.)
     """
     tok = demo_tokenizer
     problems = list(load_chain_task("test", num=6, seed=0)["problem"])

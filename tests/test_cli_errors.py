@@ -133,7 +133,7 @@ def test_demo_recipe_on_a_fresh_clone_says_to_build_the_curriculum_first(tmp_pat
         "--config",
         str(repo / "recipes" / "demo.yaml"),
         "--model_name_or_path",
-        str(repo / "data" / "demo-model"),
+        str(repo / "assets" / "demo-model"),
     ]
     with pytest.raises(SystemExit) as exit_info:
         load_script().main(argv)

@@ -32,7 +32,7 @@ def test_every_step_receives_the_device(tmp_path, device):
     from rlkv.trainers import GateGRPOConfig
     from rlkv.trainers.script import ScriptArguments
 
-    model = ROOT / "data" / "demo-model"
+    model = ROOT / "assets" / "demo-model"
     assert _rlkv_args(demo.curriculum_command(model, tmp_path, device, smoke=True)).device == device
     assert _rlkv_args(demo.eval_command(model, tmp_path, device, smoke=True)).device == device
     assert _rlkv_args(demo.ablation_command(model, tmp_path, device, smoke=True)).device == device

@@ -46,7 +46,7 @@ def test_smoke_demo_mask_fits_the_demo_model_and_eval_used_it(smoke_run):
 
     out, _ = smoke_run
     mask = HeadMask.load(out / "head_mask.json")
-    config = AutoConfig.from_pretrained(ROOT / "data" / "demo-model")
+    config = AutoConfig.from_pretrained(ROOT / "assets" / "demo-model")
     mask.check_compatible(config)
     assert mask.metadata["objective"] == "distill"  # the demo's default objective (issue 48)
     HeadMask.from_pretrained(out / "ablation-mask", config)  # the baseline the eval compares against

@@ -1,7 +1,7 @@
 """Every ```python block of README.md and docs/**/*.md runs here (issue 51): examples that cannot rot.
 
 The blocks of one page run in order in one namespace, in a scratch working directory, on the tiny
-models of `rlkv.testing` (or data/demo-model) that the blocks themselves build. A block that needs
+models of `rlkv.testing` (or assets/demo-model) that the blocks themselves build. A block that needs
 a real model, the Hub or a GPU starts with a marker line, `# doc-test: skip (needs a GPU)`, and is
 reported as skipped with that reason; a later block of the page must then not rely on its names.
 """

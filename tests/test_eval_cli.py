@@ -18,7 +18,7 @@ from rlkv.head_mask import HeadMask
 from rlkv.testing import tiny_model
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes" / "eval").glob("*.yaml"))
-DEMO = str(Path(__file__).parent.parent / "data" / "demo-model")
+DEMO = str(Path(__file__).parent.parent / "assets" / "demo-model")
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
@@ -148,7 +148,7 @@ def test_a_tiny_model_on_the_vllm_engine_is_one_line_naming_the_fix(tmp_path, co
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "cannot load tiny:llama" in proc.stderr and "the transformers engine" in proc.stderr
-    assert "--model data/demo-model" in proc.stderr
+    assert "--model assets/demo-model" in proc.stderr
     assert not (tmp_path / "x").exists()
 
 

@@ -388,7 +388,7 @@ def test_the_committed_grid_resumes_with_the_shipped_masks(tmp_path, monkeypatch
     from rlkv.eval.resume import check_resume as _check_resume
 
     root = Path(__file__).resolve().parents[1]
-    grid = root / "data" / "eval" / "qwen2.5-coder-0.5b-instruct"
+    grid = root / "results" / "eval" / "qwen2.5-coder-0.5b-instruct"
     monkeypatch.chdir(root)  # the recipe's mask paths are relative to the checkout
     cfg = EvalConfig.from_yaml(root / "recipes/eval/qwen2.5-coder-0.5b-instruct.yaml")
     for name in ("eval_config.json", "results.jsonl"):

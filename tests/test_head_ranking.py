@@ -19,7 +19,7 @@ from rlkv.trainers.checkpoints import (
     save_gate_checkpoint,
 )
 
-SHIPPED = Path(__file__).resolve().parents[1] / "data" / "masks" / "qwen2.5-coder-0.5b-instruct"
+SHIPPED = Path(__file__).resolve().parents[1] / "results" / "masks" / "qwen2.5-coder-0.5b-instruct"
 ABLATION = SHIPPED.with_name("qwen2.5-coder-0.5b-instruct-ablation")
 
 

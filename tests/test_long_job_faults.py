@@ -166,7 +166,7 @@ def test_a_mask_folder_whose_tsv_disagrees_with_its_json_is_refused(tmp_path):
 
 
 def test_an_empty_or_overlong_prompt_is_one_line(tmp_path, capsys):
-    demo = str(Path(__file__).resolve().parents[1] / "data" / "demo-model")
+    demo = str(Path(__file__).resolve().parents[1] / "assets" / "demo-model")
     base = ["generate", "--model", demo, "--no-compression", "--max-new-tokens", "2"]
     assert main([*base, "--prompt", " "]) == 2
     assert "--prompt 1 is empty" in capsys.readouterr().err
@@ -178,7 +178,7 @@ def test_a_misspelled_recipe_field_is_named_with_the_close_match(tmp_path, capsy
     from rlkv.trainers.script import main as train_main
 
     recipe = tmp_path / "bad.yaml"
-    demo = Path(__file__).resolve().parents[1] / "data" / "demo-model"
+    demo = Path(__file__).resolve().parents[1] / "assets" / "demo-model"
     recipe.write_text(f"model_name_or_path: {demo}\ndataset_name: x\nlearning_rat: 0.1\n")
     with pytest.raises(SystemExit) as exit_:
         train_main(["--config", str(recipe)], "train_gates.py")
@@ -191,7 +191,7 @@ def test_another_models_curriculum_is_refused(tmp_path, capsys):
     from rlkv.trainers.script import main as train_main
 
     root = Path(__file__).resolve().parents[1]
-    qwen_curriculum = root / "data" / "curricula" / "qwen2.5-coder-0.5b-instruct"
+    qwen_curriculum = root / "results" / "curricula" / "qwen2.5-coder-0.5b-instruct"
     argv = ["--config", str(root / "recipes" / "demo.yaml"), "--output_dir", str(tmp_path / "run" / "gates")]
     with pytest.raises(SystemExit) as exit_:
         train_main([*argv, "--dataset_name", str(qwen_curriculum)], "train_gates.py")

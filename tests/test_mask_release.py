@@ -87,7 +87,7 @@ def test_card_of_a_run_continued_under_two_recipes_says_which_steps_each_ran(tmp
 
 
 def test_eval_report_in_the_card_keeps_its_figures_and_sits_under_the_evaluation_heading(tmp_path):
-    reports = tmp_path / "data" / "eval" / "model"
+    reports = tmp_path / "results" / "eval" / "model"
     reports.mkdir(parents=True)
     (reports / "accuracy.png").write_bytes(b"png")
     report = reports / "report.md"
@@ -96,7 +96,7 @@ def test_eval_report_in_the_card_keeps_its_figures_and_sits_under_the_evaluation
         "| full | 50.0 |\n\n### math: difference\n\n![accuracy](accuracy.png)\n"
         "[rows](https://example.org/a.png) ![abs](/tmp/x.png)\n"
     )
-    card = tmp_path / "data" / "masks" / "model"
+    card = tmp_path / "results" / "masks" / "model"
     card.mkdir(parents=True)
 
     text = card_eval_section(report, card)

@@ -49,7 +49,8 @@ def test_the_training_block_runs_in_order_on_a_fresh_checkout(tmp_path):
     for long, smoke in SMOKE.items():
         assert long in script, long
         script = script.replace(long, smoke)
-    for name in ("data", "recipes", "train_gates.py"):  # what a fresh clone holds; nothing from runs/
+    # what a fresh clone holds; nothing from runs/
+    for name in ("assets", "results", "recipes", "train_gates.py"):
         (tmp_path / name).symlink_to(ROOT / name)
     venv = tmp_path / ".venv" / "bin"  # the venv `make test` made, as the README's `.venv`
     venv.mkdir(parents=True)

@@ -14,7 +14,7 @@ from rlkv.cli.vllm_args import option, take_hf_overrides
 from rlkv.inference import load
 from rlkv.testing import tiny_config
 
-DEMO = "data/demo-model"
+DEMO = "assets/demo-model"
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from rlkv.trainers.gate_trainer import budget_penalty, gate_penalty
 from rlkv.trainers.grpo import FullAttentionReference
 from rlkv.trainers.logprobs import completion_logps
 
-DEMO_MODEL = Path(__file__).resolve().parents[1] / "data" / "demo-model"
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-model"
 SEQUENCES = [([5, 9, 14, 3], [7, 8, 21, 4, 2]), ([11, 12], [13, 30, 2]), ([40, 41, 42, 43, 44], [45, 2])]
 
 

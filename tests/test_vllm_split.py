@@ -20,7 +20,7 @@ from rlkv.inference.vllm import (
 )
 from rlkv.vllm_plugin.split import CONFIG_KEY, HeadSplit, HeadSplitError
 
-DEMO = "data/demo-model"
+DEMO = "assets/demo-model"
 
 
 def test_overrides_name_the_head_mixed_architecture_and_carry_the_mask_cut(make_model):

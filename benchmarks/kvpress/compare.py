@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="runs/compare-kvpress")
-    parser.add_argument("--model", default=str(ROOT / "data" / "demo-model"))
+    parser.add_argument("--model", default=str(ROOT / "assets" / "demo-model"))
     parser.add_argument(
         "--mask",
         default=str(ROOT / "runs" / "demo" / "gates"),

@@ -8,7 +8,7 @@ the allocator's peak during the reference generate call (above its start, and
 `torch.cuda.max_memory_allocated` with the weights); on every device it gives the resident KV and
 the importance-sampling ratio p_full / p_rollout of the compressed rollouts' tokens:
 
-    python3 -m benchmarks.memory.rollout --model data/demo-model --device cuda --sparsity 0.5 \
+    python3 -m benchmarks.memory.rollout --model assets/demo-model --device cuda --sparsity 0.5 \
         --sink 16 --window 64 --max-new-tokens 256 --batch-size 16 --kv-cap-mib 64 --out report.json
 
 Without --head-mask a random mask is used: KV memory depends only on how many heads of each layer

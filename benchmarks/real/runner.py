@@ -493,7 +493,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--inference-head-mask",
-        default=str(ROOT / "data" / "masks" / "qwen2.5-coder-0.5b-instruct"),
+        default=str(ROOT / "results" / "masks" / "qwen2.5-coder-0.5b-instruct"),
         help="inference: the head mask (default: the shipped Qwen2.5-Coder-0.5B-Instruct mask)",
     )
     parser.add_argument(

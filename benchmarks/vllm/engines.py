@@ -35,7 +35,7 @@ EVAL_TARGET, GRPO_TARGET = 2.0, 0.7
 
 def add_options(parser: argparse.ArgumentParser) -> None:
     """The engines part's options."""
-    parser.add_argument("--vllm-mask", default="data/masks/qwen2.5-coder-0.5b-instruct", help="head mask")
+    parser.add_argument("--vllm-mask", default="results/masks/qwen2.5-coder-0.5b-instruct", help="head mask")
     parser.add_argument("--vllm-eval-problems", type=int, default=64)
     parser.add_argument("--vllm-eval-tokens", type=int, default=512)
     parser.add_argument("--vllm-grpo-prompts", type=int, default=4)

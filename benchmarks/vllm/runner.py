@@ -235,7 +235,7 @@ def suite_vllm(args: argparse.Namespace) -> dict:
             raise SystemExit(
                 "--vllm-parts engines needs a real model: --vllm-model models/qwen2.5-coder-0.5b-instruct"
             )
-        model = args.vllm_model if args.vllm_model != "synthetic" else "data/demo-model"
+        model = args.vllm_model if args.vllm_model != "synthetic" else "assets/demo-model"
         args.vllm_model = result["settings"]["model"] = model
         result["engines"] = engines.suite_engines(args, Path(args.out))
     if "padding" in parts:

@@ -14,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "compare",
         help="paired pass@1 difference of two eval cells (FOLDER:METHOD[@SPARSITY]) with bootstrap intervals",
         description="Pair the rows of two `rlkv eval` cells by (benchmark, problem id), e.g. a new mask's run "
-        "against the committed grid: `rlkv compare data/eval/new:rlkv@0.75 data/eval/grid:ablation-mask@0.75`. "
+        "against the committed grid: `rlkv compare results/eval/new:rlkv@0.75 results/eval/grid:ablation-mask@0.75`. "
         "Prints per benchmark (and over all) n, solved counts, pass@1 and a - b with its 95% paired-bootstrap "
         "interval; warns when the folders' rows came from different host types.",
     )

@@ -317,7 +317,7 @@ def load_problems(
 
     name_or_path: a name from `problem_sources()` (or its hub id), "reasoning_gym:task1,task2",
         or a local .jsonl/.json/.parquet file or `save_to_disk` folder in the schema (extra columns kept);
-        several joined with "+" ("data/curricula/math+data/curricula/code") are concatenated in order.
+        several joined with "+" ("results/curricula/math+results/curricula/code") are concatenated in order.
     split: dataset split (each named set has a default; procedural sets use it to pick disjoint seeds).
     num: number of problems: a seeded random sample of a fixed set, or the size of a procedural one.
     seed: sampling / generation seed.

@@ -35,11 +35,11 @@ class Cell:
 
 
 def parse_cell(text: str) -> Cell:
-    """`FOLDER:METHOD[@SPARSITY]` (e.g. `data/eval/run:rlkv@0.75`) as a `Cell`."""
+    """`FOLDER:METHOD[@SPARSITY]` (e.g. `results/eval/run:rlkv@0.75`) as a `Cell`."""
     folder, sep, spec = text.rpartition(":")
     if not sep or not folder or not spec:
         raise UserInputError(
-            f"{text!r}: write a cell as FOLDER:METHOD[@SPARSITY], e.g. data/eval/run:rlkv@0.75"
+            f"{text!r}: write a cell as FOLDER:METHOD[@SPARSITY], e.g. results/eval/run:rlkv@0.75"
         )
     method, at, sparsity = spec.partition("@")
     value = None

@@ -1,8 +1,8 @@
 """A shipped head-mask folder: the mask, a card with the training run, curves, heatmap and eval table.
 
-    rlkv export-mask runs/qwen-coder/gates/checkpoint-40 --folder data/masks/qwen2.5-coder-0.5b-instruct \
+    rlkv export-mask runs/qwen-coder/gates/checkpoint-40 --folder results/masks/qwen2.5-coder-0.5b-instruct \
         --recipe recipes/qwen2.5-coder-0.5b-instruct-grpo.yaml \
-        --eval-table data/eval/qwen2.5-coder-0.5b-instruct/report.md
+        --eval-table results/eval/qwen2.5-coder-0.5b-instruct/report.md
 
 writes `head_mask.json`, `head_mask.tsv`, `training_curves.png`, `gate_heatmap.png` and `README.md`
 (the mask's own card plus the training summary, the recipe and the eval table), each atomically.

@@ -60,7 +60,7 @@ def check_vllm_model(model: str, flag: str = "--engine vllm") -> None:
     if str(model).startswith(TINY_MODEL_PREFIX):
         raise UserInputError(
             f"{flag} cannot load {model}: tiny:<family> models are built in memory and run on the transformers "
-            "engine only (the default engine); for vLLM give a model folder (e.g. --model data/demo-model)"
+            "engine only (the default engine); for vLLM give a model folder (e.g. --model assets/demo-model)"
         )
 
 

@@ -23,7 +23,7 @@ from rlkv.vllm_plugin.split import CONFIG_KEY, HeadSplitError  # noqa: E402
 
 WINDOW = 64
 WINDOW_ONLY = dict(sink=0, window_prefill=True)  # vLLM's own sliding window: sink 0, the prompt windowed
-MASK = "data/masks/demo"
+MASK = "results/masks/demo"
 SPLIT = {
     "format": 1,
     "full_kv_heads": [[0], [1], [], []],

@@ -5,7 +5,7 @@ import gc
 
 import vllm
 
-DEMO = "data/demo-model"
+DEMO = "assets/demo-model"
 REAL = "models/qwen2.5-coder-0.5b-instruct"
 
 
