@@ -333,3 +333,25 @@ def test_unsupported_setups_are_refused(tmp_path, make_model, tokenizer):
     with pytest.raises(TypeError, match="GRPOTrainer subclass"):
         with_compressed_rollouts(object)
     assert with_compressed_rollouts(GRPOTrainer) is with_compressed_rollouts(GRPOTrainer)
+
+
+def test_rollout_options_sit_beside_the_compression_settings_not_on_a_subclass():
+    """Issue 77: `CompressedRolloutConfig` holds a `CompressionConfig` (`compression`) and the rollout options;
+    the flat form builds it, and its fields and methods read through."""
+    from rlkv.inference import CompressionConfig
+
+    settings = CompressionConfig(sparsity=0.75, policy="rkv", budget=96, protect_prompt=False)
+    held = CompressedRolloutConfig(settings, static_cache=False)
+    flat = CompressedRolloutConfig(
+        sparsity=0.75, policy="rkv", budget=96, protect_prompt=False, static_cache=False
+    )
+    assert held == flat and held.compression == settings and type(held.compression) is CompressionConfig
+    assert not isinstance(held, CompressionConfig)
+    assert (flat.sparsity, flat.policy, flat.budget, flat.static_cache) == (0.75, "rkv", 96, False)
+    assert flat.full_heads(None) is None  # a CompressionConfig method, read through (no mask: all compressed)
+    with pytest.raises(CompressionConfigError, match="compression= and \\['sparsity'\\]"):
+        CompressedRolloutConfig(settings, sparsity=0.5)
+    with pytest.raises(CompressionConfigError, match="unknown field\\(s\\) \\['sparsty'\\]"):
+        CompressedRolloutConfig(sparsty=0.5)
+    with pytest.raises(CompressionConfigError, match="budget="):  # the settings' own checks still run
+        CompressedRolloutConfig(policy="rkv", budget=-3.0)

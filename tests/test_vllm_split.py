@@ -237,7 +237,9 @@ def test_rollout_config_for_vllm_is_vllms_form_plus_the_rollout_fields(make_mode
     assert (config.policy, config.budget, config.static_cache) == ("rkv", 96, False)
     assert config.vllm_kwargs == {"dtype": "float32"} and config.importance_sampling_correction
     same_form = vllm_compression(mask, 0.5, window=32, policy="rkv", budget=96)
-    assert head_split(model, config) == head_split(model, same_form)
+    assert config.compression == same_form and head_split(model, config.compression) == head_split(
+        model, same_form
+    )
     with pytest.raises(CompressionConfigError, match="vllm_kwargs sets"):
         CompressedRolloutConfig.for_vllm(mask, 0.5, vllm_kwargs={"hf_overrides": {}})
     with pytest.raises(CompressionConfigError, match="protect_prompt=True with window_prefill=True"):

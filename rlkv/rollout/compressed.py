@@ -69,12 +69,17 @@ if TYPE_CHECKING:
 
 # vllm.LLM arguments the head-mixed rollout engine needs as rlkv sets them
 VLLM_OWNED_KWARGS = ("model", "hf_overrides", "scheduler_cls", "distributed_executor_backend")
+_COMPRESSION_FIELDS = frozenset(f.name for f in dataclasses.fields(CompressionConfig))
 
 
-@dataclasses.dataclass
-class CompressedRolloutConfig(CompressionConfig):
-    """`CompressionConfig` for GRPO rollouts (all its fields: head_mask, sparsity, policy, budget, ...).
+@dataclasses.dataclass(init=False)
+class CompressedRolloutConfig:
+    """GRPO rollouts with a compressed KV cache: the compression settings beside the rollout options.
 
+    compression: the `CompressionConfig` the rollouts generate with (head_mask, sparsity, policy, budget, ...);
+        or pass its fields directly, `CompressedRolloutConfig(head_mask=..., sparsity=0.5, policy="rkv",
+        budget=2048)`, which builds it. Its fields and methods read through this object too (`config.sparsity`,
+        `config.full_heads(model)`).
     importance_sampling_correction: correct the rollout/loss attention mismatch with TRL's vLLM
         importance-sampling code (truncated or masked, per token or sequence: GRPOConfig's
         `vllm_importance_sampling_mode`, bounds `vllm_importance_sampling_clip_min/_clip_max`).
@@ -86,14 +91,53 @@ class CompressedRolloutConfig(CompressionConfig):
         {"dtype": "float32", "enforce_eager": True, "block_size": 32}); they win over TRL's settings
         but for the four that make the head-mixed engine (`VLLM_OWNED_KWARGS`).
 
-    With `use_vllm=True` the config must be a form vLLM serves (streaming compressed heads, the prompt
+    With `use_vllm=True` the compression must be a form vLLM serves (streaming compressed heads, the prompt
     evictable): build it with `CompressedRolloutConfig.for_vllm` (by default the eval's form: sink 16 +
     window 64 after a full prompt forward).
     """
 
+    compression: CompressionConfig
     importance_sampling_correction: bool = True
     static_cache: bool | None = None
     vllm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __init__(
+        self,
+        compression: CompressionConfig | None = None,
+        *,
+        importance_sampling_correction: bool = True,
+        static_cache: bool | None = None,
+        vllm_kwargs: dict[str, Any] | None = None,
+        **settings: Any,
+    ) -> None:
+        if compression is not None and settings:
+            raise CompressionConfigError(
+                f"CompressedRolloutConfig got compression= and {sorted(settings)}: give the settings in the "
+                "CompressionConfig, or its fields directly without compression="
+            )
+        if compression is not None and not isinstance(compression, CompressionConfig):
+            raise CompressionConfigError(
+                f"compression has type {type(compression).__name__}: pass a rlkv.inference.CompressionConfig"
+            )
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(CompressionConfig)})
+        if unknown:
+            raise CompressionConfigError(
+                f"CompressedRolloutConfig: unknown field(s) {unknown}; the settings are CompressionConfig's "
+                "fields, the rollout options importance_sampling_correction, static_cache and vllm_kwargs"
+            )
+        self.compression = compression if compression is not None else CompressionConfig(**settings)
+        self.importance_sampling_correction = importance_sampling_correction
+        self.static_cache = static_cache
+        self.vllm_kwargs = {} if vllm_kwargs is None else vllm_kwargs
+        self.validate()
+
+    def __getattr__(self, name: str) -> Any:
+        # the compression settings and their methods read through (config.sparsity, config.full_heads(model)),
+        # so code written for a CompressionConfig reads this one too; only called for names this object lacks
+        compression = self.__dict__.get("compression")
+        if compression is not None and not name.startswith("_") and hasattr(compression, name):
+            return getattr(compression, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def for_vllm(
@@ -108,25 +152,18 @@ class CompressedRolloutConfig(CompressionConfig):
     ) -> CompressedRolloutConfig:
         """A config vLLM rollouts serve (`rlkv.inference.vllm.vllm_compression`'s fields: sink + window, the
         prompt read whole unless `window_prefill`; `policy="rkv", budget=N`: token eviction on the compressed
-        heads), plus `kwargs` (the rollout fields and any other `CompressionConfig` field)."""
+        heads), plus `kwargs` (the rollout options and any other `CompressionConfig` field)."""
         from rlkv.inference.vllm import vllm_compression
 
-        compression_fields = {f.name for f in dataclasses.fields(CompressionConfig)}
-        rollout = {k: v for k, v in kwargs.items() if k not in compression_fields}
+        settings = {k: v for k, v in kwargs.items() if k in _COMPRESSION_FIELDS}
+        rollout = {k: v for k, v in kwargs.items() if k not in _COMPRESSION_FIELDS}
         form = vllm_compression(
-            head_mask,
-            sparsity,
-            sink=sink,
-            window=window,
-            window_prefill=window_prefill,
-            **{k: v for k, v in kwargs.items() if k in compression_fields},
+            head_mask, sparsity, sink=sink, window=window, window_prefill=window_prefill, **settings
         )
-        # vLLM's form is decided (and checked) once, by vllm_compression; the rollout fields are added to it
-        return cls(**{name: getattr(form, name) for name in compression_fields}, **rollout)
+        return cls(form, **rollout)
 
     def validate(self) -> None:
-        """`CompressionConfig.validate` plus the rollout fields."""
-        super().validate()
+        """Check the rollout options (the compression settings were checked when they were built)."""
         if not isinstance(self.importance_sampling_correction, bool):
             raise CompressionConfigError(
                 f"importance_sampling_correction={self.importance_sampling_correction!r}: must be True or False"
@@ -184,8 +221,9 @@ class CompressedRolloutTrainerMixin:
         # HeadMaskError now (naming the mismatch), not at the first rollout; a PEFT model's
         # fingerprint is its base model's
         base = self.accelerator.unwrap_model(self.model)
+        compression = rollout_compression.compression
         self._rollout_cache_config = dataclasses.replace(
-            rollout_compression, head_mask=rollout_compression.resolve_head_mask(base)
+            compression, head_mask=compression.resolve_head_mask(base)
         )
         self._rollout_cache_config.full_heads(base)
         self.vllm_importance_sampling_correction = rollout_compression.importance_sampling_correction
