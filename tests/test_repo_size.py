@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # moved to completions.jsonl.gz (scripts/archive_completions.py), 37.1 MB -> 27.6 MB. 2026-12-05: the vLLM
 # rows of the real model brought it to 32.3 MB; the full rows' texts archived too (mask-nll reads the archive)
 # and the plots of three ablation folders dropped (`rlkv eval --report-only` redraws them): 30.7 MB. Later that
-# day the tensor-parallel balancing rows (issue 78) came in and the side folders' eval plots left: 30.0 MB.
+# day the tensor-parallel balancing rows (issue 78) came in and the side folders' eval plots left: 30.0 MB. Then
+# the rkv-on-vLLM rows (issue 76): their texts archived, the distill folder's redrawable plots dropped.
 # The bound only goes down.
 MAX_TRACKED_BYTES = 30_500_000
 
