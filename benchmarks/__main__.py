@@ -79,6 +79,10 @@ def plots(results: dict, out: Path) -> list[str]:
         print("matplotlib missing: pip install 'rlkv[plots]' for PNG plots", file=sys.stderr)
         return []
     written = []
+    if "serve" in results and (serve_png := plot_serve(results["serve"], out / "bench_serve.png")):
+        written.append(serve_png)
+    if "memory" not in results and "decode" not in results:
+        return written  # bench.png draws those two suites only (an empty figure otherwise)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     if "memory" in results:
         ax = axes[0]
@@ -100,8 +104,6 @@ def plots(results: dict, out: Path) -> list[str]:
             )
         ax.set(xscale="log", xlabel="context (tokens)", ylabel="ms / token", title="decode step (batch 1)")
         ax.legend(fontsize=7)
-    if "serve" in results and (serve_png := plot_serve(results["serve"], out / "bench_serve.png")):
-        written.append(serve_png)
     fig.tight_layout()
     path = out / "bench.png"
     fig.savefig(path, dpi=110)

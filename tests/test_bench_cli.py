@@ -40,3 +40,12 @@ def test_rlkv_bench_without_a_checkout_is_one_error_line(tmp_path, monkeypatch, 
     assert main(["bench", "--suite", "decode"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("rlkv bench: error:") and "benchmarks/" in err[0]
+
+
+def test_bench_png_is_written_only_for_the_suites_it_draws(tmp_path):
+    """bench.png plots the memory and decode suites; a run of other suites (the vLLM serving part) wrote
+    an empty figure before."""
+    from benchmarks.__main__ import plots
+
+    assert plots({"vllm": {"rows": []}}, tmp_path) == [] and not list(tmp_path.iterdir())
+    assert plots({"memory": {"rows": []}}, tmp_path) == [str(tmp_path / "bench.png")]
