@@ -5,8 +5,11 @@ texts gzipped beside them, key -> text (`rlkv.eval.results.read_archive`, which 
 --solutions-from` reads too); `full` rows keep theirs unless `--with-full`, so the checkout stays
 small enough to travel (issue 68: tracked files under 30 MiB). Idempotent: a rerun after more rows
 arrived merges them. Holds the folder's lock, so it never races a running `rlkv eval`.
+A curriculum folder (`rlkv data curriculum --out`) gets its generation shards gzipped instead
+(`rlkv.data.curriculum.archive_shards`; a resume reads them back).
 
     .venv/bin/python scripts/archive_completions.py results/eval/qwen2.5-coder-0.5b-instruct [...]
+    .venv/bin/python scripts/archive_completions.py results/curricula/qwen2.5-coder-0.5b-instruct
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from rlkv._io import FolderLock, atomic_write_text
+from rlkv.data.curriculum import archive_shards
 from rlkv.eval.results import ARCHIVE_FILE, RESULTS_FILE, read_archive, read_results
 
 
@@ -47,7 +51,9 @@ def archive(folder: Path, keep_full: bool = True) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folders", nargs="+", type=Path, help="rlkv eval output folders")
+    parser.add_argument(
+        "folders", nargs="+", type=Path, help="rlkv eval or rlkv data curriculum output folders"
+    )
     parser.add_argument(
         "--with-full",
         action="store_true",
@@ -55,8 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     for folder in args.folders:
+        if (folder / "shards").is_dir() and not (folder / RESULTS_FILE).exists():
+            print(f"{folder}: {archive_shards(folder)} curriculum shards gzipped")
+            continue
         if not (folder / RESULTS_FILE).is_file():
-            print(f"archive_completions: error: {folder} holds no {RESULTS_FILE}", file=sys.stderr)
+            print(
+                f"archive_completions: error: {folder} holds no {RESULTS_FILE} (an eval folder) and no shards/ "
+                "(a curriculum folder)",
+                file=sys.stderr,
+            )
             return 2
         moved, size = archive(folder, keep_full=not args.with_full)
         print(f"{folder}: {moved} completions archived, {RESULTS_FILE} now {size:,} bytes")

@@ -39,3 +39,18 @@ def test_with_full_the_full_rows_texts_move_too(tmp_path):
     assert archive_completions.main([str(tmp_path), "--with-full"]) == 0
     assert [r["completion"] for r in read_results(tmp_path / "results.jsonl")] == [None, None]
     assert archive_completions.read_archive(tmp_path) == {"a": "full text", "b": "rlkv text"}
+
+
+def test_a_curriculum_folder_gets_its_shards_gzipped(tmp_path, capsys):
+    from rlkv.data.curriculum import read_shards
+
+    (tmp_path / "shards").mkdir()
+    lines = [json.dumps({"index": i, "completion": f"text {i}"}) + "\n" for i in range(3)]
+    (tmp_path / "shards" / "shard-00000.jsonl").write_text("".join(lines))
+    before = read_shards(tmp_path / "shards")
+    assert archive_completions.main([str(tmp_path)]) == 0
+    assert "1 curriculum shards gzipped" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "shards").iterdir()] == ["shard-00000.jsonl.gz"]
+    assert read_shards(tmp_path / "shards") == before
+    assert archive_completions.main([str(tmp_path / "neither")]) == 2
+    assert "no shards/" in capsys.readouterr().err

@@ -19,7 +19,13 @@ from datasets import Dataset, load_from_disk
 
 from rlkv.data import ProblemDataError, build_prompt, register_verifier
 from rlkv.data.buckets import Bucket, parse_buckets
-from rlkv.data.curriculum import CurriculumConfig, CurriculumError, build_curriculum, read_shards
+from rlkv.data.curriculum import (
+    CurriculumConfig,
+    CurriculumError,
+    archive_shards,
+    build_curriculum,
+    read_shards,
+)
 from rlkv.rollout import TransformersEngine
 
 SOURCE = "curriculum_test"
@@ -158,6 +164,36 @@ def _stored_indices(out: Path) -> list[int]:
         line for p in (out / "shards").glob("*.jsonl") for line in p.read_text().splitlines(keepends=True)
     ]
     return sorted(json.loads(line)["index"] for line in lines if line.endswith("\n"))
+
+
+def test_gzipped_shards_read_back_and_resume_where_the_plain_ones_stopped(engine, reference_run, tmp_path):
+    """archive_shards: the records read back equal, a finished run regenerates nothing, and a cut run's resume
+    (its cut shard gzipped, the cut line dropped) writes a new shard beside it and equals the uninterrupted run."""
+    out = tmp_path / "archived"
+    shutil.copytree(reference_run.out_dir, out)
+    before = read_shards(out / "shards")
+    assert archive_shards(out) == 1 and archive_shards(out) == 0
+    assert [p.name for p in (out / "shards").iterdir()] == ["shard-00000.jsonl.gz"]
+    assert read_shards(out / "shards") == before
+    with pytest.warns(UserWarning, match="shortfall"):
+        again = build_curriculum(engine, _pool(24), out, _config())
+    assert again.stats["throughput"]["problems_generated"] == 0
+    assert again.dataset.to_list() == reference_run.dataset.to_list()
+
+    cut = tmp_path / "cut"
+    (cut / "shards").mkdir(parents=True)
+    shutil.copy(reference_run.out_dir / "run.json", cut / "run.json")
+    data = (reference_run.out_dir / "shards" / "shard-00000.jsonl").read_bytes()
+    (cut / "shards" / "shard-00000.jsonl").write_bytes(data[: len(data) // 2])
+    archive_shards(cut)
+    done = len(read_shards(cut / "shards"))
+    with pytest.warns(UserWarning, match="shortfall"):
+        resumed = build_curriculum(engine, _pool(24), cut, _config())
+    assert resumed.stats["throughput"]["problems_generated"] == 24 - (done // 4) * 4
+    assert sorted(p.name for p in (cut / "shards").iterdir()) == ["shard-00000.jsonl.gz", "shard-00001.jsonl"]
+    assert resumed.dataset.to_list() == reference_run.dataset.to_list()
+    with pytest.raises(CurriculumError, match="no shards/ folder"):
+        archive_shards(tmp_path / "nowhere")
 
 
 def test_rebucketing_a_finished_run_generates_nothing(engine, reference_run, tmp_path):

@@ -12,7 +12,8 @@ short to long solutions (easy to hard) and writes, under `out_dir`:
 - `shards/shard-NNNNN.jsonl`: one line per generated problem, appended and flushed chunk by
   chunk. A killed run restarts where it stopped: finished chunks are read back, unfinished ones
   are generated again with the same batch composition, so the final dataset equals that of an
-  uninterrupted run;
+  uninterrupted run. `archive_shards` gzips a folder's shards (`shard-NNNNN.jsonl.gz`, read back the
+  same way; committed curricula keep theirs so);
 - `run.json`: what the shards were generated with (pool fingerprint, generation settings, the
   generator: model, dtype, batch size and, for an engine with a compressed KV cache, its policy,
   sizes and full heads); resuming with a different pool, settings or generator is refused.
@@ -25,6 +26,7 @@ model (the states it drifts into).
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -190,17 +192,47 @@ def _check_or_write_manifest(out_dir: Path, problems: Dataset, config: Curriculu
     atomic_write_text(path, json.dumps(manifest, indent=2) + "\n")
 
 
+def _shard_files(shard_dir: Path) -> list[Path]:
+    """The shard files, plain and gzipped, in the order they were written (by their number)."""
+    paths = [*shard_dir.glob("shard-*.jsonl"), *shard_dir.glob("shard-*.jsonl.gz")]
+    return sorted(paths, key=lambda p: (p.name.split(".")[0], p.suffix == ".gz"))
+
+
 def read_shards(shard_dir: Path) -> dict[int, dict[str, Any]]:
-    """Finished records by pool index from the shard files (first occurrence wins; a cut last line is ignored)."""
+    """Finished records by pool index from the shard files, plain or gzipped (first occurrence wins; a cut last
+    line is ignored)."""
     records: dict[int, dict[str, Any]] = {}
-    for path in sorted(shard_dir.glob("shard-*.jsonl")):
-        with open(path, encoding="utf-8") as f:
+    for path in _shard_files(shard_dir):
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as f:
             for line in f:
                 if not line.endswith("\n"):
                     break  # the write of this line was cut by a kill
                 record = json.loads(line)
                 records.setdefault(record["index"], record)
     return records
+
+
+def archive_shards(out_dir: str | os.PathLike) -> int:
+    """Gzip the plain shard files of curriculum folder `out_dir` (each written whole, then the plain file removed;
+    a resume reads both kinds); returns the number gzipped. Holds the folder's lock: never races a running build.
+    """
+    out_dir = Path(out_dir)
+    if not (out_dir / "shards").is_dir():
+        raise CurriculumError(
+            f"{out_dir} has no shards/ folder: not a curriculum folder (rlkv data curriculum --out)"
+        )
+    with FolderLock(out_dir, "archive_shards", CurriculumError):
+        plain = sorted((out_dir / "shards").glob("shard-*.jsonl"))
+        for path in plain:
+            text = path.read_text(encoding="utf-8")
+            cut = text.rfind("\n") + 1  # a line cut by a kill is dropped (a resume regenerates its chunk)
+            tmp = path.with_name(path.name + ".gz.tmp")
+            with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+                f.write(text[:cut].encode("utf-8"))
+            os.replace(tmp, path.with_name(path.name + ".gz"))
+            path.unlink()
+        return len(plain)
 
 
 def _chunks(num_problems: int, chunk_size: int) -> list[range]:
@@ -225,7 +257,8 @@ def _generate_pool(
     solved = sum(r["correct"] and r["finish_reason"] == "eos" for r in records.values())
     done_before = sum(all(i in records for i in chunk) for chunk in _chunks(len(problems), config.chunk_size))
     generated_tokens, start = 0, time.perf_counter()
-    shard_path = shard_dir / f"shard-{len(list(shard_dir.glob('shard-*.jsonl'))):05d}.jsonl"
+    numbers = {p.name.split(".")[0] for p in _shard_files(shard_dir)}
+    shard_path = shard_dir / f"shard-{len(numbers):05d}.jsonl"
     bar = tqdm(
         total=len(problems),
         initial=len(problems) - sum(len(c) for c in todo),
