@@ -66,6 +66,19 @@ def test_overrides_that_touch_the_split_are_refused_in_one_line(capsys, mask_dir
     assert_one_error_line(err, "rlkv serve", needle)
 
 
+def test_prefix_caching_is_turned_off_for_a_token_eviction_policy_and_refused_when_asked(capsys, mask_dir):
+    from rlkv.cli.serve import _prefix_caching_flags
+
+    rkv = {"window": 8, "sink": 16, "policy": "rkv", "budget": 80}
+    assert _prefix_caching_flags(rkv, ["--port", "9"]) == ["--port", "9", "--no-enable-prefix-caching"]
+    assert _prefix_caching_flags(rkv, ["--no_enable_prefix_caching"]) == ["--no_enable_prefix_caching"]
+    assert _prefix_caching_flags({"window": 64, "sink": 16}, ["--port", "9"]) == ["--port", "9"]  # streaming
+    argv = _serve(mask_dir, "--policy", "rkv", "--budget", "80", "--enable-prefix-caching")
+    code, err = run_cli([*argv, "--port", str(_free_port())], capsys)
+    assert code == 2
+    assert_one_error_line(err, "rlkv serve", "--enable-prefix-caching with --policy rkv", "drop the flag")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlkv.cli import budget_value, json_object
-from rlkv.cli.vllm_args import option, take_hf_overrides
+from rlkv.cli.vllm_args import option, switch, take_hf_overrides
 from rlkv.errors import UserInputError
 
 
@@ -116,6 +116,21 @@ def _form(args: argparse.Namespace) -> dict[str, Any]:
             )
         return form
     return form | {"policy": args.policy, "budget": args.budget, "policy_kwargs": args.policy_kwargs}
+
+
+def _prefix_caching_flags(form: dict[str, Any], extra: list[str]) -> list[str]:
+    """`extra` with prefix caching off for a token-eviction policy (compactions rewrite its group's blocks, so
+    vLLM's prefix cache could never hit and would only hash; R-KV's own vLLM setting turns it off too); an
+    explicit --enable-prefix-caching with a policy is refused."""
+    if "policy" not in form:
+        return extra
+    asked = switch(extra, "enable-prefix-caching")
+    if asked:
+        raise UserInputError(
+            f"--enable-prefix-caching with --policy {form['policy']}: token eviction rewrites the compressed "
+            "heads' blocks, so a prefix cache can never hit; drop the flag (rlkv serve turns it off)"
+        )
+    return extra if asked is False else [*extra, "--no-enable-prefix-caching"]
 
 
 def _note_served_sparsity(
@@ -214,6 +229,7 @@ def run_serve(args: argparse.Namespace) -> int:
     form = _form(args)
     user_overrides, extra = take_hf_overrides(args.extra_args)
     _check_engine_flags(extra)
+    extra = _prefix_caching_flags(form, extra)
     config = _checked_config(args.model, user_overrides)
     from rlkv.inference.vllm import vllm_overrides
 

@@ -84,3 +84,15 @@ def option(args: list[str], *names: str) -> str | None:
         if flag in wanted:
             found = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
     return found
+
+
+def switch(args: list[str], name: str) -> bool | None:
+    """The last of vLLM's boolean flag `--NAME` (True) / `--no-NAME` (False) in `args` (`_` for `-`), else None."""
+    found = None
+    for arg in args:
+        flag = _canonical(arg) if arg.startswith("--") else arg
+        if flag == f"--{name}":
+            found = True
+        elif flag == f"--no-{name}":
+            found = False
+    return found

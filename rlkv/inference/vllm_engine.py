@@ -23,6 +23,7 @@ from typing import Any
 from rlkv.deprecation import moved_names
 from rlkv.errors import UserInputError
 from rlkv.inference.api import TINY_MODEL_PREFIX
+from rlkv.vllm_plugin.split import CONFIG_KEY
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,10 @@ class VLLMRunner:
     (the one vLLM wrapper: `rlkv.rollout.VLLMEngine` and the eval's vLLM tasks run on it).
 
     model: local folder or Hub id; dtype: as `vllm.LLM` ("auto", "float32", "bfloat16", ...);
-    llm_kwargs: further `vllm.LLM` arguments (max_model_len, enforce_eager, gpu_memory_utilization, ...).
-    `starts` counts the engines started, `start_seconds` their total start time.
+    llm_kwargs: further `vllm.LLM` arguments (max_model_len, enforce_eager, gpu_memory_utilization, ...);
+    an engine whose split evicts tokens starts with prefix caching off unless they set it (compactions rewrite
+    that group's blocks, so its prefix cache never hits). `starts` counts the engines started, `start_seconds`
+    their total start time.
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, **llm_kwargs: Any):
@@ -98,6 +101,8 @@ class VLLMRunner:
             settings = {"model": self.model, "dtype": self.dtype, "seed": self.seed} | self.llm_kwargs
             if overrides:
                 settings["hf_overrides"] = overrides
+                if (overrides.get(CONFIG_KEY) or {}).get("policy") is not None:
+                    settings.setdefault("enable_prefix_caching", False)
             began = time.perf_counter()
             self._llm, self._key = self._vllm.LLM(**settings), key
             self.starts += 1

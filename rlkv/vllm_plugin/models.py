@@ -24,6 +24,11 @@ from rlkv.vllm_plugin.split import HeadSplit, HeadSplitError, check_full_attenti
 
 # a child of vLLM's logger, so the line goes where vLLM's own logs go (and VLLM_LOGGING_LEVEL applies)
 _LOG = logging.getLogger("vllm.rlkv")
+PREFIX_CACHING_WARNING = (
+    "rlkv: prefix caching gives no hits on a model with token eviction (compactions rewrite the compressed "
+    "heads' blocks), it only hashes them: start the engine with enable_prefix_caching=False "
+    "(--no-enable-prefix-caching)"
+)
 
 
 def check_engine(vllm_config: Any) -> HeadSplit:
@@ -66,6 +71,8 @@ class _HeadMixed:
         num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.rlkv_head_order = split_attention_layers(self, split, num_kv_heads)
         _LOG.info(split.describe(num_kv_heads, type(self).__name__))
+        if split.policy is not None and vllm_config.cache_config.enable_prefix_caching:
+            _LOG.warning(PREFIX_CACHING_WARNING)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The stock loader over `weights` with each split layer's attention weights in the served order."""

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
 
-from vllm_engines import blocks_per_step, demo_chain, engine, greedy, kv_groups, solved  # noqa: E402
+from vllm_engines import DEMO, blocks_per_step, demo_chain, engine, greedy, kv_groups, solved  # noqa: E402
 
 from rlkv.eval.methods import method_config  # noqa: E402
 from rlkv.inference import generate  # noqa: E402
@@ -75,10 +75,17 @@ def test_tokens_equal_the_transformers_path(demo, method):
     assert abs(ours - theirs) <= 2, (ours, theirs)
 
 
-def test_blocks_per_request_stay_within_the_capacity(demo):
+def test_blocks_per_request_stay_within_the_capacity(demo, capfd):
+    from rlkv.vllm_plugin.models import PREFIX_CACHING_WARNING
+
     model, tokenizer, _, prompts, mask = demo
     config = _method(model, mask, "rlkv+rkv")  # budget 80 + 1 slot for the newest token
     with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
+        # vLLM's default turns prefix caching on: the engine says it can never hit with eviction
+        assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        assert (lambda out: out.count(PREFIX_CACHING_WARNING))(
+            capfd.readouterr().out
+        ) == 1  # vLLM's log (stdout)
         managers, pool = kv_groups(llm)
         groups = [m for m in managers if type(m).__name__ == "EvictionManager"][:1]
         free = pool.get_num_free_blocks()
@@ -89,6 +96,21 @@ def test_blocks_per_request_stay_within_the_capacity(demo):
     assert prompt_blocks > 4 and held[0][0] == prompt_blocks  # the prompt's step holds every block
     assert max(h[0] for h in held[2:]) <= -(-81 // BLOCK) + 1  # then at most ceil(capacity / block) + 1
     assert len(held) >= 400  # decode steps
+
+
+def test_rlkvs_own_engines_start_an_eviction_split_without_prefix_caching(demo, capfd):
+    from rlkv.inference.vllm_engine import VLLMRunner
+    from rlkv.vllm_plugin.models import PREFIX_CACHING_WARNING
+
+    model, _, _, _, mask = demo
+    overrides = compression_overrides(model.config, _method(model, mask, "rkv"))
+    runner = VLLMRunner(DEMO, dtype="float32", enforce_eager=True, block_size=32, max_model_len=512)
+    try:
+        llm = runner.engine(overrides)
+        assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+        assert PREFIX_CACHING_WARNING not in capfd.readouterr().out
+    finally:
+        runner.close()
 
 
 def test_abort_and_preemption_return_every_block_and_resumed_requests_finish(demo):
