@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import weakref
 from functools import cached_property
 from typing import Any
 
@@ -113,16 +115,37 @@ class EvictionSpec(AttentionSpec):
         return block if block < kept else cdiv(prompt, self.block_size) + block - kept
 
 
+# per block pool (one per engine), the eviction manager that logs each request's compactions: the first one
+# made, so that a split whose layers fill several eviction groups (all on one schedule) logs once per request
+_REPORTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOG = logging.getLogger("vllm.rlkv")
+
+
 class EvictionManager(FullAttentionManager):
     """Blocks of an `EvictionSpec` group: every block during the prompt, then `slots_needed` slots.
 
-    No prefix caching: after a compaction a block holds other tokens than its hash says.
+    No prefix caching: after a compaction a block holds other tokens than its hash says. When a request's
+    blocks are released (finished, aborted or preempted) one manager per engine logs how many compactions
+    its evicting heads ran (`compactions`, the schedule the attention backend follows).
     """
 
     def __init__(self, kv_cache_spec: EvictionSpec, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.spec = kv_cache_spec
         self.prompt: dict[str, int] = {}  # request id -> where its prefill ends (set at its first blocks)
+        self.tokens: dict[str, int] = {}  # request id -> tokens once its latest scheduled step has run
+        self.reports = _REPORTERS.setdefault(self.block_pool, self) is self
+
+    def compactions(self, request_id: str) -> int:
+        """Compactions the request's evicting heads have run: its prompt's at its first generated step when
+        due, then each due decode step's (`RowSchedule`, as the backend's builder runs it)."""
+        from rlkv.cache.static.budget import RowSchedule
+
+        prompt, tokens = self.prompt.get(request_id), self.tokens.get(request_id, 0)
+        if prompt is None or tokens <= prompt:
+            return 0
+        schedule = RowSchedule(self.spec.form, [prompt])
+        return sum(schedule.due(g) for g in range(tokens - prompt + 1))
 
     @classmethod
     def find_longest_cache_hit(cls, *args: Any, **kwargs: Any) -> Any:
@@ -141,6 +164,7 @@ class EvictionManager(FullAttentionManager):
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> int:
         if not self.req_to_blocks.get(request_id):  # a new or resumed request: its prefill's end
             self.prompt[request_id] = int(kwargs.get("prefill_end") or num_tokens)
+        self.tokens[request_id] = num_tokens
         return super().get_num_blocks_to_allocate(
             request_id, self._tokens(request_id, num_tokens), *args, **kwargs
         )
@@ -161,7 +185,20 @@ class EvictionManager(FullAttentionManager):
         )
 
     def free(self, request_id: str) -> None:
+        if self.reports and request_id in self.prompt:
+            prompt, steps = (
+                self.prompt[request_id],
+                max(0, self.tokens.get(request_id, 0) - self.prompt[request_id]),
+            )
+            _LOG.info(
+                "rlkv: request %s: %d compactions of its evicting heads (prompt %d tokens, %d decode steps)",
+                request_id,
+                self.compactions(request_id),
+                prompt,
+                steps,
+            )
         self.prompt.pop(request_id, None)
+        self.tokens.pop(request_id, None)
         super().free(request_id)
 
 

@@ -6,6 +6,9 @@ the mask's full heads, R-KV on the others at budget 80 with sink 16 + window 8 a
 on every head at a ratio budget), demo model, fp32, greedy.
 """
 
+import logging
+import re
+
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
@@ -30,8 +33,8 @@ def _method(model, mask, method, sparsity=0.5):
     return method_config(method, sparsity, model=model, masks={"rlkv": mask})
 
 
-def _scheduled(config, prompt_lengths, served) -> int:
-    """Compactions `RowSchedule` makes for requests of these prompt lengths and generated tokens."""
+def _scheduled(config, prompt_lengths, served) -> list[int]:
+    """Compactions `RowSchedule` makes for each request of these prompt lengths and generated tokens."""
     from rlkv.cache.settings import CompressionSettings
     from rlkv.cache.static.budget import RowSchedule, static_form
     from rlkv.policies import get_policy
@@ -39,14 +42,41 @@ def _scheduled(config, prompt_lengths, served) -> int:
     policy = get_policy(config.policy, **config.policy_kwargs)
     settings = CompressionSettings(policy, config.sink, config.window, config.budget, config.protect_prompt)
     form = static_form(settings, True, 1024)
-    total = 0
+    counts = []
     for prompt, tokens in zip(prompt_lengths, served, strict=True):
         schedule = RowSchedule(form, [prompt])
-        total += sum(schedule.due(g) for g in range(len(tokens)))
-    return total
+        counts.append(sum(schedule.due(g) for g in range(len(tokens))))
+    return counts
 
 
-def _served_and_reference(model, tokenizer, prompts, config, max_tokens=200):
+COMPACTIONS_LINE = re.compile(
+    r"rlkv: request (\S+): (\d+) compactions of its evicting heads \(prompt (\d+) tokens"
+)
+
+
+class _Recorder(logging.Filter):
+    """Records every message rlkv's plugin logs (a filter on its logger: vLLM's logging set-up at each engine
+    start replaces the handlers of its child loggers, never their filters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def filter(self, record):
+        self.lines.append(record.getMessage())
+        return True
+
+
+@pytest.fixture
+def plugin_log():
+    """The messages of the `vllm.rlkv` logger while the test runs."""
+    recorder, logger = _Recorder(), logging.getLogger("vllm.rlkv")
+    logger.addFilter(recorder)
+    yield recorder.lines
+    logger.removeFilter(recorder)
+
+
+def _served_and_reference(model, tokenizer, prompts, config, plugin_log, max_tokens=200):
     with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
         managers, _ = kv_groups(llm)
         assert "EvictionManager" in {type(m).__name__ for m in managers}
@@ -56,7 +86,11 @@ def _served_and_reference(model, tokenizer, prompts, config, max_tokens=200):
     # each generated step's that is due (buffer 0: every step at an int budget, about every other one at a
     # ratio of 0.5, whose budget grows by one every other token); the first token is sampled by the prompt's forward
     prompt_lengths = [len(tokenizer(p).input_ids) for p in prompts]
-    assert compactions and set(compactions) == {_scheduled(config, prompt_lengths, served)}, compactions
+    scheduled = _scheduled(config, prompt_lengths, served)
+    assert compactions and set(compactions) == {sum(scheduled)}, compactions
+    # and each request's count is in vLLM's log, once (one line per request, whatever the number of groups)
+    logged = [m.groups() for line in plugin_log if (m := COMPACTIONS_LINE.match(line))]
+    assert sorted((int(p), int(n)) for _, n, p in logged) == sorted(zip(prompt_lengths, scheduled))
     reference = generate(
         model, tokenizer, prompts, max_tokens, compression=config, apply_chat_template=False, progress=False
     )
@@ -64,18 +98,18 @@ def _served_and_reference(model, tokenizer, prompts, config, max_tokens=200):
 
 
 @pytest.mark.parametrize("method", ["rlkv+rkv", "rkv"])
-def test_tokens_equal_the_transformers_path(demo, method):
+def test_tokens_equal_the_transformers_path(demo, method, plugin_log):
     model, tokenizer, problems, prompts, mask = demo
     config = _method(model, mask, method)
     assert config.protect_prompt is False and config.policy_kwargs["buffer"] == 0
-    served, reference = _served_and_reference(model, tokenizer, prompts, config)
+    served, reference = _served_and_reference(model, tokenizer, prompts, config, plugin_log)
     equal = sum(a == o.token_ids for a, o in zip(served, reference))
     assert equal >= 44, f"{equal} of 48 generations equal"
     ours, theirs = solved(tokenizer, problems, served, reference)
     assert abs(ours - theirs) <= 2, (ours, theirs)
 
 
-def test_blocks_per_request_stay_within_the_capacity(demo, capfd):
+def test_blocks_per_request_stay_within_the_capacity(demo, plugin_log):
     from rlkv.vllm_plugin.models import PREFIX_CACHING_WARNING
 
     model, tokenizer, _, prompts, mask = demo
@@ -83,9 +117,7 @@ def test_blocks_per_request_stay_within_the_capacity(demo, capfd):
     with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
         # vLLM's default turns prefix caching on: the engine says it can never hit with eviction
         assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
-        assert (lambda out: out.count(PREFIX_CACHING_WARNING))(
-            capfd.readouterr().out
-        ) == 1  # vLLM's log (stdout)
+        assert plugin_log.count(PREFIX_CACHING_WARNING) == 1
         managers, pool = kv_groups(llm)
         groups = [m for m in managers if type(m).__name__ == "EvictionManager"][:1]
         free = pool.get_num_free_blocks()
@@ -98,7 +130,7 @@ def test_blocks_per_request_stay_within_the_capacity(demo, capfd):
     assert len(held) >= 400  # decode steps
 
 
-def test_rlkvs_own_engines_start_an_eviction_split_without_prefix_caching(demo, capfd):
+def test_rlkvs_own_engines_start_an_eviction_split_without_prefix_caching(demo, plugin_log):
     from rlkv.inference.vllm_engine import VLLMRunner
     from rlkv.vllm_plugin.models import PREFIX_CACHING_WARNING
 
@@ -108,7 +140,7 @@ def test_rlkvs_own_engines_start_an_eviction_split_without_prefix_caching(demo, 
     try:
         llm = runner.engine(overrides)
         assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
-        assert PREFIX_CACHING_WARNING not in capfd.readouterr().out
+        assert PREFIX_CACHING_WARNING not in plugin_log
     finally:
         runner.close()
 
