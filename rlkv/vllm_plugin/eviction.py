@@ -115,8 +115,9 @@ class EvictionSpec(AttentionSpec):
         return block if block < kept else cdiv(prompt, self.block_size) + block - kept
 
 
-# per block pool (one per engine), the eviction manager that logs each request's compactions: the first one
-# made, so that a split whose layers fill several eviction groups (all on one schedule) logs once per request
+# per block pool (one per engine), the KV cache group whose eviction manager logs each request's compactions:
+# the first one made, so that a split whose layers fill several eviction groups (all on one schedule) logs once
+# per request (an int value: a manager would keep its pool, the key, alive)
 _REPORTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOG = logging.getLogger("vllm.rlkv")
 
@@ -134,7 +135,9 @@ class EvictionManager(FullAttentionManager):
         self.spec = kv_cache_spec
         self.prompt: dict[str, int] = {}  # request id -> where its prefill ends (set at its first blocks)
         self.tokens: dict[str, int] = {}  # request id -> tokens once its latest scheduled step has run
-        self.reports = _REPORTERS.setdefault(self.block_pool, self) is self
+        self.reports = (
+            _REPORTERS.setdefault(self.block_pool, self.kv_cache_group_id) == self.kv_cache_group_id
+        )
 
     def compactions(self, request_id: str) -> int:
         """Compactions the request's evicting heads have run: its prompt's at its first generated step when

@@ -130,6 +130,23 @@ def test_blocks_per_request_stay_within_the_capacity(demo, plugin_log):
     assert len(held) >= 400  # decode steps
 
 
+def test_a_split_over_several_eviction_groups_logs_each_request_once(demo, plugin_log):
+    """s=0.375 on the demo model: 3 compressed KV heads laid out over several spec buckets, so several eviction
+    groups run the same schedule; each request's compactions are logged once, equal to the schedule's."""
+    model, tokenizer, _, prompts, mask = demo
+    config = _method(model, mask, "rlkv+rkv", sparsity=0.375)
+    with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
+        managers, _ = kv_groups(llm)
+        assert sum(type(m).__name__ == "EvictionManager" for m in managers) > 1
+        served = greedy(llm, prompts[:6], 120)
+        compactions = eviction_compactions(llm)
+    lengths = [len(tokenizer(p).input_ids) for p in prompts[:6]]
+    scheduled = _scheduled(config, lengths, served)
+    assert len(compactions) > 1 and set(compactions) == {sum(scheduled)}
+    logged = [m.groups() for line in plugin_log if (m := COMPACTIONS_LINE.match(line))]
+    assert sorted((int(p), int(n)) for _, n, p in logged) == sorted(zip(lengths, scheduled))
+
+
 def test_rlkvs_own_engines_start_an_eviction_split_without_prefix_caching(demo, plugin_log):
     from rlkv.inference.vllm_engine import VLLMRunner
     from rlkv.vllm_plugin.models import PREFIX_CACHING_WARNING
