@@ -71,8 +71,8 @@ def test_unit_is_the_gcd_of_the_part_sizes():
         ({"window": -1}, r"window=-1: must be an integer >= 0"),
         ({"format": 2}, r"format=2: this rlkv reads format 1"),
         (
-            {"prompt": "full", "policy": {"name": "h2o", "budget": 8}},
-            r"policy.name='h2o': vLLM's eviction group runs",
+            {"prompt": "full", "policy": {"name": "rpc", "budget": 8}},
+            r"policy.name='rpc': vLLM's eviction group runs",
         ),
         ({"prompt": "full", "policy": {"name": "rkv", "budget": 1.5}}, r"policy.budget=1.5: an integer >= 0"),
         ({"prompt": "full", "policy": {"name": "rkv", "budget": True}}, r"policy.budget=True"),
@@ -112,8 +112,8 @@ def test_streaming_and_eviction_forms_have_a_split_and_others_are_refused(make_m
     assert protected.protect_prompt and protected.to_config()["prompt"] == "protected"  # generate's default
     with pytest.raises(CompressionConfigError, match="protect_prompt=True with window_prefill=True"):
         CompressionConfig(head_mask=mask, sparsity=0.5, window_prefill=True, protect_prompt=True)
-    with pytest.raises(CompressionConfigError, match="policy='h2o'"):  # per-step attention: not on vLLM
-        head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, policy="h2o", protect_prompt=False))
+    with pytest.raises(CompressionConfigError, match="policy='rpc'"):  # reasoning cycles: not on vLLM
+        head_split(model, CompressionConfig(head_mask=mask, sparsity=0.5, policy="rpc", protect_prompt=False))
     rkv = CompressionConfig(
         head_mask=mask,
         sparsity=0.5,

@@ -55,7 +55,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--policy",
         default="streaming",
         help="what a compressed head keeps: streaming (sink + window, the default) or a token-eviction policy "
-        "(rkv, snapkv, random, knorm, sink-recent) choosing --budget tokens, sink + window among them",
+        "(rkv, snapkv, h2o, random, knorm, sink-recent) choosing --budget tokens, sink + window among them",
     )
     parser.add_argument(
         "--budget",

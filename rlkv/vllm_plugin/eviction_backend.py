@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
 
+from rlkv.vllm_plugin.observed import SlotTables, SlotView, decode_attention, prompt_probabilities
 from rlkv.vllm_plugin.sink_window_backend import PagedTorchImpl
 
 
@@ -211,6 +212,7 @@ class EvictionImpl(PagedTorchImpl):
     """Attention of an `EvictionAttention` layer: writes, attention and compactions of its slots."""
 
     tables: tuple[torch.Tensor, torch.Tensor | None] | None = None  # made at the first step (`_tables`)
+    slot_tables: SlotTables | None = None  # an attention-observing policy's per-slot buffers (`_tables`)
 
     def _tables(self, layer: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
         """The layer's per-request tables: slot positions [R, H_kv, capacity] and the last observation
@@ -227,6 +229,8 @@ class EvictionImpl(PagedTorchImpl):
                 else None
             )
             self.tables = (positions, queries)
+            if layer.rlkv_policy.observe_attention:
+                self.slot_tables = SlotTables(rows, self.num_kv_heads, capacity, device)
         return self.tables
 
     def forward(
@@ -264,6 +268,8 @@ class EvictionImpl(PagedTorchImpl):
             output[first : first + count] = out.transpose(0, 1).to(output.dtype)
             if queries is not None:
                 _remember(queries, row, query[first : first + count])
+            if self.slot_tables is not None:
+                self._observe_prompt(layer, query[first : first + count], kv[..., :d], wanted, count, row)
         for row, prompt in m.identity:
             positions[row, :, :prompt] = torch.arange(prompt, device=query.device)
         self._compact_all(layer, kv_cache, m, positions, queries, m.before, identity=True)
@@ -275,14 +281,41 @@ class EvictionImpl(PagedTorchImpl):
         self._compact_all(layer, kv_cache, m, positions, queries, m.after, identity=False)
         return output
 
+    def _observe_prompt(self, layer, query, keys, wanted, count: int, row: int) -> None:
+        """Hand an attention-observing policy a prompt chunk's causal probabilities over the request's slots
+        (the chunk's new slots reset first; a protected prompt is not scored by its own attention, as on the
+        transformers path)."""
+        tables, length = self.slot_tables, wanted.shape[0]
+        new = wanted[length - count :]
+        if count == length:  # a new prompt (or a preempted request's replay): its row's wide buffers go
+            tables.wide.pop(row, None)
+        fits = new[new < tables.capacity]
+        tables.reset(torch.full_like(fits, row), fits)
+        if layer.rlkv_spec.protect_prompt:
+            return
+        view = tables.view(torch.tensor([row], device=new.device), length, [row])
+        layer.rlkv_policy.on_attention(view, prompt_probabilities(query, keys, new, self.scale))
+        view.store()
+
     def _decode(self, layer, query, key, value, kv_cache, m, positions, output) -> None:
-        """Write each generated token at its slot, then attend its request's occupied slots (one SDPA)."""
+        """Write each generated token at its slot, then attend its request's occupied slots (one SDPA, or an
+        explicit softmax whose probabilities an attention-observing policy adds up)."""
         d, tokens = self.head_size, m.decode_tokens
         plan = _decode_plan(m, kv_cache.shape[2])  # shared by the group's layers this step
         new = torch.cat([key[tokens], value[tokens]], dim=-1).to(kv_cache.dtype)
         kv_cache[plan.write_blocks, :, plan.write_offsets] = new
         positions[m.decode_rows, :, m.decode_slots] = plan.token_positions
         kv = kv_cache[plan.read_blocks, :, plan.read_offsets].permute(0, 2, 1, 3)  # [W, H_kv, S, 2D]
+        if self.slot_tables is not None:
+            self.slot_tables.reset(m.decode_rows, m.decode_slots)
+            out, probs = decode_attention(
+                query[tokens], kv[..., :d], kv[..., d:], plan.occupied[:, 0, 0, :], self.scale
+            )
+            view = self.slot_tables.view(m.decode_rows, m.max_read)
+            layer.rlkv_policy.on_attention(view, probs)
+            view.store()
+            output[tokens] = out.to(output.dtype)
+            return
         out = F.scaled_dot_product_attention(
             query[tokens][:, :, None, :],
             kv[..., :d],
@@ -375,7 +408,13 @@ class EvictionImpl(PagedTorchImpl):
             {},
             unpadded=len(set(columns[2])) == 1 and len(set(columns[4])) == 1,
         )
-        keep_in_run(view, layer.rlkv_policy, (keys, values, held), 0, early, early)
+        buffers = SlotView(self.slot_tables, rows, width, list(columns[1])) if self.slot_tables else None
+        if buffers is not None:  # the policy's per-slot buffers move with the kept slots
+            view._slot_buffers.update(buffers.buffers)
+        moved_buffers = tuple(buffers.buffers.values()) if buffers is not None else ()
+        keep_in_run(view, layer.rlkv_policy, (keys, values, held), 0, early, early, moved_buffers)
+        if buffers is not None:
+            buffers.store(compacted=True)
         packed = torch.cat([keys, values], dim=-1).permute(0, 2, 1, 3)  # [B, N, H_kv, 2D], kept ones first
         # empty slots aim at vLLM's null block (never read unmasked): no second gather to keep what it holds
         kv_cache[blocks, :, offsets] = packed.to(kv_cache.dtype)

@@ -36,9 +36,10 @@ ARCHITECTURES = {
 }
 
 
-# policies the eviction group runs: their decisions need only the slots' keys, values and positions and the
-# last observation queries (H2O's per-step attention, SkipKV's tokens, RPC's cycles are not carried)
-EVICTION_POLICIES = ("knorm", "random", "rkv", "sink-recent", "snapkv")
+# policies the eviction group runs: their decisions need only the slots' keys, values and positions, the last
+# observation queries and, for H2O, the attention each slot received (`observed.py`); SkipKV's tokens and
+# RPC's cycles are not carried
+EVICTION_POLICIES = ("h2o", "knorm", "random", "rkv", "sink-recent", "snapkv")
 
 
 class HeadSplitError(ValueError):

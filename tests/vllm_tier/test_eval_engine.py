@@ -140,28 +140,28 @@ def test_a_rerun_resumes_and_another_engine_is_refused(both_engines):
 
 
 def test_methods_without_a_vllm_form_stay_on_transformers(tmp_path):
-    grid = GRID | {"methods": ["full", "h2o"], "sparsities": [0.5], "num_problems": 4}
+    grid = GRID | {"methods": ["full", "rpc"], "sparsities": [0.5], "num_problems": 4}
     out = run_eval(EvalConfig(**grid, engine="vllm", out=str(tmp_path / "mixed")))
     engines = {r["method"]: r["engine"] for r in read_results(out / "results.jsonl")}
-    assert engines == {"full": "vllm", "h2o": "transformers"}
-    assert "- engine: vllm (full); transformers (h2o)" in (out / "report.md").read_text()
+    assert engines == {"full": "vllm", "rpc": "transformers"}
+    assert "- engine: vllm (full); transformers (rpc)" in (out / "report.md").read_text()
     saved = json.loads((out / "eval_config.json").read_text())
     assert saved["engine"] == "vllm" and saved["window_only"] is True
 
 
 def test_cli_eval_engine_vllm(tmp_path, capsys):
-    """The first line says which method runs where (h2o has no vLLM form); the end, the engine's starts."""
+    """The first line says which method runs where (rpc has no vLLM form); the end, the engine's starts."""
     from rlkv.cli import main
 
-    args = ["eval", "--model", DEMO, "--benchmarks", "chain", "--num-problems", "4", "--methods", "full,h2o"]
+    args = ["eval", "--model", DEMO, "--benchmarks", "chain", "--num-problems", "4", "--methods", "full,rpc"]
     args += ["--sparsities", "0.5", "--max-new-tokens", "64", "--dtype", "float32", "--engine", "vllm"]
     assert main([*args, "--no-progress", "--out", str(tmp_path / "cli")]) == 0
     rows = read_results(tmp_path / "cli" / "results.jsonl")
     assert len(rows) == 8 and {(r["method"], r["engine"]) for r in rows} == {
         ("full", "vllm"),
-        ("h2o", "transformers"),
+        ("rpc", "transformers"),
     }
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "engine: vllm for full; transformers for h2o (no vLLM form yet)", out[:3]
+    assert out[0] == "engine: vllm for full; transformers for rpc (no vLLM form yet)", out[:3]
     assert any(line.startswith("vLLM engine: 1 start, ") for line in out), out  # one split: the stock model
     assert out[-1] == str(tmp_path / "cli" / "report.md")

@@ -97,11 +97,13 @@ def _served_and_reference(model, tokenizer, prompts, config, plugin_log, max_tok
     return served, reference
 
 
-@pytest.mark.parametrize("method", ["rlkv+rkv", "rkv"])
+@pytest.mark.parametrize("method", ["rlkv+rkv", "rkv", "rlkv+h2o", "h2o"])
 def test_tokens_equal_the_transformers_path(demo, method, plugin_log):
+    """R-KV at buffer 0 (a compaction every step once over budget) and H2O (one eviction per step over budget,
+    scored by the attention each slot received: an explicit fp32 softmax on both engines)."""
     model, tokenizer, problems, prompts, mask = demo
     config = _method(model, mask, method)
-    assert config.protect_prompt is False and config.policy_kwargs["buffer"] == 0
+    assert config.protect_prompt is False and config.policy_kwargs.get("buffer", 0) == 0
     served, reference = _served_and_reference(model, tokenizer, prompts, config, plugin_log)
     equal = sum(a == o.token_ids for a, o in zip(served, reference))
     assert equal >= 44, f"{equal} of 48 generations equal"
@@ -193,7 +195,7 @@ def test_abort_and_preemption_return_every_block_and_resumed_requests_finish(dem
         assert sorted(finished) == ["r0", "r1", "r2", "r3"] and all(len(t) == 300 for t in finished.values())
 
 
-@pytest.mark.parametrize("method", ["rlkv+rkv", "rkv"])
+@pytest.mark.parametrize("method", ["rlkv+rkv", "rkv", "rlkv+h2o"])
 def test_one_compaction_keeps_the_transformers_paths_tokens_in_every_head(demo, method):
     """The policy's decisions, not just the tokens: after the prompt's compaction and one generated step's, each
     compressed (layer, KV head) keeps the same positions on vLLM as in rlkv's transformers cache (fp32; R-KV's
@@ -247,10 +249,12 @@ def _kept_positions(llm) -> dict[int, list[list[int]]]:
     return {layer: [heads[h] for h in sorted(heads)] for layer, heads in kept.items()}
 
 
-def test_chunked_prefill_gives_the_same_tokens(demo):
-    """A prompt read in 64-token chunks (each chunk attends every earlier prompt slot) is compacted as a whole one."""
+@pytest.mark.parametrize("method", ["rlkv+rkv", "rlkv+h2o"])
+def test_chunked_prefill_gives_the_same_tokens(demo, method):
+    """A prompt read in 64-token chunks (each chunk attends every earlier prompt slot; H2O adds up each chunk's
+    attention over slots beyond the budget's capacity) is compacted as a whole one."""
     model, tokenizer, _, prompts, mask = demo
-    config = _method(model, mask, "rlkv+rkv")
+    config = _method(model, mask, method)
     overrides = compression_overrides(model.config, config)
     with engine(hf_overrides=overrides) as llm:
         whole = greedy(llm, prompts[:16])

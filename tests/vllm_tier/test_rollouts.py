@@ -214,7 +214,7 @@ def test_refusals_name_the_field_before_vllm_starts(tmp_path):
             CompressedRolloutConfig.for_vllm(mask, 0.5, 16),
             args=grpo_args(tmp_path, vllm_mode="server"),
         )
-    evicting = CompressedRolloutConfig(head_mask=mask, sparsity=0.5, policy="h2o")  # no vLLM form
+    evicting = CompressedRolloutConfig(head_mask=mask, sparsity=0.5, policy="skipkv")  # no vLLM form
     with pytest.raises(CompressionConfigError, match=r"CompressedRolloutConfig.for_vllm"):
         vllm_trainer(tmp_path, model, tokenizer, evicting)
     with pytest.raises(CompressionConfigError, match="hf_overrides"):
