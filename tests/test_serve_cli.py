@@ -251,7 +251,7 @@ def test_export_writes_a_token_eviction_policy_and_refuses_what_vllm_cannot_run(
     split = json.loads((tmp_path / "r" / "config.json").read_text())["rlkv_head_split"]
     assert split["policy"] == {"name": "random", "budget": 0.25, "kwargs": {}}
     refused = {
-        ("--policy", "h2o", "--budget", "80"): "policy='h2o'",
+        ("--policy", "rpc", "--budget", "80"): "policy='rpc'",
         ("--policy", "rkv", "--budget", "lots"): "--budget 'lots'",
         ("--policy", "rkv", "--policy-kwargs", "{buffer: 0}"): "--policy-kwargs",
         ("--budget", "80"): "--budget without --policy",
