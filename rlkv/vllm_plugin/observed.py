@@ -38,6 +38,7 @@ class SlotTables:
 
     @property
     def capacity(self) -> int:
+        """Slots per row in the tables (the layer's budget + slack, or max_model_len for a protected prompt)."""
         return self.shape[2]
 
     def reset(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
@@ -51,6 +52,7 @@ class SlotTables:
         return SlotView(self, rows, width, host_rows)
 
     def table(self, name: str, fill: float, dtype: torch.dtype) -> torch.Tensor:
+        """The table [rows, H_kv, capacity] of buffer `name`, made filled with `fill` when first asked."""
         if name not in self.tables:
             self.tables[name] = (torch.full(self.shape, fill, dtype=dtype, device=self.device), fill)
         return self.tables[name][0]
