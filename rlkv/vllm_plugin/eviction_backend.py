@@ -289,7 +289,8 @@ class EvictionImpl(PagedTorchImpl):
         new = wanted[length - count :]
         if count == length:  # a new prompt (or a preempted request's replay): its row's wide buffers go
             tables.wide.pop(row, None)
-        fits = new[new < tables.capacity]
+        lo = length - count  # the chunk's new slots below the capacity, host-known (no sync)
+        fits = torch.arange(lo, max(lo, min(length, tables.capacity)), device=new.device)
         tables.reset(torch.full_like(fits, row), fits)
         if layer.rlkv_spec.protect_prompt:
             return
