@@ -111,6 +111,31 @@ def test_tokens_equal_the_transformers_path(demo, method, plugin_log):
     assert abs(ours - theirs) <= 2, (ours, theirs)
 
 
+@pytest.mark.parametrize("method", ["rlkv+rkv", "rlkv+h2o"])
+def test_a_protected_prompt_gives_the_transformers_paths_tokens(demo, method):
+    """`protect_prompt`: every prompt token stays (each request alone in a compaction; H2O does not score the
+    prompt by its own attention), only generated tokens are evicted: a budget of 8 (sink 2 + window 2) so that
+    the demo's 14-20 generated tokens are compacted."""
+    import dataclasses
+
+    from rlkv.eval.methods import BudgetRule, method_config
+
+    model, tokenizer, _, prompts, mask = demo
+    config = method_config(
+        method, 0.5, model=model, masks={"rlkv": mask}, rule=BudgetRule(protect_prompt=True)
+    )
+    config = dataclasses.replace(config, budget=8, sink=2, window=2)
+    assert config.protect_prompt
+    with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
+        served = greedy(llm, prompts[:16], 200)
+        assert min(eviction_compactions(llm)) >= 16  # every request compacted
+    reference = generate(
+        model, tokenizer, prompts[:16], 200, compression=config, apply_chat_template=False, progress=False
+    )
+    equal = sum(a == o.token_ids for a, o in zip(served, reference))
+    assert equal >= 15, f"{equal} of 16 generations equal"
+
+
 def test_blocks_per_request_stay_within_the_capacity(demo, plugin_log):
     from rlkv.vllm_plugin.models import PREFIX_CACHING_WARNING
 
