@@ -21,9 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # and the plots of three ablation folders dropped (`rlkv eval --report-only` redraws them): 30.7 MB. Later that
 # day the tensor-parallel balancing rows (issue 78) came in and the side folders' eval plots left: 30.0 MB. Then
 # the rkv-on-vLLM rows (issue 76): their texts archived, the distill folder's redrawable plots and four empty
-# vLLM-suite bench.png files (the serving part draws no plot) dropped: 30.50 MB.
+# vLLM-suite bench.png files (the serving part draws no plot) dropped: 30.50 MB. Later the curricula's
+# generation shards were gzipped (1.70 MB -> 0.33 MB) and issue 76's HumanEval rows arrived (texts archived): 29.77 MB.
 # The bound only goes down.
-MAX_TRACKED_BYTES = 30_500_000
+MAX_TRACKED_BYTES = 29_900_000
 
 TOKENIZER_FILES = {
     "tokenizer.json",
