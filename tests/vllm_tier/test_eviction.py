@@ -71,9 +71,15 @@ class _Recorder(logging.Filter):
 def plugin_log():
     """The messages of the `vllm.rlkv` logger while the test runs."""
     recorder, logger = _Recorder(), logging.getLogger("vllm.rlkv")
+    # another library's logging set-up earlier in the session (dictConfig's disable_existing_loggers) may have
+    # disabled this logger or raised its level: the test reads what the plugin says, so it turns both back
+    disabled, level = logger.disabled, logger.level
+    logger.disabled = False
+    logger.setLevel(logging.INFO)
     logger.addFilter(recorder)
     yield recorder.lines
     logger.removeFilter(recorder)
+    logger.disabled, logger.level = disabled, level
 
 
 def _served_and_reference(model, tokenizer, prompts, config, plugin_log, max_tokens=200):
