@@ -167,7 +167,8 @@ class EvictionManager(FullAttentionManager):
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> int:
         if not self.req_to_blocks.get(request_id):  # a new or resumed request: its prefill's end
             self.prompt[request_id] = int(kwargs.get("prefill_end") or num_tokens)
-        self.tokens[request_id] = num_tokens
+        if self.reports:  # only the reporting group's manager needs it
+            self.tokens[request_id] = num_tokens
         return super().get_num_blocks_to_allocate(
             request_id, self._tokens(request_id, num_tokens), *args, **kwargs
         )
@@ -189,10 +190,8 @@ class EvictionManager(FullAttentionManager):
 
     def free(self, request_id: str) -> None:
         if self.reports and request_id in self.prompt:
-            prompt, steps = (
-                self.prompt[request_id],
-                max(0, self.tokens.get(request_id, 0) - self.prompt[request_id]),
-            )
+            prompt = self.prompt[request_id]
+            steps = max(0, self.tokens.get(request_id, 0) - prompt)
             _LOG.info(
                 "rlkv: request %s: %d compactions of its evicting heads (prompt %d tokens, %d decode steps)",
                 request_id,

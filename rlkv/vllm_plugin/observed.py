@@ -13,8 +13,8 @@ slots through compactions. Here the same, over vLLM's pages:
   `on_attention` and written back after it; a compaction hands the gathered buffers to `keep_in_run`,
   which moves them with the kept slots.
 - `prompt_probabilities` / `decode_attention`: the explicit fp32 softmax of the transformers path, for a
-  prompt chunk (causal over the request's earlier slots) and for one generated token per request (over its
-  occupied slots; the output is computed from the same probabilities, as there).
+  prompt chunk (causal over the request's earlier slots) and, through `observed_attention` itself, for one
+  generated token per request (over its occupied slots; the output computed from the same probabilities).
 """
 
 from __future__ import annotations
@@ -123,13 +123,10 @@ def decode_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, occupied: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One generated token per request: query [W, H_q, D] over its slots keys, values [W, H_kv, S, D]
-    (occupied BoolTensor [W, S]), an explicit fp32 softmax. Returns (output [W, H_q, D], probabilities
-    [W, H_kv, G, 1, S])."""
-    tokens, heads, dim = query.shape
-    kv_heads = keys.shape[1]
-    q = query.reshape(tokens, kv_heads, heads // kv_heads, 1, dim).float()
-    logits = torch.matmul(q, keys[:, :, None].float().transpose(-1, -2)) * scale
-    logits = logits.masked_fill(~occupied[:, None, None, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    out = torch.matmul(probs, values[:, :, None].float()).to(values.dtype)
-    return out.reshape(tokens, heads, dim), probs
+    (occupied BoolTensor [W, S]), the transformers path's `observed_attention`. Returns (output [W, H_q, D],
+    probabilities [W, H_kv, G, 1, S])."""
+    from rlkv.cache.static.attention import observed_attention
+
+    valid = occupied[:, None, :].expand(-1, keys.shape[1], -1)
+    out, probs = observed_attention(query[:, :, None, :], keys, values, valid, scale)
+    return out[:, 0], probs
