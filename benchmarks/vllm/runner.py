@@ -26,6 +26,9 @@ the mask's compressed heads, budget 80 with sink 16 + window 8) and `rkv` (R-KV 
 matched ratio budget); each row reports the compactions per request. Targets: memory-bound, rlkv+rkv
 s=0.75 >= 2.0x stock and rkv s=0.5 >= 1.5x; unbound >= 0.9x. --vllm-policy-kwargs '{"buffer": 128}' measures
 R-KV's serving setting instead (a compaction every 128 generated tokens; 128 more slots per request).
+A method runs at s=0.5 and 0.75, or at one sparsity as METHOD@S (`--vllm-methods rlkv+rkv@0.75,rkv@0.5`:
+the cells that carry the memory-bound targets); --vllm-kv bound (or unbound) runs one KV size only, for a
+long run at reasoning length.
 """
 
 from __future__ import annotations
@@ -84,7 +87,13 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "--vllm-methods",
         default="rlkv",
         help="comma-separated: rlkv (the head mask in --vllm-form), rlkv+rkv and/or rkv (token eviction on "
-        "vLLM, the eval's matched configs)",
+        "vLLM, the eval's matched configs), each at s=0.5 and 0.75, or at one sparsity as METHOD@S (rkv@0.5)",
+    )
+    parser.add_argument(
+        "--vllm-kv",
+        choices=("both", "bound", "unbound"),
+        default="both",
+        help="the KV cache sizes to run (serving part): both (default), bound or unbound",
     )
     parser.add_argument(
         "--vllm-policy-kwargs",
@@ -104,6 +113,24 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "--vllm-author-masks", default=None, help="a clone of the RLKV authors' repository (the padding part)"
     )
     engines.add_options(parser)
+
+
+def method_cells(spec: str) -> list[tuple[str, float]]:
+    """--vllm-methods as (method, sparsity) cells in order: METHOD runs at every sparsity of SPARSITIES,
+    METHOD@S at S only."""
+    cells = []
+    for item in spec.split(","):
+        method, _, sparsity = item.strip().partition("@")
+        if method not in {"rlkv", "rlkv+rkv", "rkv"}:
+            raise SystemExit(f"--vllm-methods {method!r}: choose rlkv, rlkv+rkv and/or rkv (METHOD or METHOD@S)")
+        try:
+            values = (float(sparsity),) if sparsity else SPARSITIES
+        except ValueError:
+            raise SystemExit(f"--vllm-methods {item!r}: the sparsity after @ is a number, e.g. rkv@0.5") from None
+        if not all(0 < v < 1 for v in values):
+            raise SystemExit(f"--vllm-methods {item!r}: the sparsity after @ is between 0 and 1, e.g. rkv@0.5")
+        cells += [(method, v) for v in values if (method, v) not in cells]
+    return cells
 
 
 def synthetic_model(folder: Path, layers: int) -> Path:
@@ -278,10 +305,8 @@ def suite_serving(args: argparse.Namespace) -> dict:
     def form(sparsity: float):
         return vllm_compression(mask, sparsity, window=args.vllm_window, **FORMS[args.vllm_form])
 
-    methods = args.vllm_methods.split(",")
-    unknown = sorted(set(methods) - {"rlkv", "rlkv+rkv", "rkv"})
-    if unknown:
-        raise SystemExit(f"--vllm-methods {unknown}: choose rlkv, rlkv+rkv and/or rkv")
+    cells = method_cells(args.vllm_methods)
+    methods = sorted({method for method, _ in cells})
 
     def config(method: str, sparsity: float):
         if method == "rlkv":
@@ -290,8 +315,10 @@ def suite_serving(args: argparse.Namespace) -> dict:
         return method_config(method, sparsity, model=hf, masks={"rlkv": mask}, policy_kwargs=kwargs)
 
     runs = [("stock vLLM", 0.0, None)] + [
-        (f"{m} s={s}", s, compression_overrides(model, config(m, s))) for m in methods for s in SPARSITIES
+        (f"{m} s={s}", s, compression_overrides(model, config(m, s))) for m, s in cells
     ]
+    if args.vllm_kv != "both":
+        sizes = {args.vllm_kv: sizes[args.vllm_kv]}
     hf = None  # the engines load their own copy
     gc.collect()
     rows = []
@@ -303,7 +330,7 @@ def suite_serving(args: argparse.Namespace) -> dict:
             rows.append({"kv": bound, "kv_bytes": kv_bytes, "method": name, "sparsity": sparsity, **r})
             rows[-1]["kind"] = method
             print(f"  vllm: {bound} {name}: {json.dumps(r)}", flush=True)
-    for sparsity in (0.0, *SPARSITIES) if "rlkv" in methods else ():
+    for sparsity in (0.0, *sorted(s for m, s in cells if m == "rlkv")) if "rlkv" in methods else ():
         compression = None if sparsity == 0 else form(sparsity)
         name = "transformers generate" if sparsity == 0 else f"rlkv transformers s={sparsity}"
         r = run_transformers(model, prompts, args.vllm_new_tokens, compression)
@@ -313,7 +340,7 @@ def suite_serving(args: argparse.Namespace) -> dict:
     targets = {("rlkv", *key): target for key, target in TARGETS.items()} | EVICTION_TARGETS
     checks = []
     for (method, bound, sparsity), target in targets.items():
-        if method not in methods:
+        if (method, sparsity) not in cells or bound not in sizes:
             continue
         stock = next(r for r in rows if r["kv"] == bound and r["sparsity"] == 0)
         mixed = next(
