@@ -122,13 +122,19 @@ def method_cells(spec: str) -> list[tuple[str, float]]:
     for item in spec.split(","):
         method, _, sparsity = item.strip().partition("@")
         if method not in {"rlkv", "rlkv+rkv", "rkv"}:
-            raise SystemExit(f"--vllm-methods {method!r}: choose rlkv, rlkv+rkv and/or rkv (METHOD or METHOD@S)")
+            raise SystemExit(
+                f"--vllm-methods {method!r}: choose rlkv, rlkv+rkv and/or rkv (METHOD or METHOD@S)"
+            )
         try:
             values = (float(sparsity),) if sparsity else SPARSITIES
         except ValueError:
-            raise SystemExit(f"--vllm-methods {item!r}: the sparsity after @ is a number, e.g. rkv@0.5") from None
+            raise SystemExit(
+                f"--vllm-methods {item!r}: the sparsity after @ is a number, e.g. rkv@0.5"
+            ) from None
         if not all(0 < v < 1 for v in values):
-            raise SystemExit(f"--vllm-methods {item!r}: the sparsity after @ is between 0 and 1, e.g. rkv@0.5")
+            raise SystemExit(
+                f"--vllm-methods {item!r}: the sparsity after @ is between 0 and 1, e.g. rkv@0.5"
+            )
         cells += [(method, v) for v in values if (method, v) not in cells]
     return cells
 
