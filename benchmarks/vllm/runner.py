@@ -312,7 +312,7 @@ def suite_serving(args: argparse.Namespace) -> dict:
         return vllm_compression(mask, sparsity, window=args.vllm_window, **FORMS[args.vllm_form])
 
     cells = method_cells(args.vllm_methods)
-    methods = sorted({method for method, _ in cells})
+    rlkv_sparsities = [s for m, s in cells if m == "rlkv"]  # rlkv's rows get transformers references
 
     def config(method: str, sparsity: float):
         if method == "rlkv":
@@ -336,7 +336,7 @@ def suite_serving(args: argparse.Namespace) -> dict:
             rows.append({"kv": bound, "kv_bytes": kv_bytes, "method": name, "sparsity": sparsity, **r})
             rows[-1]["kind"] = method
             print(f"  vllm: {bound} {name}: {json.dumps(r)}", flush=True)
-    for sparsity in (0.0, *sorted(s for m, s in cells if m == "rlkv")) if "rlkv" in methods else ():
+    for sparsity in [0.0, *sorted(rlkv_sparsities)] if rlkv_sparsities else []:
         compression = None if sparsity == 0 else form(sparsity)
         name = "transformers generate" if sparsity == 0 else f"rlkv transformers s={sparsity}"
         r = run_transformers(model, prompts, args.vllm_new_tokens, compression)

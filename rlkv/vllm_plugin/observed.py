@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from rlkv.cache.static.attention import observed_attention
+
 
 class SlotTables:
     """The per-slot buffers of one eviction layer's policy, [rows, H_kv, capacity] each, made when first asked.
@@ -125,8 +127,6 @@ def decode_attention(
     """One generated token per request: query [W, H_q, D] over its slots keys, values [W, H_kv, S, D]
     (occupied BoolTensor [W, S]), the transformers path's `observed_attention`. Returns (output [W, H_q, D],
     probabilities [W, H_kv, G, 1, S])."""
-    from rlkv.cache.static.attention import observed_attention
-
     valid = occupied[:, None, :].expand(-1, keys.shape[1], -1)
     out, probs = observed_attention(query[:, :, None, :], keys, values, valid, scale)
     return out[:, 0], probs
