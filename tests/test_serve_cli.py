@@ -251,7 +251,7 @@ def test_export_writes_a_token_eviction_policy_and_refuses_what_vllm_cannot_run(
     split = json.loads((tmp_path / "r" / "config.json").read_text())["rlkv_head_split"]
     assert split["policy"] == {"name": "random", "budget": 0.25, "kwargs": {}}
     refused = {
-        ("--policy", "rpc", "--budget", "80"): "policy='rpc'",
+        ("--policy", "rpc", "--budget", "80"): "--policy rpc: vLLM serves",
         ("--policy", "rkv", "--budget", "lots"): "--budget 'lots'",
         ("--policy", "rkv", "--policy-kwargs", "{buffer: 0}"): "--policy-kwargs",
         ("--budget", "80"): "--budget without --policy",
@@ -262,3 +262,69 @@ def test_export_writes_a_token_eviction_policy_and_refuses_what_vllm_cannot_run(
         assert code == 2, extra
         assert_one_error_line(err, "rlkv export-vllm", needle)
     assert not (tmp_path / "x").exists()
+
+
+RKV80 = ["--policy", "rkv", "--budget", "80"]
+
+
+@pytest.mark.parametrize("command", ["serve", "export-vllm"])
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        ([*RKV80, "--policy-kwargs", '{"bogus": 1}'], ("--policy-kwargs", "no field 'bogus'")),
+        ([*RKV80, "--policy-kwargs", '{"lam": "x"}'], ("--policy-kwargs", "lam='x' must be a number")),
+        ([*RKV80, "--policy-kwargs", '{"buffer": 1.5}'], ("buffer=1.5 must be an integer",)),
+        ([*RKV80, "--policy-kwargs", '{"lam": 2}'], ("lam=2 must be in [0, 1]",)),
+        (["--policy", "snapkv", "--policy-kwargs", '{"pooling": "sum"}'], ("pooling='sum' must be one of",)),
+        (["--policy-kwargs", '{"buffer": 0}'], ("--policy-kwargs without --policy",)),
+        (
+            ["--policy", "skipkv", "--budget", "80"],
+            ("--policy skipkv", "transformers engine only", "rlkv generate"),
+        ),
+        (["--policy", "bogus"], ("--policy bogus: no such policy",)),
+        (["--policy", "rkv", "--budget", "0", "--sink", "0", "--window", "0"], ("--budget 0", "at least 1")),
+        (["--policy", "rkv", "--budget", "40"], ("--budget 40", "at least 80")),
+        (["--policy", "rkv", "--budget", "1.5"], ("--budget 1.5", "(0, 1]")),
+    ],
+)
+def test_policy_fields_are_checked_before_vllm_starts(capsys, mask_dir, tmp_path, command, flags, needles):
+    """Every --policy / --budget / --policy-kwargs mistake is one line in the CLI's flags, before vLLM loads
+    (and before export writes a folder that would fail only when served)."""
+    argv = [command, "--model", DEMO, "--head-mask", mask_dir, "--sparsity", "0.5", *flags]
+    argv += ["--out", str(tmp_path / "x")] if command == "export-vllm" else ["--port", str(_free_port())]
+    code, err = run_cli(argv, capsys)
+    assert code == 2
+    assert_one_error_line(err, f"rlkv {command}", *needles)
+    assert not (tmp_path / "x").exists()
+
+
+def test_policy_kwargs_are_checked_in_python_too():
+    """`vllm_overrides` (and so the eval and the rollouts) refuse the same kwargs before an engine starts."""
+    from rlkv.inference.config import CompressionConfigError
+    from rlkv.inference.vllm import vllm_overrides
+    from rlkv.policies import PolicyArgumentError, get_policy
+
+    mask = HeadMask.random(load(DEMO, dtype="float32")[0], seed=0)
+    with pytest.raises(CompressionConfigError, match="no field 'bogus'"):
+        vllm_overrides(DEMO, mask, 0.5, policy="rkv", budget=80, policy_kwargs={"bogus": 1})
+    with pytest.raises(PolicyArgumentError, match="buffer=1.5 must be an integer"):
+        get_policy("rkv", buffer=1.5)
+    assert get_policy("rkv", buffer=2.0).buffer == 2  # a whole float (JSON 2.0) is the integer
+
+
+def test_a_budget_over_every_position_is_noted(capsys, mask_dir, tmp_path):
+    argv = ["export-vllm", "--model", DEMO, "--head-mask", mask_dir, "--sparsity", "0.5", "--policy", "rkv"]
+    code, err = run_cli([*argv, "--budget", "5000", "--out", str(tmp_path / "o")], capsys)
+    assert code == 0
+    assert "--budget 5000 covers all 1024 positions" in err and "never evicts" in err
+
+
+def test_prefix_caching_given_as_a_value_is_read_and_refused_with_a_policy(capsys, mask_dir):
+    from rlkv.cli.vllm_args import switch
+
+    assert switch(["--enable-prefix-caching=true"], "enable-prefix-caching") is True
+    assert switch(["--enable_prefix_caching=False"], "enable-prefix-caching") is False
+    argv = _serve(mask_dir, "--policy", "rkv", "--budget", "80", "--enable-prefix-caching=true")
+    code, err = run_cli([*argv, "--port", str(_free_port())], capsys)
+    assert code == 2
+    assert_one_error_line(err, "rlkv serve", "--enable-prefix-caching with --policy rkv")

@@ -67,7 +67,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy-kwargs",
         type=json_object,
-        default={},
+        default=None,
         help='with --policy: its arguments as JSON, e.g. \'{"buffer": 128, "lam": 0.1}\' (R-KV\'s defaults otherwise)',
     )
 
@@ -99,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _form(args: argparse.Namespace) -> dict[str, Any]:
-    """The compressed heads' form flags as `vllm_overrides` keywords, checked."""
+    """The compressed heads' form flags as `vllm_overrides` keywords, checked in the CLI's own terms."""
     for name in ("sink", "window"):
         if getattr(args, name) < 0:
             raise UserInputError(f"--{name} {getattr(args, name)}: must be >= 0")
@@ -110,12 +110,49 @@ def _form(args: argparse.Namespace) -> dict[str, Any]:
         "protect_prompt": args.protect_prompt,
     }
     if args.policy == "streaming":
-        if args.budget is not None:
-            raise UserInputError(
-                "--budget without --policy: streaming heads keep --sink + --window; name a policy"
-            )
+        for flag, value in (("--budget", args.budget), ("--policy-kwargs", args.policy_kwargs)):
+            if value is not None:
+                raise UserInputError(
+                    f"{flag} without --policy: streaming heads keep --sink + --window and take no {flag}; name "
+                    "a token-eviction policy (e.g. --policy rkv) or drop the flag"
+                )
         return form
-    return form | {"policy": args.policy, "budget": args.budget, "policy_kwargs": args.policy_kwargs}
+    _check_policy(args)
+    return form | {"policy": args.policy, "budget": args.budget, "policy_kwargs": args.policy_kwargs or {}}
+
+
+def _check_policy(args: argparse.Namespace) -> None:
+    """--policy, --budget and --policy-kwargs against what vLLM's eviction group runs and the policy's own
+    fields (types and ranges), so a bad value is refused here and not after vLLM has loaded."""
+    from rlkv.policies import UnknownPolicyError, get_policy, get_policy_class
+    from rlkv.vllm_plugin.split import EVICTION_POLICIES
+
+    runs = "streaming (the default) or " + ", ".join(EVICTION_POLICIES)
+    try:
+        get_policy_class(args.policy)
+    except UnknownPolicyError:
+        raise UserInputError(f"--policy {args.policy}: no such policy; vLLM serves {runs}") from None
+    if args.policy not in EVICTION_POLICIES:
+        raise UserInputError(
+            f"--policy {args.policy}: vLLM serves {runs}; {args.policy} runs on the transformers engine only "
+            f"(rlkv generate --policy {args.policy}, rlkv eval with the default --engine transformers)"
+        )
+    kept = args.sink + args.window
+    if isinstance(args.budget, int) and args.budget < max(1, kept):
+        raise UserInputError(
+            f"--budget {args.budget}: a compressed head keeps --budget tokens, --sink + --window ({kept}) among "
+            f"them, so it must be at least {max(1, kept)}; raise --budget or lower --sink / --window"
+        )
+    if isinstance(args.budget, float) and not 0.0 < args.budget <= 1.0:
+        raise UserInputError(
+            f"--budget {args.budget}: a ratio budget is a fraction of the request's tokens, in (0, 1]; give a "
+            "ratio such as 0.25 or whole tokens such as 2048"
+        )
+    kwargs = args.policy_kwargs or {}
+    try:
+        get_policy(args.policy, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise UserInputError(f"--policy-kwargs {json.dumps(kwargs)}: {e}") from None
 
 
 def _prefix_caching_flags(form: dict[str, Any], extra: list[str]) -> list[str]:
@@ -153,6 +190,18 @@ def _note_uncompressed(kept: int, positions: int | None, where: str) -> None:
         print(
             f"rlkv: note: --sink + --window ({kept}) cover all {positions} positions ({where}): every KV head "
             "attends to its whole history, nothing is compressed; give a smaller --window to compress",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _note_budget(form: dict[str, Any], positions: int | None, where: str) -> None:
+    """A token budget at or over every position never evicts: say so (it is not an error)."""
+    budget = form.get("budget")
+    if isinstance(budget, int) and positions is not None and budget >= positions:
+        print(
+            f"rlkv: note: --budget {budget} covers all {positions} positions ({where}): --policy "
+            f"{form['policy']} never evicts a token, nothing is compressed; give a smaller --budget to compress",
             file=sys.stderr,
             flush=True,
         )
@@ -251,9 +300,9 @@ def run_serve(args: argparse.Namespace) -> int:
     positions = (
         int(max_len) if max_len and max_len.isdigit() else getattr(config, "max_position_embeddings", None)
     )
-    _note_uncompressed(
-        args.sink + args.window, positions, "--max-model-len" if max_len else "max_position_embeddings"
-    )
+    where = "--max-model-len" if max_len else "max_position_embeddings"
+    _note_uncompressed(args.sink + args.window, positions, where)
+    _note_budget(form, positions, where)
     print(
         f"rlkv: starting vLLM with the head split of {args.head_mask} at sparsity {args.sparsity} (the engine "
         "logs the split it loaded: 'rlkv: Rlkv...ForCausalLM serves N of M KV heads full')",
@@ -280,8 +329,8 @@ def run_export(args: argparse.Namespace) -> int:
     config = json.loads((out / "config.json").read_text())
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     print(HeadSplit.from_config(config).describe(kv_heads, config["architectures"][0]))
-    _note_uncompressed(
-        args.sink + args.window, config.get("max_position_embeddings"), "max_position_embeddings"
-    )
+    positions = config.get("max_position_embeddings")
+    _note_uncompressed(args.sink + args.window, positions, "max_position_embeddings")
+    _note_budget(_form(args), positions, "max_position_embeddings")
     print(f"wrote {out}: serve it with `vllm serve {out}` (rlkv's plugin reads the split from config.json)")
     return 0

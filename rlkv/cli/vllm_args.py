@@ -86,13 +86,23 @@ def option(args: list[str], *names: str) -> str | None:
     return found
 
 
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
 def switch(args: list[str], name: str) -> bool | None:
-    """The last of vLLM's boolean flag `--NAME` (True) / `--no-NAME` (False) in `args` (`_` for `-`), else None."""
+    """The last of vLLM's boolean flag `--NAME` (True) / `--no-NAME` (False) in `args` (`_` for `-`; also
+    `--NAME=true` / `--NAME=false`, which vLLM's parser accepts), else None."""
     found = None
     for arg in args:
-        flag = _canonical(arg) if arg.startswith("--") else arg
+        flag, eq, value = arg.partition("=")
+        flag = _canonical(flag) if flag.startswith("--") else flag
         if flag == f"--{name}":
-            found = True
+            if not eq or value.lower() in _TRUE:
+                found = True
+            elif value.lower() in _FALSE:
+                found = False
+            else:
+                raise UserInputError(f"--{name}={value}: give true or false (or --{name} / --no-{name})")
         elif flag == f"--no-{name}":
             found = False
     return found

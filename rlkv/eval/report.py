@@ -153,6 +153,18 @@ def _engine_lines(rows: list[Row]) -> list[str]:
     return [f"- engine: {'; '.join(parts)}{note}"]
 
 
+def _dtype_lines(rows: list[Row]) -> list[str]:
+    """The dtype the rows were generated in (rows before dtypes were recorded say nothing)."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        if r.get("dtype"):
+            counts[r["dtype"]] = counts.get(r["dtype"], 0) + 1
+    if len(counts) <= 1:
+        return [f"- dtype: {d}" for d in counts]
+    parts = ", ".join(f"{d} ({n} rows)" for d, n in counts.items())
+    return [f"- dtypes: {parts}: rows of different dtypes differ in their greedy tokens; compare within one"]
+
+
 def head_mask_form(config: dict[str, Any]) -> str:
     """What the head-mask methods' compressed heads keep, in words, from a run's saved config."""
     sink, window = config.get("sink", 16), config.get("window", 64)
@@ -193,6 +205,7 @@ def render_markdown(
         ),
         f"- rows: {len(rows)}; generation wall time {sum(r.get('seconds', 0) for r in rows):.0f} s",
         *_engine_lines(rows),
+        *_dtype_lines(rows),
         *(
             [f"- head-mask methods' compressed heads keep {head_mask_form(config)}"]
             if any(is_mask_name(r["method"]) for r in rows)

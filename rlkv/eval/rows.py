@@ -11,13 +11,14 @@ from rlkv.eval.results import row_key
 
 @dataclass(frozen=True)
 class RowContext:
-    """What every row of a run shares: the tokenizer, the repetition rule, the model's KV heads (L x H_kv)
-    and the bytes of one token's K and V in one head."""
+    """What every row of a run shares: the tokenizer, the repetition rule, the model's KV heads (L x H_kv),
+    the bytes of one token's K and V in one head and the dtype both engines run ("float32", "bfloat16")."""
 
     tokenizer: Any
     repetition: RepetitionRule
     num_heads: int
     bytes_per_entry: int
+    dtype: str
 
 
 def eval_row(
@@ -70,4 +71,5 @@ def eval_row(
         "evictions": stats and stats.evictions,
         "seconds": round(seconds, 4),
         "engine": engine,
+        "dtype": context.dtype,
     }

@@ -44,6 +44,7 @@ from rlkv.eval.rows import RowContext, eval_row
 from rlkv.eval.stopping import stop_criteria
 from rlkv.eval.vllm_tasks import runs_on_vllm
 from rlkv.head_mask import ModelFingerprint
+from rlkv.inference.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -281,8 +282,11 @@ def _run_locked(
         tally[r["method"]][1] += 1
     bar = tqdm(total=total, desc="eval", disable=not cfg.progress, dynamic_ncols=True)
     sampling = cfg.temperature > 0
-    context = RowContext(tokenizer, repetition, num_heads, bytes_per_entry)
-    vllm_runner = _vllm_runner(cfg, model, problems, tasks)
+    # one dtype per run: the loaded model's ("auto" resolved once by `load`), given to vLLM's engines too
+    dtype = dtype_name(next(model.parameters()).dtype)
+    _check_row_dtypes(out, done_rows, dtype)
+    context = RowContext(tokenizer, repetition, num_heads, bytes_per_entry, dtype)
+    vllm_runner = _vllm_runner(cfg, model, problems, tasks, dtype)
     with open(results_path, "a", encoding="utf-8") as sink:
 
         def write(row: dict[str, Any]) -> None:
@@ -381,15 +385,28 @@ def _run_locked(
     return out
 
 
-def _vllm_runner(cfg: EvalConfig, model: Any, problems: dict, tasks: list[_Task]) -> Any:
-    """The vLLM task runner of an `engine: vllm` run that has vLLM tasks (else None)."""
+def _check_row_dtypes(out: Path, rows: list[dict[str, Any]], dtype: str) -> None:
+    """Refuse to add `dtype` rows to a folder whose rows were generated in another dtype (an "auto" run
+    resumed on a CPU of another kind resolves differently; greedy tokens differ across dtypes)."""
+    others = sorted({r["dtype"] for r in rows if r.get("dtype", dtype) != dtype})
+    if others:
+        from rlkv.errors import UserInputError
+
+        raise UserInputError(
+            f"{out}: its rows were generated in {', '.join(others)}, this run's model is {dtype}: pass "
+            f"--dtype {others[0]} to resume them, or use another --out"
+        )
+
+
+def _vllm_runner(cfg: EvalConfig, model: Any, problems: dict, tasks: list[_Task], dtype: str) -> Any:
+    """The vLLM task runner of an `engine: vllm` run that has vLLM tasks (else None), in `dtype`."""
     if cfg.engine != "vllm" or not any(runs_on_vllm(t.method) for t in tasks):
         return None
     from rlkv.eval.vllm_tasks import VLLMTaskRunner
 
     widest = max(e[3] for entries in problems.values() for e in entries)
     longest = max(cfg.new_tokens(b) for b in cfg.benchmarks)
-    return VLLMTaskRunner(cfg, model, max_model_len=widest + longest)
+    return VLLMTaskRunner(cfg, model, max_model_len=widest + longest, dtype=dtype)
 
 
 def run_sensitivity(

@@ -98,12 +98,12 @@ def reachable_kv(
 class VLLMTaskRunner:
     """Runs eval tasks on `rlkv.inference.vllm_engine.VLLMRunner`, one engine per head split at a time."""
 
-    def __init__(self, cfg: Any, model: Any, max_model_len: int):
+    def __init__(self, cfg: Any, model: Any, max_model_len: int, dtype: str):
         from rlkv.inference.vllm_engine import VLLMRunner
 
         settings = {"max_model_len": max_model_len} | dict(cfg.vllm_kwargs)
         self.model = model
-        self.engines = VLLMRunner(cfg.model, dtype=cfg.dtype, seed=cfg.seed, **settings)
+        self.engines = VLLMRunner(cfg.model, dtype=dtype, seed=cfg.seed, **settings)
 
     def rows(
         self,

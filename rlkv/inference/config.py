@@ -93,6 +93,11 @@ class CompressionConfig:
             raise CompressionConfigError(
                 f"budget={b}: more tokens than any context ({MAX_TOKENS}); use None for no limit"
             )
+        if isinstance(b, int) and b < 1:
+            raise CompressionConfigError(
+                f"budget={b}: a compressed head would keep no token and attend to nothing but itself; give a "
+                "budget of at least 1 token (sink + window included), or a ratio in (0, 1]"
+            )
         if isinstance(b, int) and b < self.sink + self.window:
             raise CompressionConfigError(
                 f"budget={b} is smaller than sink + window = {self.sink} + {self.window}; raise the budget or "

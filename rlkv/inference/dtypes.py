@@ -55,22 +55,34 @@ def host_description(device: str | torch.device | None = None) -> str:
     return f"{name}; torch {torch.__version__}"
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """ "float32", "bfloat16", ...: the name rows, reports and vLLM's `dtype` argument take."""
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
     """A torch dtype from a name ("auto", "bfloat16"/"bf16", "float32"/"fp32", "float16"/"fp16") or a dtype.
 
     "auto" picks bf16 on a CUDA device with bf16 support or a CPU with AVX512/AMX-BF16, fp32
-    otherwise, and logs the choice. Raises ValueError naming the accepted values.
+    otherwise, and logs the choice; an explicit bf16 on a CPU without native bf16 logs that it will be
+    emulated (slow). Raises ValueError naming the accepted values.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
     name = str(dtype).removeprefix("torch.").lower()
-    if name in NAMES:
-        return NAMES[name]
-    if name != "auto":
+    if name not in NAMES and name != "auto":
         raise ValueError(f"dtype={dtype!r}: use auto, bfloat16, float16 or float32")
     kind = (
         torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     )
+    if name in NAMES:
+        if NAMES[name] is torch.bfloat16 and kind == "cpu" and not cpu_has_bf16():
+            logger.warning(
+                "dtype %s on a CPU without AVX512-BF16/AMX-BF16: bf16 is emulated here, about 10x slower than "
+                "float32 (which dtype auto chooses on this CPU)",
+                name,
+            )
+        return NAMES[name]
     if kind == "cuda":
         chosen, why = (
             (torch.bfloat16, "CUDA bf16")
@@ -81,5 +93,5 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = 
         chosen, why = torch.bfloat16, "CPU with AVX512/AMX-BF16"
     else:
         chosen, why = torch.float32, f"{kind} without native bf16"
-    logger.warning("dtype auto -> %s (%s)", str(chosen).removeprefix("torch."), why)
+    logger.warning("dtype auto -> %s (%s)", dtype_name(chosen), why)
     return chosen

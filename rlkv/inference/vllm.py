@@ -98,6 +98,7 @@ def head_split(model_or_config: Any, compression: CompressionConfig, shards: int
         )
     policy = None
     if evicting:
+        _check_policy_kwargs(c.policy, c.policy_kwargs)
         kwargs = json.dumps(dict(c.policy_kwargs or {}), sort_keys=True)
         policy = EvictionRule(
             c.policy, c.budget if c.budget is not None else _default_budget(c.policy), kwargs
@@ -120,6 +121,17 @@ def head_split(model_or_config: Any, compression: CompressionConfig, shards: int
         protect_prompt=compression.protect_prompt,
         policy=policy,
     )
+
+
+def _check_policy_kwargs(policy: str, kwargs: dict[str, Any]) -> None:
+    """Build the policy once, so that a field it lacks, a value of the wrong type or out of its range is
+    refused here (`CompressionConfigError`), before an engine starts, and not at vLLM's first compaction."""
+    from rlkv.policies import get_policy
+
+    try:
+        get_policy(policy, **(kwargs or {}))
+    except (TypeError, ValueError) as e:
+        raise CompressionConfigError(f"policy_kwargs: {e}") from None
 
 
 def _default_budget(policy: str) -> int | float:

@@ -7,9 +7,12 @@ Built-in policies live in one module each under `rlkv/policies/` and register on
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
+import typing
 from collections.abc import Callable
+from typing import Any
 
 from rlkv.errors import UserError
 from rlkv.policies.base import CompressionPolicy, keep_forced_only, keep_top_scores
@@ -20,6 +23,10 @@ _BUILTINS_LOADED = False
 
 class UnknownPolicyError(ValueError, UserError):
     """A policy name that no registered policy has."""
+
+
+class PolicyArgumentError(TypeError, UserError):
+    """A `policy_kwargs` key that is not one of the policy's fields, or a value of the wrong type."""
 
 
 def register_policy(name: str) -> Callable[[type[CompressionPolicy]], type[CompressionPolicy]]:
@@ -66,16 +73,62 @@ def get_policy_class(name: str) -> type[CompressionPolicy]:
 
 
 def get_policy(name: str, **kwargs) -> CompressionPolicy:
-    """A new instance of the policy registered under `name`, built with `kwargs`."""
+    """A new instance of the policy registered under `name`, built with `kwargs`.
+
+    Each key must be one of the policy's fields and each value of the field's type (an int field takes an
+    integer, a float field a number, a bool field True/False, a choice field one of its choices): a
+    `PolicyArgumentError` names the field otherwise, where a plain construction would truncate 1.5 to 1.
+    Ranges are the policy's own checks (`ValueError` from its `__post_init__`).
+    """
     cls = get_policy_class(name)
+    _check_fields(name, cls, kwargs)
     try:
         return cls(**kwargs)
     except TypeError as e:
-        raise TypeError(f"policy {name!r} rejected policy_kwargs {sorted(kwargs)}: {e}") from None
+        raise PolicyArgumentError(f"policy {name!r} rejected policy_kwargs {sorted(kwargs)}: {e}") from None
+
+
+def _check_fields(name: str, cls: type[CompressionPolicy], kwargs: dict[str, Any]) -> None:
+    """Refuse a key that names no field of `cls` and a value that does not fit the field's annotation."""
+    accepted = (
+        {f.name: f for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else None
+    )
+    if accepted is None:
+        return
+    hints = typing.get_type_hints(cls)
+    for key, value in kwargs.items():
+        if key not in accepted:
+            raise PolicyArgumentError(
+                f"policy {name!r} rejected policy_kwargs {sorted(kwargs)}: it has no field {key!r} "
+                f"(its fields: {', '.join(sorted(accepted)) or 'none'})"
+            )
+        wanted = _expected(hints.get(key), value)
+        if wanted is not None:
+            raise PolicyArgumentError(
+                f"policy {name!r} rejected policy_kwargs {sorted(kwargs)}: {key}={value!r} must be {wanted}"
+            )
+
+
+def _expected(hint: Any, value: Any) -> str | None:
+    """What `value` should have been for annotation `hint` (None: it fits, or the hint is not checked)."""
+    if hint is int:
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        return None if whole and not isinstance(value, bool) else "an integer"
+    if hint is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    if typing.get_origin(hint) is typing.Literal:
+        choices = typing.get_args(hint)
+        return None if value in choices else "one of " + ", ".join(map(repr, choices))
+    return None  # unions, objects (a tokenizer, a path): the policy checks them
 
 
 __all__ = [
     "CompressionPolicy",
+    "PolicyArgumentError",
     "UnknownPolicyError",
     "available",
     "get_policy",
