@@ -41,6 +41,38 @@ def csv_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def vllm_arg(text: str) -> tuple[str, object]:
+    """argparse type of --vllm-arg: `KEY=VALUE`, one `vllm.LLM` argument (dashes in KEY as underscores; VALUE
+    read as JSON where it parses, e.g. 0.5, true, {"level": 0}, else kept as text)."""
+    import json
+
+    key, eq, value = text.partition("=")
+    key = key.strip().removeprefix("--").replace("-", "_")
+    if not eq or not key.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"--vllm-arg {text!r}: give KEY=VALUE, e.g. --vllm-arg kv_cache_memory_bytes=4000000000"
+        )
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def add_vllm_arg(parser: argparse.ArgumentParser) -> None:
+    """The repeatable `--vllm-arg KEY=VALUE` flag (into `args.vllm_args`, a list of pairs)."""
+    parser.add_argument(
+        "--vllm-arg",
+        dest="vllm_args",
+        type=vllm_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --engine vllm: one vllm.LLM argument (repeatable), e.g. gpu_memory_utilization=0.5, "
+        "kv_cache_memory_bytes=4000000000, enforce_eager=true; on CPU rlkv sizes the KV cache from free "
+        "memory unless one of those two is set",
+    )
+
+
 def csv_fractions(text: str) -> list[float]:
     """argparse type: comma-separated numbers (fractions such as sparsities)."""
     try:

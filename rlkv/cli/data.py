@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from rlkv.cli import positive_int
+from rlkv.cli import add_vllm_arg, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,7 +61,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cur.add_argument(
         "--open-think", action="store_true", help="start the answer inside an opened <think> block"
     )
-    cur.add_argument("--dtype", default="auto", help="model dtype for the transformers engine")
+    cur.add_argument(
+        "--dtype",
+        default="auto",
+        help="model dtype on either engine: auto (bf16 where the machine computes it natively, else fp32), "
+        "bfloat16, float16 or float32",
+    )
+    add_vllm_arg(cur)
     cur.add_argument("--device", default=None, help="device for the transformers engine (e.g. cuda)")
     cur.add_argument(
         "--head-mask",
@@ -119,6 +125,10 @@ def _build(args: argparse.Namespace):
     from rlkv.rollout.engines import make_engine
 
     check_output_path(args.out, what="curriculum folder (--out)", error=UserInputError)
+    if args.vllm_args and args.engine != "vllm":
+        raise UserInputError(
+            "--vllm-arg without --engine vllm: the transformers engine takes no vLLM arguments"
+        )
     if args.engine == "vllm":
         import importlib.util
 
@@ -153,7 +163,14 @@ def _build(args: argparse.Namespace):
             compression=compression,
         )
     else:
-        engine = make_engine("vllm", args.model, seed=args.seed, dtype=args.dtype, compression=compression)
+        engine = make_engine(
+            "vllm",
+            args.model,
+            seed=args.seed,
+            dtype=args.dtype,
+            compression=compression,
+            **dict(args.vllm_args),
+        )
     return build_curriculum(engine, problems, args.out, config)
 
 

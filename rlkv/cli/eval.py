@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlkv.cli import csv_fractions, csv_list
+from rlkv.cli import add_vllm_arg, csv_fractions, csv_list
+from rlkv.vllm_plugin.split import EVICTION_POLICIES
 
 if TYPE_CHECKING:
     from rlkv.eval.config import EvalConfig
@@ -95,14 +96,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int)
     parser.add_argument("--out", help="output folder (default eval-out)")
-    parser.add_argument("--dtype", help="auto, bfloat16, float16 or float32")
+    parser.add_argument(
+        "--dtype",
+        help="auto (bf16 where the machine computes it natively, else fp32), bfloat16, float16 or float32; one "
+        "dtype for both engines, recorded in every row",
+    )
     parser.add_argument("--device", help="e.g. cuda, cpu")
     parser.add_argument(
         "--engine",
         choices=("transformers", "vllm"),
-        help="vllm: full and the head-mask methods on vLLM with rlkv's plugin, in the transformers engine's form "
-        "(sink + window after a full prompt), the other methods on transformers (default transformers)",
+        help="vllm: full, the head-mask methods (sink + window after a full prompt, the transformers engine's "
+        "form) and token eviction with " + ", ".join(EVICTION_POLICIES) + " (on every head or as "
+        "<mask>+<policy>) on vLLM with rlkv's plugin; methods without a vLLM form (rpc, skipkv) on transformers "
+        "in the same run, each row naming its engine (default transformers)",
     )
+    add_vllm_arg(parser)
     parser.add_argument(
         "--window-only",
         action="store_true",
@@ -183,6 +191,10 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             base[name] = value
+    if args.vllm_args:
+        if not isinstance(base.get("vllm_kwargs", {}), dict):
+            raise UserInputError(f"vllm_kwargs: a mapping of vllm.LLM arguments, got {base['vllm_kwargs']!r}")
+        base["vllm_kwargs"] = {**base.get("vllm_kwargs", {}), **dict(args.vllm_args)}
     if args.no_static_cache:
         base["static_cache"] = False
     if args.window_only:
@@ -207,6 +219,10 @@ def _run(args: argparse.Namespace) -> int:
         print(write_report(folder, head_mask=_mask_only(base.get("head_mask")), keys=keys))
         return 0
     cfg = _eval_config(base)
+    if args.vllm_args and cfg.engine != "vllm":
+        raise UserInputError(
+            "--vllm-arg without --engine vllm: the transformers engine takes no vLLM arguments"
+        )
     check_output_path(cfg.out, what="eval folder (--out)", error=UserInputError)
     from rlkv.eval.sensitivity import sensitivity_methods
     from rlkv.eval.vllm_tasks import engine_plan

