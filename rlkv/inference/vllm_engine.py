@@ -141,7 +141,7 @@ class VLLMRunner:
         if self._llm is None or key != self._key:
             self.close()
             settings = {"model": self.model, "dtype": self.dtype, "seed": self.seed} | self.llm_kwargs
-            settings |= self._cpu_memory(settings)
+            settings |= cpu_kv_cache(settings, self._weight_bytes)
             if overrides:
                 settings["hf_overrides"] = overrides
                 if (overrides.get(CONFIG_KEY) or {}).get("policy") is not None:
@@ -159,44 +159,6 @@ class VLLMRunner:
             self.starts += 1
             self.start_seconds += time.perf_counter() - began
         return self._llm
-
-    def _cpu_memory(self, settings: dict[str, Any]) -> dict[str, Any]:
-        """On vLLM's CPU platform, the explicit KV cache size to start with, checked against the memory free
-        now besides the weights (a one-line `VLLMStartError` when it cannot fit); nothing on a GPU.
-
-        No memory setting: `CPU_KV_SHARE` of the free memory (at most `CPU_KV_MAX`). `gpu_memory_utilization`
-        (vLLM's share of the machine on CPU): that share less the weights, as an explicit size, since vLLM
-        would subtract this whole process's RSS (the eval's transformers model, earlier engines' freed pages).
-        """
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return {}
-        import psutil
-
-        memory = psutil.virtual_memory()
-        free = memory.available - self._weight_bytes  # the weights load before the KV cache is allocated
-        env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-        if env:
-            asked, what, explicit = int(env) * GiB, f"VLLM_CPU_KVCACHE_SPACE={env}", {}
-        elif settings.get("kv_cache_memory_bytes") is not None:
-            asked, what, explicit = int(settings["kv_cache_memory_bytes"]), "kv_cache_memory_bytes", {}
-        elif settings.get("gpu_memory_utilization") is not None:
-            share = float(settings["gpu_memory_utilization"])
-            asked, what = int(memory.total * share) - self._weight_bytes, f"gpu_memory_utilization={share:g}"
-            explicit = {"kv_cache_memory_bytes": asked}
-        else:
-            asked, what = max(CPU_KV_MIN, int(min(CPU_KV_MAX, CPU_KV_SHARE * free))), "rlkv's default"
-            explicit = {"kv_cache_memory_bytes": asked}
-        if asked > free or asked <= 0:
-            raise VLLMStartError(
-                f"vLLM's KV cache on CPU: {what} asks for {asked / GiB:.2f} GiB and {max(free, 0) / GiB:.2f} GiB "
-                f"are free besides the weights ({self._weight_bytes / GiB:.2f} GiB): free memory, or ask for less "
-                f"with {VLLM_ARG_HINT} (kv_cache_memory_bytes=BYTES); with no memory setting rlkv takes "
-                f"{CPU_KV_SHARE:.0%} of the free memory"
-            )
-        logger.info("vLLM's KV cache on CPU: %.2f GiB (%s)", asked / GiB, what)
-        return explicit
 
     def stream(
         self,
@@ -268,6 +230,46 @@ __getattr__ = moved_names(
         )
     },
 )
+
+
+def cpu_kv_cache(settings: dict[str, Any], weight_bytes: int) -> dict[str, Any]:
+    """On vLLM's CPU platform, the explicit KV cache size to start `vllm.LLM(**settings)` with, checked against
+    the memory free now besides `weight_bytes` of weights (a one-line `VLLMStartError` when it cannot fit);
+    {} on a GPU and where `VLLM_CPU_KVCACHE_SPACE` or `kv_cache_memory_bytes` already sets it.
+
+    No memory setting: `CPU_KV_SHARE` of the free memory (at most `CPU_KV_MAX`). `gpu_memory_utilization`
+    (vLLM's share of the machine on CPU): that share less the weights, as an explicit size, since vLLM would
+    subtract the whole process's RSS (the eval's transformers model, a trainer's optimizer, freed pages).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    import psutil
+
+    memory = psutil.virtual_memory()
+    free = memory.available - weight_bytes  # the weights load before the KV cache is allocated
+    env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if env:
+        asked, what, explicit = int(env) * GiB, f"VLLM_CPU_KVCACHE_SPACE={env}", {}
+    elif settings.get("kv_cache_memory_bytes") is not None:
+        asked, what, explicit = int(settings["kv_cache_memory_bytes"]), "kv_cache_memory_bytes", {}
+    elif settings.get("gpu_memory_utilization") is not None:
+        share = float(settings["gpu_memory_utilization"])
+        asked, what = int(memory.total * share) - weight_bytes, f"gpu_memory_utilization={share:g}"
+        explicit = {"kv_cache_memory_bytes": asked}
+    else:
+        asked, what = max(CPU_KV_MIN, int(min(CPU_KV_MAX, CPU_KV_SHARE * free))), "rlkv's default"
+        explicit = {"kv_cache_memory_bytes": asked}
+    if asked > free or asked <= 0:
+        raise VLLMStartError(
+            f"vLLM's KV cache on CPU: {what} asks for {asked / GiB:.2f} GiB and {max(free, 0) / GiB:.2f} GiB "
+            f"are free besides the weights ({weight_bytes / GiB:.2f} GiB): free memory, or ask for less "
+            f"with {VLLM_ARG_HINT} (kv_cache_memory_bytes=BYTES); with no memory setting rlkv takes "
+            f"{CPU_KV_SHARE:.0%} of the free memory"
+        )
+    logger.info("vLLM's KV cache on CPU: %.2f GiB (%s)", asked / GiB, what)
+    return explicit
 
 
 def check_engine_arguments(vllm: Any, llm_kwargs: dict[str, Any]) -> None:

@@ -110,6 +110,8 @@ def head_mixed_vllm_generation_class() -> type:
             import vllm
             from trl.trainer.utils import ensure_master_addr_port
 
+            from rlkv.inference.dtypes import dtype_name
+            from rlkv.inference.vllm_engine import cpu_kv_cache
             from rlkv.vllm_plugin.meter import KVMeteredScheduler
 
             accelerator = self.accelerator
@@ -134,7 +136,14 @@ def head_mixed_vllm_generation_class() -> type:
                 "trust_remote_code": self.trust_remote_code,
                 "scheduler_cls": KVMeteredScheduler,
             }
-            self.llm = vllm.LLM(**(settings | self.rlkv_llm_kwargs))
+            # the trained model's dtype (vLLM's own "auto" would downcast an fp32 model to bf16: rollouts and
+            # the loss forward in two dtypes); on CPU a KV cache sized from free memory, not from this
+            # process's RSS, which holds the trainer's model and optimizer
+            weights = next(self.model.parameters())
+            settings["dtype"] = dtype_name(weights.dtype)
+            settings |= self.rlkv_llm_kwargs
+            weight_bytes = sum(p.numel() for p in self.model.parameters()) * weights.element_size()
+            self.llm = vllm.LLM(**(settings | cpu_kv_cache(settings, weight_bytes)))
             if self.enable_sleep_mode:
                 self.llm.sleep(level=2)
             self._llm_weights_sleeping = self.enable_sleep_mode

