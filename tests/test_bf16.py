@@ -86,3 +86,14 @@ def test_load_applies_the_dtype(tmp_path):
     assert next(model.parameters()).dtype is torch.bfloat16
     model, _ = load("tiny:llama")  # test fixtures stay fp32 under "auto"
     assert next(model.parameters()).dtype is torch.float32
+
+
+def test_bf16_asked_on_a_cpu_without_native_bf16_says_it_is_emulated(monkeypatch, caplog):
+    import rlkv.inference.dtypes as dtypes
+
+    monkeypatch.setattr(dtypes, "cpu_has_bf16", lambda: False)  # rlkv's own probe of /proc/cpuinfo
+    with caplog.at_level("WARNING", logger="rlkv.inference.dtypes"):
+        assert resolve_dtype("bfloat16", "cpu") is torch.bfloat16
+        assert resolve_dtype("float32", "cpu") is torch.float32
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "emulated" in lines[0] and "float32" in lines[0], lines

@@ -437,3 +437,24 @@ def test_the_config_records_each_machine_the_rows_were_generated_on(tmp_path):
         dataclasses.replace(cfg, num_problems=2), model=model, tokenizer=tiny_tokenizer(), write_report=False
     )
     assert json.loads(path.read_text())["hosts"] == ["another machine", here]
+
+
+def test_rows_record_the_dtype_run_and_a_resume_in_another_dtype_is_refused(tmp_path, monkeypatch):
+    """One dtype per run: every row says which (the report too), and rows of another dtype are never mixed in:
+    `auto` resumed on a CPU of another kind (here rlkv's own /proc/cpuinfo probe answering otherwise)."""
+    import rlkv.inference.dtypes as dtypes
+    from rlkv.errors import UserInputError
+
+    monkeypatch.setattr(dtypes, "cpu_has_bf16", lambda: False)
+    demo = dict(
+        model="assets/demo-model", head_mask=None, max_new_tokens=8
+    )  # tiny: models stay fp32 under auto
+    cfg, _ = _config(
+        tmp_path, "dtypes", methods=["full"], sparsities=[0.5], dtype="auto", num_problems=2, **demo
+    )
+    out = run_eval(cfg)
+    assert {r["dtype"] for r in read_results(out / "results.jsonl")} == {"float32"}
+    assert "- dtype: float32" in (out / "report.md").read_text()
+    monkeypatch.setattr(dtypes, "cpu_has_bf16", lambda: True)
+    with pytest.raises(UserInputError, match="generated in float32, this run's model is bfloat16"):
+        run_eval(dataclasses.replace(cfg, num_problems=3))
