@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from benchmarks.vllm.dispatch import report_dispatch
 from benchmarks.vllm.engines import report_engines
 from benchmarks.vllm.padding import report_padding
 
@@ -13,6 +14,8 @@ def report_vllm(result: dict) -> list[str]:
         lines += report_engines(result["engines"], result["settings"]["model"])
     if "padding" in result:
         lines += report_padding(result["padding"])
+    if "dispatch" in result:
+        lines += report_dispatch(result["dispatch"])
     return lines
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.vllm import engines, padding
+from benchmarks.vllm import dispatch, engines, padding
 from rlkv.cli import json_object
 
 TARGETS = {("bound", 0.5): 1.5, ("bound", 0.75): 2.0, ("unbound", 0.5): 0.95, ("unbound", 0.75): 0.95}
@@ -107,7 +107,8 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         default="serving,engines",
         help="serving (stock vLLM vs rlkv at a fixed KV size), engines (vLLM as rlkv's eval and GRPO "
         "rollout engine, benchmarks/vllm/engines.py; needs --vllm-model) and/or padding (vLLM's KV capacity "
-        "for the authors' masks against the ideal, benchmarks/vllm/padding.py; needs --vllm-author-masks)",
+        "for the authors' masks against the ideal, benchmarks/vllm/padding.py; needs --vllm-author-masks) and/or "
+        "dispatch (torch ops per decode step against stock vLLM, benchmarks/vllm/dispatch.py)",
     )
     parser.add_argument(
         "--vllm-author-masks", default=None, help="a clone of the RLKV authors' repository (the padding part)"
@@ -254,9 +255,9 @@ def run_transformers(model_path: str, prompts: list[list[int]], new_tokens: int,
 def suite_vllm(args: argparse.Namespace) -> dict:
     """The parts of --vllm-parts: serving (`suite_serving`) and engines (`engines.suite_engines`)."""
     parts = args.vllm_parts.split(",")
-    unknown = sorted(set(parts) - {"serving", "engines", "padding"})
+    unknown = sorted(set(parts) - {"serving", "engines", "padding", "dispatch"})
     if unknown:
-        raise SystemExit(f"--vllm-parts {unknown}: choose serving, engines and/or padding")
+        raise SystemExit(f"--vllm-parts {unknown}: choose serving, engines, padding and/or dispatch")
     result: dict = {
         "settings": {k: v for k, v in vars(args).items() if k.startswith("vllm_")}
         | {"model": args.vllm_model}
@@ -273,8 +274,10 @@ def suite_vllm(args: argparse.Namespace) -> dict:
         result["engines"] = engines.suite_engines(args, Path(args.out))
     if "padding" in parts:
         result |= padding.suite_padding(args)
+    if "dispatch" in parts:
+        result |= dispatch.suite_dispatch(args)
     checks = result.get("checks", []) + result.get("engines", {}).get("checks", [])
-    checks += result.get("padding", {}).get("checks", [])
+    checks += result.get("padding", {}).get("checks", []) + result.get("dispatch", {}).get("checks", [])
     result["passed"] = all(c["pass"] for c in checks)
     return result
 

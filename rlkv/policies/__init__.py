@@ -25,8 +25,9 @@ class UnknownPolicyError(ValueError, UserError):
     """A policy name that no registered policy has."""
 
 
-class PolicyArgumentError(TypeError, UserError):
-    """A `policy_kwargs` key that is not one of the policy's fields, or a value of the wrong type."""
+class PolicyArgumentError(TypeError, ValueError, UserError):
+    """A `policy_kwargs` key that is not one of the policy's fields (a TypeError, as Python's own for an
+    unexpected keyword), or a value of the wrong type for its field (a bad value: a ValueError too)."""
 
 
 def register_policy(name: str) -> Callable[[type[CompressionPolicy]], type[CompressionPolicy]]:
@@ -105,7 +106,7 @@ def _check_fields(name: str, cls: type[CompressionPolicy], kwargs: dict[str, Any
         wanted = _expected(hints.get(key), value)
         if wanted is not None:
             raise PolicyArgumentError(
-                f"policy {name!r} rejected policy_kwargs {sorted(kwargs)}: {key}={value!r} must be {wanted}"
+                f"{name}: {key}={value!r} must be {wanted} (a field of policy {name!r})"
             )
 
 
