@@ -470,8 +470,9 @@ def test_a_compressed_engine_makes_an_on_policy_set_and_resume_checks_its_layout
             ),
         ),
         (["--head-mask", "m", "--sparsity", "1.5"], "sparsity=1.5"),
+        (["--vllm-arg", "enforce_eager=true"], "--vllm-arg without --engine vllm"),
     ],
-    ids=["sparsity-without-mask", "mask-without-sparsity", "vllm", "sparsity-range"],
+    ids=["sparsity-without-mask", "mask-without-sparsity", "vllm", "sparsity-range", "vllm-arg"],
 )
 def test_cli_head_mask_errors_name_the_flag_before_loading_the_model(tmp_path, capsys, extra, needle):
     from rlkv.cli import main
