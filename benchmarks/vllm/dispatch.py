@@ -151,8 +151,9 @@ def count_decode_ops(
 def suite_dispatch(args: argparse.Namespace) -> dict:
     """Every cell on each model, stock first; rows of ops per decode step and the checks."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoModelForCausalLM
+
     from rlkv import HeadMask
-    from rlkv.inference import load
 
     tmp = tempfile.TemporaryDirectory()
     models = {"demo": "assets/demo-model"}
@@ -162,7 +163,9 @@ def suite_dispatch(args: argparse.Namespace) -> dict:
     measured = 3 if args.quick else 8
     rows = []
     for name, path in models.items():
-        hf, _ = load(path, dtype="float32")
+        hf = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32
+        )  # the synthetic model has no tokenizer
         mask = HeadMask.random(hf, seed=0)
         runs = [("stock", 0.0, None, None)]
         runs += [(m, s, kw, _overrides(path, hf, mask, m, s, kw)) for m, s, kw in CELLS]
