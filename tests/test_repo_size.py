@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # the rkv-on-vLLM rows (issue 76): their texts archived, the distill folder's redrawable plots and four empty
 # vLLM-suite bench.png files (the serving part draws no plot) dropped: 30.50 MB. Later the curricula's
 # generation shards were gzipped (1.70 MB -> 0.33 MB) and issue 76's HumanEval rows arrived (texts archived): 29.77 MB.
+# 2026-12-07: the vLLM-form side folders' redrawable eval plots dropped, the dispatch bench rows came: 29.78 MB.
 # The bound only goes down.
-MAX_TRACKED_BYTES = 29_900_000
+MAX_TRACKED_BYTES = 29_800_000
 
 TOKENIZER_FILES = {
     "tokenizer.json",
