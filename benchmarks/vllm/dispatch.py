@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.vllm.llm import bench_llm
+
 TARGET_RATIO = 1.3
 SPREAD = 0.10
 BUFFERED = {"buffer": 128}  # R-KV's serving setting
@@ -105,19 +107,7 @@ def count_decode_ops(
     """Ops per steady decode step of one engine, for each batch size (requests run batch by batch)."""
     import vllm
 
-    llm = vllm.LLM(
-        model=model,
-        dtype="float32",
-        enforce_eager=True,
-        block_size=32,
-        seed=0,
-        max_model_len=prompt + 4 * measured + 64,
-        max_num_seqs=max(batches),
-        kv_cache_memory_bytes=kv_bytes,
-        enable_prefix_caching=False,
-        skip_tokenizer_init=True,
-        hf_overrides=overrides or {},
-    )
+    llm = bench_llm(model, prompt + 4 * measured + 64, kv_bytes, overrides, max_num_seqs=max(batches))
     engine = llm.llm_engine
     generator = torch.Generator().manual_seed(0)
     counts = {}

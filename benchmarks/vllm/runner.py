@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.vllm import dispatch, engines, padding
+from benchmarks.vllm.llm import bench_llm
 from rlkv.cli import json_object
 
 TARGETS = {("bound", 0.5): 1.5, ("bound", 0.75): 2.0, ("unbound", 0.5): 0.95, ("unbound", 0.75): 0.95}
@@ -174,18 +175,7 @@ def run_engine(
     """One engine over every request, stepped by hand; what vLLM's scheduler and block pool held."""
     import vllm
 
-    llm = vllm.LLM(
-        model=model,
-        dtype="float32",
-        enforce_eager=True,
-        block_size=32,
-        seed=0,
-        max_model_len=len(prompts[0]) + new_tokens,
-        kv_cache_memory_bytes=kv_bytes,
-        enable_prefix_caching=False,
-        skip_tokenizer_init=True,
-        hf_overrides=overrides or {},
-    )
+    llm = bench_llm(model, len(prompts[0]) + new_tokens, kv_bytes, overrides)
     from rlkv.vllm_plugin.fence import eviction_compactions
 
     engine = llm.llm_engine

