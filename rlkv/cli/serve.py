@@ -302,6 +302,7 @@ def run_serve(args: argparse.Namespace) -> int:
     where = "--max-model-len" if max_len else "max_position_embeddings"
     _note_uncompressed(args.sink + args.window, positions, where)
     _note_budget(form, positions, where)
+    extra = cpu_defaults(args.model, config, extra)
     print(
         f"rlkv: starting vLLM with the head split of {args.head_mask} at sparsity {args.sparsity} (the engine "
         "logs the split it loaded: 'rlkv: Rlkv...ForCausalLM serves N of M KV heads full')",
@@ -310,6 +311,36 @@ def run_serve(args: argparse.Namespace) -> int:
     server = [sys.executable, *stock_server(args.model)[0]]
     os.execv(sys.executable, [*server, "--hf-overrides", json.dumps(overrides), *extra])
     return 0  # not reached
+
+
+def cpu_defaults(model: str, config: Any, extra: list[str]) -> list[str]:
+    """`extra` plus, on vLLM's CPU platform, what rlkv's engines start with where the flags do not say:
+    `--dtype` by rlkv's auto (fp32 where bf16 would be emulated, 10x slower; vLLM's auto would run an fp32
+    checkpoint in bf16) and `--kv-cache-memory-bytes` from the memory free now (vLLM's default reserves 92% of
+    the machine less its RSS: it fails on a loaded machine); a size that cannot fit is one line here."""
+    from vllm.platforms import current_platform
+
+    from rlkv.inference.dtypes import dtype_name, resolve_dtype
+    from rlkv.inference.vllm_engine import cpu_kv_cache, weight_bytes
+
+    if not current_platform.is_cpu():
+        return extra
+    added = []
+    dtype = option(extra, "--dtype")
+    if dtype is None:
+        dtype = dtype_name(resolve_dtype("auto", "cpu"))
+        added += ["--dtype", dtype]
+    try:
+        dtype = dtype_name(resolve_dtype(dtype, "cpu"))
+    except ValueError:
+        return extra + added  # vLLM's own dtype names (e.g. half): vLLM checks them
+    if option(extra, "--kv-cache-memory-bytes") is None and option(extra, "--gpu-memory-utilization") is None:
+        size = cpu_kv_cache({}, weight_bytes(model, config, dtype)).get("kv_cache_memory_bytes")
+        if size is not None:
+            added += ["--kv-cache-memory-bytes", str(size)]
+    if added:
+        print(f"rlkv: on CPU: {' '.join(added)} (pass them to choose)", flush=True)
+    return extra + added
 
 
 def stock_server(model: str) -> tuple[list[str], str]:

@@ -130,7 +130,7 @@ class VLLMRunner:
             )
             self.llm_kwargs["max_model_len"] = positions
         self.max_model_len = self.llm_kwargs.get("max_model_len") or positions
-        self._weight_bytes = _weight_bytes(model, config, self.dtype)
+        self._weight_bytes = weight_bytes(model, config, self.dtype)
         self.starts, self.start_seconds = 0, 0.0
         self._key: str | None = None
         self._llm: Any = None
@@ -284,7 +284,7 @@ def check_engine_arguments(vllm: Any, llm_kwargs: dict[str, Any]) -> None:
         )
 
 
-def _weight_bytes(model: str, config: Any, dtype: str) -> int:
+def weight_bytes(model: str, config: Any, dtype: str) -> int:
     """The weights' bytes in memory at `dtype`: the folder's weight files scaled from the checkpoint's dtype
     (0 for a Hub id not downloaded here: vLLM reads it from its cache)."""
     import torch

@@ -155,3 +155,22 @@ def test_vllms_compiled_path_gives_the_eager_tokens(method):
             tokens[eager] = greedy(llm, prompts, max_tokens=64)
     same = sum(a == b for a, b in zip(tokens[True], tokens[False], strict=True))
     assert same >= 15, same
+
+
+def test_rlkv_serve_on_cpu_starts_with_rlkvs_dtype_and_a_kv_size_from_free_memory(monkeypatch, capsys):
+    """What `rlkv serve` adds to vLLM's flags on the CPU platform where they say nothing (vLLM's defaults: bf16
+    emulated on a CPU without native bf16, 92% of the machine less the RSS), and nothing where they do."""
+    from rlkv.cli.serve import cpu_defaults
+    from rlkv.inference.vllm import model_config
+
+    config = model_config(DEMO)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    added = cpu_defaults(DEMO, config, ["--port", "9"])
+    auto = dtype_name(resolve_dtype("auto", "cpu"))
+    assert added[:4] == ["--port", "9", "--dtype", auto] and added[4] == "--kv-cache-memory-bytes", added
+    assert 256 * 2**20 <= int(added[5]) <= 4 * GiB
+    assert "rlkv: on CPU: --dtype" in capsys.readouterr().out
+    mine = ["--dtype", "float32", "--gpu-memory-utilization", "0.3"]
+    assert cpu_defaults(DEMO, config, mine) == mine
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert cpu_defaults(DEMO, config, ["--dtype=float32"]) == ["--dtype=float32"]
