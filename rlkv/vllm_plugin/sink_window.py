@@ -21,6 +21,7 @@ of its own with its own block manager and attention backend, registered through 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 from vllm.model_executor.layers.attention import Attention
@@ -68,6 +69,11 @@ def _attention_fields(spec: Any) -> dict[str, Any]:
     return {f.name: getattr(spec, f.name) for f in dataclasses.fields(AttentionSpec) if f.init}
 
 
+# per block pool (one per engine): whether each cached block of a sink/window group was written as prompt (its
+# KV what a cold run computes) or while its request generated; keyed by block id, set whenever a block is cached
+_PROMPT_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class SinkWindowManager(FullAttentionManager):
     """Blocks of a `SinkWindowSpec` group: every block during the prompt, then the sink's and the window's."""
 
@@ -78,12 +84,34 @@ class SinkWindowManager(FullAttentionManager):
 
     @classmethod
     def find_longest_cache_hit(cls, *args: Any, **kwargs: Any) -> Any:
-        """Full attention's prefix lookup: a hit needs every block from the first (the gap of a finished
-        request is back in the pool, so hits end at its first reused block)."""
+        """Full attention's prefix lookup, cut at the first block not written as prompt: a hit needs every
+        block from the first (the gap of a finished request is back in the pool, so hits end at its first
+        reused block), and a block computed while its request generated (the compressed heads windowed) is
+        not what a cold run computes for the same tokens as prompt (read in full)."""
         names = ("block_hashes", "max_length", "kv_cache_group_ids", "block_pool", "kv_cache_spec")
         bound = dict(zip(names, args)) | kwargs
-        bound["kv_cache_spec"] = bound["kv_cache_spec"].as_full_attention()
-        return super().find_longest_cache_hit(**bound)
+        spec = bound["kv_cache_spec"]
+        bound["kv_cache_spec"] = spec.as_full_attention()
+        blocks, length = super().find_longest_cache_hit(**bound)
+        roles = _PROMPT_BLOCKS.get(bound["block_pool"], {})
+        exact = next((i for i, b in enumerate(blocks[0]) if not roles.get(b.block_id)), len(blocks[0]))
+        if exact * spec.block_size < length:
+            length = exact * spec.block_size
+            for group in blocks:
+                del group[exact:]
+        return blocks, length
+
+    def cache_blocks(self, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> None:
+        """vLLM's caching of the request's full blocks; each block newly cached is recorded as written as prompt
+        (every token of it a prompt token) or not, for `find_longest_cache_hit`."""
+        before = self.num_cached_block.get(request.request_id, 0)
+        super().cache_blocks(request, num_tokens, *args, **kwargs)
+        after = self.num_cached_block.get(request.request_id, 0)
+        blocks = self.req_to_blocks[request.request_id]
+        roles = _PROMPT_BLOCKS.setdefault(self.block_pool, {})
+        prompt_blocks = request.num_prompt_tokens // self.block_size
+        for i in range(before, after):
+            roles[blocks[i].block_id] = i < prompt_blocks
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
