@@ -191,9 +191,9 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             base[name] = value
-    if args.vllm_args:
-        if not isinstance(base.get("vllm_kwargs", {}), dict):
-            raise UserInputError(f"vllm_kwargs: a mapping of vllm.LLM arguments, got {base['vllm_kwargs']!r}")
+    if args.vllm_args and isinstance(
+        base.get("vllm_kwargs", {}), dict
+    ):  # else EvalConfig refuses the recipe's
         base["vllm_kwargs"] = {**base.get("vllm_kwargs", {}), **dict(args.vllm_args)}
     if args.no_static_cache:
         base["static_cache"] = False

@@ -325,15 +325,12 @@ def cpu_defaults(model: str, config: Any, extra: list[str]) -> list[str]:
 
     if not current_platform.is_cpu():
         return extra
-    added = []
-    dtype = option(extra, "--dtype")
-    if dtype is None:
-        dtype = dtype_name(resolve_dtype("auto", "cpu"))
-        added += ["--dtype", dtype]
+    asked = option(extra, "--dtype")
     try:
-        dtype = dtype_name(resolve_dtype(dtype, "cpu"))
+        dtype = dtype_name(resolve_dtype(asked or "auto", "cpu"))
     except ValueError:
-        return extra + added  # vLLM's own dtype names (e.g. half): vLLM checks them
+        return extra  # vLLM's own dtype names (e.g. half): vLLM checks them
+    added = [] if asked else ["--dtype", dtype]
     if option(extra, "--kv-cache-memory-bytes") is None and option(extra, "--gpu-memory-utilization") is None:
         size = cpu_kv_cache({}, weight_bytes(model, config, dtype)).get("kv_cache_memory_bytes")
         if size is not None:

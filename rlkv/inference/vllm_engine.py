@@ -28,7 +28,7 @@ from typing import Any
 from rlkv.deprecation import moved_names
 from rlkv.errors import UserError, UserInputError
 from rlkv.inference.api import TINY_MODEL_PREFIX
-from rlkv.inference.dtypes import dtype_name, resolve_dtype
+from rlkv.inference.dtypes import NAMES, dtype_name, resolve_dtype
 from rlkv.vllm_plugin.split import CONFIG_KEY
 
 logger = logging.getLogger(__name__)
@@ -287,16 +287,12 @@ def check_engine_arguments(vllm: Any, llm_kwargs: dict[str, Any]) -> None:
 def weight_bytes(model: str, config: Any, dtype: str) -> int:
     """The weights' bytes in memory at `dtype`: the folder's weight files scaled from the checkpoint's dtype
     (0 for a Hub id not downloaded here: vLLM reads it from its cache)."""
-    import torch
-
-    from rlkv.inference.dtypes import NAMES
-
     folder = Path(model)
     files = (
         [f for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern)] if folder.is_dir() else []
     )
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
-    stored = NAMES.get(str(stored).removeprefix("torch."), torch.float32)
+    stored = NAMES.get(str(stored).removeprefix("torch."), NAMES["float32"])
     ratio = NAMES[dtype].itemsize / stored.itemsize
     return int(sum(f.stat().st_size for f in files) * ratio)
 
