@@ -20,6 +20,8 @@ VLLM_ONLY_MODULES = (
     "rlkv.vllm_plugin.eviction_backend",
     "rlkv.vllm_plugin.meter",
     "rlkv.vllm_plugin.models",
+    "rlkv.vllm_plugin.ring",
+    "rlkv.vllm_plugin.ring_backend",
     "rlkv.vllm_plugin.sink_window",
     "rlkv.vllm_plugin.sink_window_backend",
 )
@@ -32,9 +34,11 @@ def register() -> None:
 
     lifetime.install()
     from rlkv.vllm_plugin.eviction import register_eviction
+    from rlkv.vllm_plugin.ring import register_ring
     from rlkv.vllm_plugin.sink_window import register_sink_window
 
     register_sink_window()
+    register_ring()
     register_eviction()
 
     known = set(ModelRegistry.get_supported_archs())

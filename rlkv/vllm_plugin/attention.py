@@ -141,10 +141,13 @@ def _part(
         )
     if split.is_sliding_window:
         return attention_class()(*args, per_layer_sliding_window=split.vllm_sliding_window, **kwargs)
+    from rlkv.vllm_plugin.ring import RingAttention, ring_backend
     from rlkv.vllm_plugin.sink_window import SinkWindowAttention
 
-    return SinkWindowAttention(
+    ring = ring_backend(original.attn_backend) if split.uses_ring else None
+    return (RingAttention if ring is not None else SinkWindowAttention)(
         *args,
+        backend=ring,
         sink=split.sink,
         window=split.window,
         full_prompt=split.full_prompt,

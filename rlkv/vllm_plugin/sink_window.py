@@ -144,9 +144,12 @@ class SinkWindowAttention(Attention):
     """vLLM's decoder `Attention` over compressed KV heads in rlkv's sink + window form.
 
     sink, window: tokens kept (besides the current one); full_prompt: the prompt is read in full;
-    protect_prompt: and kept whole; bucket: the spec's bucket. Other arguments as `Attention`'s (no sliding
-    window: the form is the spec's and the backend's).
+    protect_prompt: and kept whole; bucket: the spec's bucket; backend: the attention backend (rlkv's
+    gather form, `sink_window_backend.SinkWindowBackend`, by default). Other arguments as `Attention`'s
+    (no sliding window: the form is the spec's and the backend's).
     """
+
+    spec_class: type[SinkWindowSpec] = SinkWindowSpec
 
     def __init__(
         self,
@@ -156,17 +159,20 @@ class SinkWindowAttention(Attention):
         full_prompt: bool,
         protect_prompt: bool = False,
         bucket: int = 0,
+        backend: type | None = None,
         **kwargs: Any,
     ) -> None:
-        from rlkv.vllm_plugin.sink_window_backend import SinkWindowBackend
+        if backend is None:
+            from rlkv.vllm_plugin.sink_window_backend import SinkWindowBackend
 
-        super().__init__(*args, attn_backend=SinkWindowBackend, **kwargs)
+            backend = SinkWindowBackend
+        super().__init__(*args, attn_backend=backend, **kwargs)
         self.rlkv_sink, self.rlkv_window, self.rlkv_full_prompt = sink, window, full_prompt
         self.rlkv_protect_prompt, self.rlkv_bucket = protect_prompt, bucket
 
     def get_kv_cache_spec(self, vllm_config: Any) -> SinkWindowSpec:
         spec = super().get_kv_cache_spec(vllm_config)  # full attention's (no sliding window)
-        return SinkWindowSpec(
+        return self.spec_class(
             **_attention_fields(spec),
             sink=self.rlkv_sink,
             window=self.rlkv_window,

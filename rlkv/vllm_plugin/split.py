@@ -42,6 +42,9 @@ ARCHITECTURES = {
 EVICTION_POLICIES = ("h2o", "knorm", "random", "rkv", "sink-recent", "snapkv")
 
 
+KERNELS = ("stock", "torch")  # `HeadSplit.kernel`
+
+
 class HeadSplitError(ValueError):
     """A head split that does not fit the model or the engine (the message names the field and the fix)."""
 
@@ -136,6 +139,9 @@ class HeadSplit:
     sink: first tokens a compressed head keeps. full_prompt: prompt queries attend the whole prompt.
     protect_prompt: compressed heads keep the whole prompt too (implies full_prompt).
     policy: token eviction on the compressed heads (`EvictionRule`) instead of the sink + window form.
+    kernel: "stock" runs the full-prompt sink + window form on the platform's own attention kernel where
+    rlkv has its ring for that platform (`ring.py`); "torch" runs rlkv's gather form (`sink_window.py`), the
+    exact reference.
     """
 
     full_kv_heads: tuple[tuple[int, ...], ...]
@@ -144,6 +150,12 @@ class HeadSplit:
     full_prompt: bool = False
     protect_prompt: bool = False
     policy: EvictionRule | None = None
+    kernel: str = "stock"
+
+    @property
+    def uses_ring(self) -> bool:
+        """True when the form can run as the ring (`ring.py`): the prompt read in full, not kept, no policy."""
+        return self.full_prompt and not self.protect_prompt and self.policy is None and self.kernel == "stock"
 
     @property
     def is_sliding_window(self) -> bool:
@@ -232,13 +244,17 @@ class HeadSplit:
 
     def to_config(self) -> dict[str, Any]:
         """The plain-data form stored under `config.rlkv_head_split`."""
-        return {
-            "format": FORMAT,
-            "full_kv_heads": [list(heads) for heads in self.full_kv_heads],
-            "sink": self.sink,
-            "window": self.window,
-            "prompt": self.prompt_mode,
-        } | ({"policy": self.policy.to_config()} if self.policy is not None else {})
+        return (
+            {
+                "format": FORMAT,
+                "full_kv_heads": [list(heads) for heads in self.full_kv_heads],
+                "sink": self.sink,
+                "window": self.window,
+                "prompt": self.prompt_mode,
+            }
+            | ({"policy": self.policy.to_config()} if self.policy is not None else {})
+            | ({"kernel": self.kernel} if self.kernel != "stock" else {})
+        )
 
     @property
     def prompt_mode(self) -> str:
@@ -288,6 +304,12 @@ class HeadSplit:
                 "whole) or 'window' (prompt windowed)"
             )
         policy = EvictionRule.from_config(raw["policy"]) if raw.get("policy") is not None else None
+        kernel = raw.get("kernel", "stock")
+        if kernel not in KERNELS:
+            raise HeadSplitError(
+                f"{CONFIG_KEY}.kernel={kernel!r}: must be 'stock' (the platform's attention kernel where rlkv "
+                "supports it) or 'torch' (rlkv's exact torch reference)"
+            )
         if policy is not None and prompt == "window":
             raise HeadSplitError(
                 f"{CONFIG_KEY}.prompt='window' with a policy: the eviction group reads the prompt whole; set "
@@ -300,4 +322,5 @@ class HeadSplit:
             full_prompt=prompt != "window",
             protect_prompt=prompt == "protected",
             policy=policy,
+            kernel=kernel,
         )
