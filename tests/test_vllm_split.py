@@ -79,6 +79,7 @@ def test_unit_is_the_gcd_of_the_part_sizes():
         ({"prompt": "full", "policy": {"name": "rkv", "budget": 8, "kwargs": [1]}}, r"policy.kwargs=\[1\]"),
         ({"prompt": "full", "policy": "rkv"}, r"policy must be a mapping"),
         ({"policy": {"name": "rkv", "budget": 8}}, r"prompt='window' with a policy"),
+        ({"kernel": "flash"}, r"kernel='flash': must be 'stock' \(the platform's attention kernel"),
     ],
 )
 def test_a_split_that_does_not_fit_is_refused_in_one_line(change, message):
@@ -91,6 +92,18 @@ def test_a_split_that_does_not_fit_is_refused_in_one_line(change, message):
     } | change
     with pytest.raises(HeadSplitError, match=message):
         HeadSplit.from_config(config)
+
+
+def test_the_kernel_round_trips_and_only_the_full_prompt_form_runs_as_the_ring():
+    """`kernel` is absent from the plain data when stock (splits written before it read the same); the ring
+    (`rlkv.vllm_plugin.ring`) serves the prompt-read-in-full form without a policy, on the stock kernel."""
+    base = HeadSplit(((0,), (1,)), window=8, sink=4, full_prompt=True)
+    assert "kernel" not in base.to_config() and base.uses_ring
+    torch_form = HeadSplit(((0,), (1,)), window=8, sink=4, full_prompt=True, kernel="torch")
+    config = {"num_hidden_layers": 2, "num_key_value_heads": 2, CONFIG_KEY: torch_form.to_config()}
+    assert HeadSplit.from_config(config) == torch_form and not torch_form.uses_ring
+    assert not HeadSplit(((0,), (1,)), window=8, sink=4).uses_ring  # the windowed prompt
+    assert not HeadSplit(((0,), (1,)), window=8, sink=4, full_prompt=True, protect_prompt=True).uses_ring
 
 
 def test_no_split_and_unsupported_architectures_are_named(make_model):

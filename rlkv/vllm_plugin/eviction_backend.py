@@ -211,12 +211,13 @@ def _decode_plan(m: EvictionMetadata, size: int) -> _DecodePlan:
 class EvictionImpl(PagedTorchImpl):
     """Attention of an `EvictionAttention` layer: writes, attention and compactions of its slots."""
 
-    tables: tuple[torch.Tensor, torch.Tensor | None] | None = None  # made at the first step (`_tables`)
+    tables: tuple[torch.Tensor, torch.Tensor | None] | None = None  # made in the profiling run (`_tables`)
     slot_tables: SlotTables | None = None  # an attention-observing policy's per-slot buffers (`_tables`)
 
     def _tables(self, layer: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
         """The layer's per-request tables: slot positions [R, H_kv, capacity] and the last observation
-        queries [R, H_q, observe, D] (None when the policy observes none); made at the first step."""
+        queries [R, H_q, observe, D] (None when the policy observes none); made in vLLM's profiling run, so
+        vLLM sizes its KV pool from the memory left after them (on a GPU)."""
         if self.tables is None:
             spec, rows = layer.rlkv_spec, layer.rlkv_rows
             form, length = spec.form, spec.max_len
@@ -246,7 +247,10 @@ class EvictionImpl(PagedTorchImpl):
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write key, value [T, H_kv, D], attend query [T, H_q, D] into output, compact what is due."""
-        if attn_metadata is None:  # profiling run
+        if (
+            attn_metadata is None
+        ):  # profiling run: the tables are made here, where vLLM measures what is not KV
+            self._tables(layer, query.device, query.dtype)
             return output
         m, d, size = attn_metadata, self.head_size, kv_cache.shape[2]
         positions, queries = self._tables(layer, query.device, query.dtype)

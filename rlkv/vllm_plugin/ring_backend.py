@@ -34,11 +34,12 @@ from rlkv.vllm_plugin.ring import RING_BACKENDS
 @dataclass
 class RingMetadata:
     """One step of the ring group: the platform backend's metadata over the remapped tables and lengths, and
-    the slots [T] each token is written to in the ring and in its prompt (-1: not written there)."""
+    the slots [T] each token is written to in the ring and in its prompt (-1: not written there; None: no
+    token of the step is a prompt token, so no prompt write)."""
 
     stock: Any
     ring_slots: torch.Tensor
-    prompt_slots: torch.Tensor
+    prompt_slots: torch.Tensor | None
 
 
 class RingBuilderMixin:
@@ -100,7 +101,9 @@ class RingBuilderMixin:
             _token_to_req_indices_cache=None,
         )
         stock = super().build(0, read, fast_build)
-        return RingMetadata(stock, self.ring_slots[:tokens], self.prompt_slots[:tokens])
+        # the flags are host data: a decode-only step (every captured graph's) skips the prompt write
+        prompt_slots = self.prompt_slots[:tokens] if bool(linear_cpu.any()) else None
+        return RingMetadata(stock, self.ring_slots[:tokens], prompt_slots)
 
 
 class RingImplMixin:
@@ -123,9 +126,11 @@ class RingImplMixin:
         if attn_metadata is None:  # profiling run
             return output
         m = attn_metadata
-        tokens = m.ring_slots.shape[0]
-        for slots in (m.ring_slots, m.prompt_slots):
-            super().do_kv_cache_update(layer, key[:tokens], value[:tokens], kv_cache, slots)
+        if key.shape[0] != m.ring_slots.shape[0]:
+            key, value = key[: m.ring_slots.shape[0]], value[: m.ring_slots.shape[0]]
+        super().do_kv_cache_update(layer, key, value, kv_cache, m.ring_slots)
+        if m.prompt_slots is not None:
+            super().do_kv_cache_update(layer, key, value, kv_cache, m.prompt_slots)
         return super().forward(
             layer, query, key, value, kv_cache, m.stock, output, output_scale, output_block_scale
         )

@@ -13,12 +13,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier needs vLLM: make test-vllm")
 
-from vllm_engines import DEMO, blocks_per_step, demo_chain, engine, greedy, kv_groups, solved  # noqa: E402
+from vllm_engines import DEMO, blocks_per_step, demo_chain, engine, greedy, kv_groups, model_runner, solved  # noqa: E402
 
 from rlkv.eval.methods import method_config  # noqa: E402
 from rlkv.inference import generate  # noqa: E402
 from rlkv.inference.vllm import compression_overrides  # noqa: E402
-from rlkv.vllm_plugin.fence import eviction_compactions  # noqa: E402
+from rlkv.vllm_plugin.fence import eviction_compactions, in_process_scheduler  # noqa: E402
 
 BLOCK = 32
 
@@ -292,3 +292,21 @@ def test_chunked_prefill_gives_the_same_tokens(demo, method):
     with engine(hf_overrides=overrides, enable_chunked_prefill=True, max_num_batched_tokens=64) as llm:
         chunked = greedy(llm, prompts[:16])
     assert sum(a == b for a, b in zip(whole, chunked)) >= 15
+
+
+def test_the_eviction_tables_are_made_at_start_and_small_next_to_the_kv_pool(demo):
+    """The group's per-request tables (slot positions, observation queries) are made in vLLM's profiling run,
+    before the KV pool is sized (on a GPU vLLM then sizes the pool from what is left), bounded by 2 x
+    max_num_seqs rows x the group's capacity; at max_num_seqs 64 they are under 1% of the pool."""
+    model, _, _, prompts, mask = demo
+    config = _method(model, mask, "rlkv+rkv")
+    with engine(hf_overrides=compression_overrides(model.config, config), max_num_seqs=64) as llm:
+        layers = [m for m in model_runner(llm).model.modules() if type(m).__name__ == "EvictionAttention"]
+        made = [layer.impl.tables for layer in layers]
+        kv_bytes = sum(t.size for t in in_process_scheduler(llm).kv_cache_config.kv_cache_tensors)
+        greedy(llm, prompts[:4], 20)  # the tables serve the requests as made
+        assert all(layer.impl.tables is tables for layer, tables in zip(layers, made))
+    assert layers and all(tables is not None for tables in made)
+    table_bytes = sum(t.numel() * t.element_size() for tables in made for t in tables if t is not None)
+    assert all(tables[0].shape[0] == 128 for tables in made)  # 2 x max_num_seqs rows
+    assert 0 < table_bytes < 0.01 * kv_bytes, (table_bytes, kv_bytes)

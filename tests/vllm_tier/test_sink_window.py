@@ -1,5 +1,6 @@
-"""rlkv's own form on vLLM (`rlkv.vllm_plugin.sink_window`): compressed heads keep sink + window tokens,
-the prompt read in full, in a KV cache group of their own whose freed blocks go back to vLLM's pool.
+"""rlkv's own form on vLLM (`rlkv.vllm_plugin.sink_window`, and `ring` for the eval form on the platform's own
+kernel): compressed heads keep sink + window tokens, the prompt read in full, in a KV cache group of their
+own whose freed blocks go back to vLLM's pool.
 
 References: rlkv's transformers path with the same `CompressionConfig` (policy streaming, sink 16, window
 64, `protect_prompt=False`; `window_prefill` False = the eval's form, True = the windowed prompt); stock
@@ -17,6 +18,7 @@ from rlkv import HeadMask  # noqa: E402
 from rlkv.data.chain_task import load_chain_task  # noqa: E402
 from rlkv.inference import generate  # noqa: E402
 from rlkv.inference.vllm import compression_overrides, vllm_compression  # noqa: E402
+from rlkv.vllm_plugin.split import CONFIG_KEY  # noqa: E402
 
 SINK, WINDOW, BLOCK = 16, 64, 32
 
@@ -43,7 +45,9 @@ def test_tokens_equal_the_transformers_path_in_the_same_form(demo, sparsity, win
     config = _form(mask, sparsity, window_prefill, protect_prompt=protect_prompt)
     with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
         managers, _ = kv_groups(llm)
-        assert "SinkWindowManager" in {type(m).__name__ for m in managers}
+        # the eval form runs as the ring on vLLM's CPU kernel; the others as rlkv's gather form
+        ring = not window_prefill and not protect_prompt
+        assert ("RingManager" if ring else "SinkWindowManager") in {type(m).__name__ for m in managers}
         served = greedy(llm, prompts)
     reference = generate(
         model, tokenizer, prompts, 200, compression=config, apply_chat_template=False, progress=False
@@ -75,42 +79,76 @@ def test_a_window_over_every_position_gives_stock_vllm_tokens(demo):
         assert greedy(llm, prompts[:16]) == stock
 
 
-@pytest.mark.parametrize("protect_prompt", [False, True], ids=["eval-form", "protected"])
-def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_pool(demo, protect_prompt):
+def _torch_kernel(overrides: dict) -> dict:
+    """The same split run by rlkv's gather form (the torch reference) instead of the platform's kernel."""
+    return overrides | {CONFIG_KEY: overrides[CONFIG_KEY] | {"kernel": "torch"}}
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.75])
+def test_the_ring_on_the_stock_kernel_gives_the_torch_references_tokens(demo, sparsity):
+    """The eval form on vLLM's CPU attention kernel (the ring) against rlkv's exact torch form, 48 problems."""
+    model, _, _, prompts, mask = demo
+    overrides = compression_overrides(model.config, _form(mask, sparsity))
+    with engine(hf_overrides=overrides) as llm:
+        assert "RingManager" in {type(m).__name__ for m in kv_groups(llm)[0]}
+        ring = greedy(llm, prompts)
+    with engine(hf_overrides=_torch_kernel(overrides)) as llm:
+        assert "RingManager" not in {type(m).__name__ for m in kv_groups(llm)[0]}
+        reference = greedy(llm, prompts)
+    equal = sum(a == b for a, b in zip(ring, reference))
+    assert equal >= 46, f"{equal} of 48 generations equal"
+
+
+@pytest.mark.parametrize("form", ["eval-form", "protected", "eval-form-torch"])
+def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_pool(demo, form):
     model, _, _, _, mask = demo
-    form = _form(mask, 0.5, protect_prompt=protect_prompt)
-    with engine(hf_overrides=compression_overrides(model.config, form)) as llm:
-        (full_group, sink_group), pool = groups_by_kind(llm, "FullAttentionManager", "SinkWindowManager")
+    protect_prompt = form == "protected"
+    overrides = compression_overrides(model.config, _form(mask, 0.5, protect_prompt=protect_prompt))
+    ring = form == "eval-form"
+    if form == "eval-form-torch":
+        overrides = _torch_kernel(overrides)
+    with engine(hf_overrides=overrides) as llm:
+        kind = "RingManager" if ring else "SinkWindowManager"
+        (full_group, sink_group), pool = groups_by_kind(llm, "FullAttentionManager", kind)
         free_before = pool.get_num_free_blocks()
         prompt_tokens = 300  # 10 blocks of 32
         held = blocks_per_step(llm, (full_group, sink_group), [5 + i % 50 for i in range(prompt_tokens)], 400)
         free_after = pool.get_num_free_blocks()
     assert len(held) >= 399
     full, kept, free = zip(*held)
-    # sink blocks (the prompt's when protected) + window blocks (+1: a window not aligned to blocks)
-    head = -(-(prompt_tokens if protect_prompt else SINK) // BLOCK)
-    bound = head + -(-(WINDOW + 1) // BLOCK) + 1
-    # the prompt is held whole while it is read (10 blocks), then only the kept blocks: freed at the next
-    # step's scheduling, and constant from there on
-    assert kept[0] == -(-prompt_tokens // BLOCK)
-    assert max(kept[1:]) <= bound and min(kept[100:]) >= head + 2  # once the window is past the prompt
-    assert protect_prompt or kept[0] > bound
+    ring_blocks = -(-(SINK + WINDOW + 1) // BLOCK)  # 3: the ring's sink + window + 1 slots
+    if ring:  # the ring and the prompt while it is read, then the ring alone, from the first generated step
+        assert kept[0] == ring_blocks + -(-prompt_tokens // BLOCK)
+        assert set(kept[1:]) == {ring_blocks}
+    else:
+        # sink blocks (the prompt's when protected) + window blocks (+1: a window not aligned to blocks)
+        head = -(-(prompt_tokens if protect_prompt else SINK) // BLOCK)
+        bound = head + -(-(WINDOW + 1) // BLOCK) + 1
+        # the prompt is held whole while it is read (10 blocks), then only the kept blocks: freed at the next
+        # step's scheduling, and constant from there on
+        assert kept[0] == -(-prompt_tokens // BLOCK)
+        assert max(kept[1:]) <= bound and min(kept[100:]) >= head + 2  # once the window is past the prompt
+        assert protect_prompt or kept[0] > bound
     assert full[-1] == -(-(prompt_tokens + 399) // BLOCK)  # the full group holds every token
     # what the group freed went back to the shared pool: free blocks fell only by the full group's growth
     assert free[0] - free[-1] <= (full[-1] - full[0]) + (max(kept) - kept[0]) + 1
     assert free_after == free_before  # finishing returns every block
 
 
-def test_chunked_prefill_and_prefix_caching_give_the_same_tokens(demo):
+@pytest.mark.parametrize("kernel", ["stock", "torch"])
+def test_chunked_prefill_and_prefix_caching_give_the_same_tokens(demo, kernel):
     model, _, _, prompts, mask = demo
     overrides = compression_overrides(model.config, _form(mask, 0.5))
+    if kernel == "torch":
+        overrides = _torch_kernel(overrides)
     with engine(hf_overrides=overrides, enable_prefix_caching=False) as llm:
         plain = greedy(llm, prompts[:8])
     # 64-token chunks: a 349-token prompt in 6 forwards, each reading the earlier chunks in full
     with engine(hf_overrides=overrides, enable_prefix_caching=False, max_num_batched_tokens=64) as llm:
         assert greedy(llm, prompts[:8]) == plain
     with engine(hf_overrides=overrides, enable_prefix_caching=True) as llm:
-        cached = greedy(llm, prompts[:8]) + greedy(llm, prompts[:8])  # the second pass hits the cache
+        # the torch form's second pass hits the prompt blocks; the ring caches none (`ring.py`)
+        cached = greedy(llm, prompts[:8]) + greedy(llm, prompts[:8])
     assert cached == plain + plain
 
 

@@ -89,3 +89,8 @@ def demo_chain(num: int = 48):
     problems = load_chain_task("test", num)
     prompts = [build_prompt(p, tokenizer) for p in problems]
     return model, tokenizer, problems, prompts, HeadMask.random(model, seed=0)
+
+
+def model_runner(llm):
+    """The model runner of `llm`'s engine (in-process engines only). Private engine state, read only by tests."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
