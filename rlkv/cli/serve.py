@@ -309,6 +309,8 @@ def run_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     server = [sys.executable, *stock_server(args.model)[0]]
+    # rlkv's compressed heads need vLLM's V1 model runner (V2, its default on CUDA, passes no is_prefilling)
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.execv(sys.executable, [*server, "--hf-overrides", json.dumps(overrides), *extra])
     return 0  # not reached
 

@@ -87,7 +87,10 @@ def check_vllm_model(model: str, flag: str = "--engine vllm") -> None:
 
 
 def import_vllm() -> Any:
-    """The `vllm` module; an ImportError that names the install when it is absent."""
+    """The `vllm` module; an ImportError that names the install when it is absent. rlkv's engines run vLLM's
+    V1 model runner unless the user chose (`VLLM_USE_V2_MODEL_RUNNER`): rlkv's compressed heads read the
+    step's `is_prefilling` and `positions`, which the V2 runner (vLLM's default on CUDA) does not pass."""
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     try:
         import vllm
     except ImportError:

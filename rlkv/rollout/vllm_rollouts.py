@@ -107,11 +107,12 @@ def head_mixed_vllm_generation_class() -> type:
             super().__init__(*args, **kwargs)
 
         def _init_vllm(self) -> None:
-            import vllm
             from trl.trainer.utils import ensure_master_addr_port
 
             from rlkv.inference.dtypes import dtype_name
-            from rlkv.inference.vllm_engine import cpu_kv_cache
+            from rlkv.inference.vllm_engine import cpu_kv_cache, import_vllm
+
+            vllm = import_vllm()
             from rlkv.vllm_plugin.meter import KVMeteredScheduler
 
             accelerator = self.accelerator

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
 
+from rlkv.vllm_plugin.fence import step_inputs
 from rlkv.vllm_plugin.observed import SlotTables, SlotView, decode_attention, prompt_probabilities
 from rlkv.vllm_plugin.sink_window_backend import PagedTorchImpl
 
@@ -111,17 +112,16 @@ class EvictionMetadataBuilder(AttentionMetadataBuilder[EvictionMetadata]):
 
         m, spec = common_attn_metadata, self.spec
         starts = m.query_start_loc_cpu.tolist()
-        prefilling = m.is_prefilling[: m.num_reqs].tolist() if m.is_prefilling is not None else None
-        seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens.cpu()
-        seq_lens = seq_lens[: m.num_reqs].tolist()
+        prefilling, seq_lens, positions = step_inputs(m)
+        prefilling, seq_lens = prefilling.tolist(), seq_lens.tolist()
         keys = _first_blocks(m)
-        out = EvictionMetadata(m.num_actual_tokens, m.block_table_tensor, m.positions)
+        out = EvictionMetadata(m.num_actual_tokens, m.block_table_tensor, positions)
         decode: list[tuple[int, int, int, int, int, int, int]] = []
         for r in range(m.num_reqs):
             first, count, length = starts[r], starts[r + 1] - starts[r], int(seq_lens[r])
             if count == 0:
                 continue
-            if (prefilling is not None and prefilling[r]) or count > 1:
+            if prefilling[r] or count > 1:
                 state = self._state(keys[r], reset=True)
                 out.prefill.append((r, first, count, length, state.row))
                 continue

@@ -129,6 +129,72 @@ def _version() -> str:
     return getattr(vllm, "__version__", "?")
 
 
+class VllmApiError(RuntimeError):
+    """vLLM lacks something the plugin reads (a field, a keyword): one line naming vLLM's version and the field."""
+
+
+# the fields of vLLM's per-step `CommonAttentionMetadata` rlkv's builders read, and why
+STEP_FIELDS = {
+    "query_start_loc": "each request's first query token (device)",
+    "query_start_loc_cpu": "the same, on the host",
+    "seq_lens": "each request's sequence length (device)",
+    "seq_lens_cpu_upper_bound": "the same, on the host (no device read)",
+    "is_prefilling": "whether a request still computes its prompt (the prompt is read in full)",
+    "positions": "each token's position (rlkv's slots and windows)",
+    "block_table_tensor": "the group's block tables",
+    "slot_mapping": "vLLM's slots of the step's tokens (their count)",
+}
+
+
+def check_step_fields(metadata_class: type | None = None) -> None:
+    """At a head-mixed engine's start: vLLM's `CommonAttentionMetadata` (or `metadata_class`) declares every field
+    of `STEP_FIELDS`, and a vLLM other than the tested one is named in one warning line."""
+    import dataclasses
+
+    if metadata_class is None:
+        from vllm.v1.attention.backend import CommonAttentionMetadata as metadata_class
+
+    declared = {f.name for f in dataclasses.fields(metadata_class)}
+    missing = [name for name in STEP_FIELDS if name not in declared]
+    if missing:
+        raise VllmApiError(
+            f"vLLM {_version()}'s CommonAttentionMetadata has no {', '.join(missing)}: rlkv's compressed heads read "
+            f"{STEP_FIELDS[missing[0]]} from it; install vllm {TESTED_VLLM} (make test-vllm's version)"
+        )
+    if _version() != TESTED_VLLM:
+        import logging
+
+        logging.getLogger("vllm.rlkv").warning(
+            "rlkv: vLLM %s is not the version rlkv's plugin is tested with (%s); its checks at engine start "
+            "passed, but run make test-vllm's tests against it before trusting its tokens",
+            _version(),
+            TESTED_VLLM,
+        )
+
+
+def step_inputs(metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(is_prefilling [R] bool, sequence lengths' upper bounds [R], both on the host; positions [T]) of one step's
+    `CommonAttentionMetadata`; `VllmApiError` when vLLM left one unset (its model runner v2 sets neither
+    `is_prefilling` nor `positions`): no fallback that would change the form."""
+    values = {
+        "is_prefilling": metadata.is_prefilling,
+        "seq_lens_cpu_upper_bound": metadata.seq_lens_cpu_upper_bound,
+        "positions": metadata.positions,
+    }
+    for name, value in values.items():
+        if value is None:
+            raise VllmApiError(
+                f"vLLM {_version()}'s model runner passed no {name} to the attention builders: rlkv's compressed "
+                f"heads need {STEP_FIELDS[name]}; run vLLM's default (v1) model runner (VLLM_USE_V2_MODEL_RUNNER=0)"
+            )
+    reqs = metadata.num_reqs
+    return (
+        values["is_prefilling"][:reqs].cpu(),
+        values["seq_lens_cpu_upper_bound"][:reqs],
+        values["positions"],
+    )
+
+
 def register_kv_cache_spec(spec_class: type, manager_class: type) -> None:
     """Register a KV cache spec type of rlkv's with its block manager, as a grouping type of its own.
 

@@ -28,6 +28,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from rlkv.vllm_plugin.fence import step_inputs
 from rlkv.vllm_plugin.ring import RING_BACKENDS
 
 
@@ -61,15 +62,12 @@ class RingBuilderMixin:
         m = common_attn_metadata
         reqs, tokens, device = m.num_reqs, m.slot_mapping.shape[0], m.block_table_tensor.device
         starts_cpu = m.query_start_loc_cpu[: reqs + 1]
-        prefilling = (
-            m.is_prefilling[:reqs] if m.is_prefilling is not None else torch.zeros(reqs, dtype=torch.bool)
-        )
+        prefilling, upper, position = step_inputs(m)
         # a row of several queries that is not a prompt is a preempted request replaying its outputs: read
         # causally over its prompt blocks (vLLM's manager gave it blocks to its `prefill_end`)
-        linear_cpu = prefilling.cpu() | ((starts_cpu[1:] - starts_cpu[:-1]) > 1)
+        linear_cpu = prefilling | ((starts_cpu[1:] - starts_cpu[:-1]) > 1)
         linear = linear_cpu.to(device, non_blocking=True)
-        upper = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens.cpu()
-        upper = torch.where(linear_cpu, upper[:reqs], upper[:reqs].clamp(max=self.capacity))
+        upper = torch.where(linear_cpu, upper, upper.clamp(max=self.capacity))
         seq_lens = m.seq_lens[:reqs]
         table = m.block_table_tensor[:reqs]
         columns = table.shape[1] - self.ring_columns
@@ -78,7 +76,7 @@ class RingBuilderMixin:
         token = torch.arange(tokens, device=device)
         request = torch.searchsorted(m.query_start_loc[1 : reqs + 1], token, right=True).clamp(max=reqs - 1)
         real = token < m.query_start_loc[reqs]
-        position = m.positions[:tokens]
+        position = position[:tokens]
         ring_index = torch.where(
             position < self.sink, position, self.sink + (position - self.sink) % (self.window + 1)
         )

@@ -35,6 +35,8 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
+from rlkv.vllm_plugin.fence import step_inputs
+
 
 @dataclass
 class SinkWindowMetadata:
@@ -87,14 +89,9 @@ class SinkWindowMetadataBuilder(AttentionMetadataBuilder[SinkWindowMetadata]):
         m = common_attn_metadata
         starts = m.query_start_loc_cpu.tolist()
         num_reqs = m.num_reqs
-        prefilling = m.is_prefilling
-        flags = (
-            [bool(x) for x in prefilling[:num_reqs].tolist()]
-            if prefilling is not None and self.full_prompt
-            else [False] * num_reqs
-        )
-        seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens.cpu()
-        seq_lens = seq_lens[:num_reqs].tolist()
+        prefilling, seq_lens, positions = step_inputs(m)
+        flags = [bool(x) and self.full_prompt for x in prefilling.tolist()]
+        seq_lens = seq_lens.tolist()
         prefill, window_tokens, window_requests = [], [], []
         for r in range(num_reqs):
             first, count = starts[r], starts[r + 1] - starts[r]
@@ -112,14 +109,6 @@ class SinkWindowMetadataBuilder(AttentionMetadataBuilder[SinkWindowMetadata]):
             for r in range(num_reqs):
                 is_prompt[starts[r] : starts[r + 1]] = flags[r]
             prompt_slots = self._mark_prompt_slots(m.slot_mapping, is_prompt.to(device, non_blocking=True))
-        positions = m.positions
-        if positions is None:  # older runners: the positions from sequence lengths and query spans
-            positions = torch.cat(
-                [
-                    torch.arange(int(seq_lens[r]) - (starts[r + 1] - starts[r]), int(seq_lens[r]))
-                    for r in range(num_reqs)
-                ]
-            ).to(device)
         return SinkWindowMetadata(
             num_actual_tokens=m.num_actual_tokens,
             block_table=m.block_table_tensor,

@@ -297,10 +297,12 @@ def test_chunked_prefill_gives_the_same_tokens(demo, method):
 def test_the_eviction_tables_are_made_at_start_and_small_next_to_the_kv_pool(demo):
     """The group's per-request tables (slot positions, observation queries) are made in vLLM's profiling run,
     before the KV pool is sized (on a GPU vLLM then sizes the pool from what is left), bounded by 2 x
-    max_num_seqs rows x the group's capacity; at max_num_seqs 64 they are under 1% of the pool."""
+    max_num_seqs rows x the group's capacity; at max_num_seqs 64 they are under 1% of the pool. vLLM's CPU
+    worker runs the profiling run only to warm up its compiled path (not under enforce_eager)."""
     model, _, _, prompts, mask = demo
     config = _method(model, mask, "rlkv+rkv")
-    with engine(hf_overrides=compression_overrides(model.config, config), max_num_seqs=64) as llm:
+    overrides = compression_overrides(model.config, config)
+    with engine(hf_overrides=overrides, max_num_seqs=64, enforce_eager=False) as llm:
         layers = [m for m in model_runner(llm).model.modules() if type(m).__name__ == "EvictionAttention"]
         made = [layer.impl.tables for layer in layers]
         kv_bytes = sum(t.size for t in in_process_scheduler(llm).kv_cache_config.kv_cache_tensors)

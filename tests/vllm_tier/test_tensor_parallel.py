@@ -88,16 +88,17 @@ def test_four_kv_heads_two_ranks_with_both_kinds_on_each_rank(tmp_path, make_mod
 
 def test_on_two_ranks_the_compressed_groups_blocks_stay_constant_during_decode():
     """vLLM's one block pool serves both ranks (each holds its heads' share of every block): over 400 decode
-    steps of a 300-token prompt the compressed group holds its sink and window blocks, as on one rank."""
+    steps of a 300-token prompt the compressed group (the eval form's ring) holds its ring's blocks, as on one
+    rank."""
     _, _, _, _, mask = demo_chain(1)
     with engine(DEMO, hf_overrides=vllm_overrides(DEMO, mask, 0.5, tensor_parallel_size=2), **TP2) as llm:
-        (full_group, sink_group), pool = groups_by_kind(llm, "FullAttentionManager", "SinkWindowManager")
+        (full_group, ring_group), pool = groups_by_kind(llm, "FullAttentionManager", "RingManager")
         free_before = pool.get_num_free_blocks()
-        held = blocks_per_step(llm, (full_group, sink_group), [5 + i % 50 for i in range(300)], 400)
+        held = blocks_per_step(llm, (full_group, ring_group), [5 + i % 50 for i in range(300)], 400)
         free_after = pool.get_num_free_blocks()
     full, kept, _ = zip(*held)
-    bound = -(-16 // 32) + -(-(64 + 1) // 32) + 1  # sink blocks + window blocks (+1 unaligned)
-    assert kept[0] == -(-300 // 32) and max(kept[1:]) <= bound and len(set(kept[100:])) == 1
+    ring = -(-(16 + 64 + 1) // 32)  # the ring's sink + window + 1 slots
+    assert kept[0] == ring + -(-300 // 32) and set(kept[1:]) == {ring}
     assert full[-1] == -(-(300 + len(held) - 1) // 32)  # the full group holds every token
     assert free_after == free_before
 
