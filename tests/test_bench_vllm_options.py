@@ -50,6 +50,8 @@ def test_the_dispatch_part_checks_each_capped_cell_against_stock_and_the_spread_
     rows = [
         r | {"ops_per_step": ops, "min": ops, "max": ops, "compressed_parts_per_layer": 1} for r, ops in cells
     ]
+    for r in rows:  # views counted apart: half of each count here
+        r["non_view_ops_per_step"] = r["ops_per_step"] / 2
     checks = {c["what"]: (round(c["value"], 2), c["pass"]) for c in dispatch_checks(rows)}
     assert checks == {
         "rlkv s=0.5": (1.2, True),
@@ -58,7 +60,7 @@ def test_the_dispatch_part_checks_each_capped_cell_against_stock_and_the_spread_
         "rkv s=0.5 buffer 128": (1.31, False),
         "rlkv s=0.25 / 0.5 / 0.75 spread": (0.27, False),
     }
-    assert "| m | 8 | rkv | 0.5 | 0 | 1 | 400 | 400 | 400 | 4.00x |" in report_dispatch(
+    assert "| m | 8 | rkv | 0.5 | 0 | 1 | 400 | 400 | 400 | 4.00x | 200 | 4.00x |" in report_dispatch(
         {"rows": rows, "checks": []}
     )
     # an uneven mask: layers of 1 and 3 full of 4 KV heads -> parts of one head, up to 3 compressed per layer

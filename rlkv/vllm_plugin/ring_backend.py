@@ -60,48 +60,93 @@ class RingBuilderMixin:
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> RingMetadata:
         m = common_attn_metadata
-        reqs, tokens, device = m.num_reqs, m.slot_mapping.shape[0], m.block_table_tensor.device
-        starts_cpu = m.query_start_loc_cpu[: reqs + 1]
-        prefilling, upper, position = step_inputs(m)
-        # a row of several queries that is not a prompt is a preempted request replaying its outputs: read
-        # causally over its prompt blocks (vLLM's manager gave it blocks to its `prefill_end`)
-        linear_cpu = prefilling | ((starts_cpu[1:] - starts_cpu[:-1]) > 1)
-        linear = linear_cpu.to(device, non_blocking=True)
-        upper = torch.where(linear_cpu, upper, upper.clamp(max=self.capacity))
-        seq_lens = m.seq_lens[:reqs]
+        reqs, tokens = m.num_reqs, m.slot_mapping.shape[0]
+        plan = _step_plan(m, self.sink, self.window, self.block)
         table = m.block_table_tensor[:reqs]
+        ring = table[plan.request, plan.ring_column] * self.block + plan.ring_offset
+        self.ring_slots[:tokens] = torch.where(plan.ring_kept, ring, -1)
         columns = table.shape[1] - self.ring_columns
-        read_table = torch.where(linear[:, None], table[:, self.ring_columns :], table[:, :columns])
-
-        token = torch.arange(tokens, device=device)
-        request = torch.searchsorted(m.query_start_loc[1 : reqs + 1], token, right=True).clamp(max=reqs - 1)
-        real = token < m.query_start_loc[reqs]
-        position = position[:tokens]
-        ring_index = torch.where(
-            position < self.sink, position, self.sink + (position - self.sink) % (self.window + 1)
-        )
-        # a token a later token of the step overwrites in the ring is not written there (one write per slot)
-        kept = (position < self.sink) | (position >= seq_lens[request] - (self.window + 1))
-        ring = table[request, ring_index // self.block] * self.block + ring_index % self.block
-        column = (self.ring_columns + position // self.block).clamp(max=table.shape[1] - 1)
-        prompt = table[request, column] * self.block + position % self.block
-        self.ring_slots[:tokens] = torch.where(real & kept, ring, -1)
-        self.prompt_slots[:tokens] = torch.where(real & linear[request], prompt, -1)
-
+        seq_lens = m.seq_lens[:reqs]
+        if plan.linear is None:  # a decode-only step (every captured graph's): no prompt row, no prompt write
+            prompt_slots, read_table, read_lens = None, table[:, :columns], seq_lens.clamp(max=self.capacity)
+        else:
+            column = (self.ring_columns + plan.prompt_column).clamp(max=table.shape[1] - 1)
+            prompt = table[plan.request, column] * self.block + plan.prompt_offset
+            self.prompt_slots[:tokens] = torch.where(plan.prompt_kept, prompt, -1)
+            prompt_slots = self.prompt_slots[:tokens]
+            read_table = torch.where(plan.linear[:, None], table[:, self.ring_columns :], table[:, :columns])
+            read_lens = torch.where(plan.linear, seq_lens, seq_lens.clamp(max=self.capacity))
         read = dataclasses.replace(
             m,
-            seq_lens=torch.where(linear, seq_lens, seq_lens.clamp(max=self.capacity)),
-            seq_lens_cpu_upper_bound=upper,
-            max_seq_len=int(upper.max()),
+            seq_lens=read_lens,
+            seq_lens_cpu_upper_bound=plan.upper,
+            max_seq_len=int(plan.upper.max()),
             block_table_tensor=read_table,
-            slot_mapping=self.prompt_slots[:tokens],
+            slot_mapping=self.ring_slots[:tokens],
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        stock = super().build(0, read, fast_build)
-        # the flags are host data: a decode-only step (every captured graph's) skips the prompt write
-        prompt_slots = self.prompt_slots[:tokens] if bool(linear_cpu.any()) else None
-        return RingMetadata(stock, self.ring_slots[:tokens], prompt_slots)
+        return RingMetadata(super().build(0, read, fast_build), self.ring_slots[:tokens], prompt_slots)
+
+
+@dataclass
+class _StepPlan:
+    """What a step's tokens do in any ring group of the engine (the groups differ only in their block tables):
+    per token [T] its request, its ring slot's column and offset and whether it is written there, its prompt
+    slot's column (counted after the ring's columns) and offset and whether it is written there (None: no
+    request of the step reads its prompt blocks); per request [R] whether it reads its prompt blocks and the
+    host upper bound of the length it reads (its sequence, or at most the ring's slots)."""
+
+    request: torch.Tensor
+    ring_column: torch.Tensor
+    ring_offset: torch.Tensor
+    ring_kept: torch.Tensor
+    prompt_column: torch.Tensor | None
+    prompt_offset: torch.Tensor | None
+    prompt_kept: torch.Tensor | None
+    linear: torch.Tensor | None
+    upper: torch.Tensor
+
+
+# the last step's plan, keyed by vLLM's host query starts of that step (one object shared by every group's
+# metadata of a step, a new one each step: vLLM copies its per-step metadata shallowly for each group); the
+# object is held, so its id is not reused while the entry lives
+_LAST_PLAN: list[tuple[Any, tuple[int, int, int], _StepPlan]] = []
+
+
+def _step_plan(m: CommonAttentionMetadata, sink: int, window: int, block: int) -> _StepPlan:
+    """The step's `_StepPlan` for ring groups of this form, built by the step's first ring group."""
+    if _LAST_PLAN and _LAST_PLAN[0][0] is m.query_start_loc_cpu and _LAST_PLAN[0][1] == (sink, window, block):
+        return _LAST_PLAN[0][2]
+    reqs, tokens, device = m.num_reqs, m.slot_mapping.shape[0], m.block_table_tensor.device
+    starts_cpu = m.query_start_loc_cpu[: reqs + 1]
+    prefilling, upper, position = step_inputs(m)
+    # a row of several queries that is not a prompt is a preempted request replaying its outputs: read
+    # causally over its prompt blocks (vLLM's manager gave it blocks to its `prefill_end`); host flags
+    linear_cpu = prefilling | ((starts_cpu[1:] - starts_cpu[:-1]) > 1)
+    any_linear = bool(linear_cpu.any())
+    token = torch.arange(tokens, device=device)
+    request = torch.searchsorted(m.query_start_loc[1 : reqs + 1], token, right=True).clamp(max=reqs - 1)
+    real = token < m.query_start_loc[reqs]
+    position = position[:tokens]
+    ring_index = torch.where(position < sink, position, sink + (position - sink) % (window + 1))
+    # a token a later token of the step overwrites in the ring is not written there (one write per slot)
+    kept = real & ((position < sink) | (position >= m.seq_lens[request] - (window + 1)))
+    linear = linear_cpu.to(device, non_blocking=True) if any_linear else None
+    read = upper.clamp(max=sink + window + 1)
+    plan = _StepPlan(
+        request=request,
+        ring_column=ring_index // block,
+        ring_offset=ring_index % block,
+        ring_kept=kept,
+        prompt_column=position // block if linear is not None else None,
+        prompt_offset=position % block if linear is not None else None,
+        prompt_kept=real & linear[request] if linear is not None else None,
+        linear=linear,
+        upper=torch.where(linear_cpu, upper, read) if linear is not None else read,
+    )
+    _LAST_PLAN[:] = [(m.query_start_loc_cpu, (sink, window, block), plan)]
+    return plan
 
 
 class RingImplMixin:
