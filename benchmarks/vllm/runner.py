@@ -112,6 +112,11 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "dispatch (torch ops per decode step against stock vLLM, benchmarks/vllm/dispatch.py)",
     )
     parser.add_argument(
+        "--vllm-no-references",
+        action="store_true",
+        help="skip the transformers reference rows of the serving part (one batch each: long at 2K tokens)",
+    )
+    parser.add_argument(
         "--vllm-author-masks", default=None, help="a clone of the RLKV authors' repository (the padding part)"
     )
     engines.add_options(parser)
@@ -329,7 +334,8 @@ def suite_serving(args: argparse.Namespace) -> dict:
             rows.append({"kv": bound, "kv_bytes": kv_bytes, "method": name, "sparsity": sparsity, **r})
             rows[-1]["kind"] = method
             print(f"  vllm: {bound} {name}: {json.dumps(r)}", flush=True)
-    for sparsity in [0.0, *sorted(rlkv_sparsities)] if rlkv_sparsities else []:
+    references = [] if args.vllm_no_references or not rlkv_sparsities else [0.0, *sorted(rlkv_sparsities)]
+    for sparsity in references:
         compression = None if sparsity == 0 else form(sparsity)
         name = "transformers generate" if sparsity == 0 else f"rlkv transformers s={sparsity}"
         r = run_transformers(model, prompts, args.vllm_new_tokens, compression)
