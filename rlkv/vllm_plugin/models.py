@@ -20,7 +20,7 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from rlkv.vllm_plugin.attention import split_attention_layers
-from rlkv.vllm_plugin.fence import check_step_fields
+from rlkv.vllm_plugin.fence import check_vllm_api
 from rlkv.vllm_plugin.split import HeadSplit, HeadSplitError, check_full_attention_layers
 
 # a child of vLLM's logger, so the line goes where vLLM's own logs go (and VLLM_LOGGING_LEVEL applies)
@@ -36,7 +36,7 @@ def check_engine(vllm_config: Any) -> HeadSplit:
     """The split of the model being built, after refusing engine settings it cannot honour (one line each)."""
     config = vllm_config.model_config.hf_config
     split = HeadSplit.from_config(config)
-    check_step_fields()
+    check_vllm_api()
     if vllm_config.use_v2_model_runner:
         raise HeadSplitError(
             "vLLM's model runner V2 passes no is_prefilling or positions to attention builders, which rlkv's "

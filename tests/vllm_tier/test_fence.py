@@ -91,3 +91,30 @@ def test_rlkvs_engines_run_vllms_v1_model_runner_unless_the_user_chose(monkeypat
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", chosen)
     import_vllm()
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == (chosen or "0")
+
+
+def test_every_vllm_name_the_plugin_uses_resolves_in_this_vllm():
+    fence.check_vllm_api()  # imports, private members, overridden methods' parameters, step fields
+
+
+@pytest.mark.parametrize(
+    "listed, says",
+    [
+        ("VLLM_IMPORTS", r"vLLM \S+ has no vllm\.v1\.core\.sched\.scheduler\.Gone, which rlkv's plugin uses"),
+        ("VLLM_PRIVATE_MEMBERS", r"has no vllm\.v1\.core\.sched\.scheduler\.Gone, which rlkv's plugin uses"),
+    ],
+    ids=["import", "private-member"],
+)
+def test_a_vllm_without_a_name_the_plugin_uses_is_refused_in_one_line(monkeypatch, listed, says):
+    """A vLLM that dropped or moved a name (here one listed beside the real ones)."""
+    monkeypatch.setattr(fence, listed, (*getattr(fence, listed), "vllm.v1.core.sched.scheduler:Gone"))
+    with pytest.raises(fence.VllmApiError, match=says) as e:
+        fence.check_vllm_api()
+    assert "\n" not in str(e.value)
+
+
+def test_a_vllm_whose_manager_lost_a_parameter_rlkv_overrides_is_refused(monkeypatch):
+    method = "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.get_num_blocks_to_allocate"
+    monkeypatch.setitem(fence.VLLM_PARAMETERS, method, (*fence.VLLM_PARAMETERS[method], "prefill_start"))
+    with pytest.raises(fence.VllmApiError, match=r"get_num_blocks_to_allocate takes no prefill_start"):
+        fence.check_vllm_api()
