@@ -71,7 +71,9 @@ def measure(model: str, overrides: dict | None, args: argparse.Namespace) -> dic
     )
     engine = llm.llm_engine
     generator = torch.Generator().manual_seed(0)
-    params = vllm.SamplingParams(temperature=0, max_tokens=3 * args.steps + 32, ignore_eos=True, detokenize=False)
+    params = vllm.SamplingParams(
+        temperature=0, max_tokens=3 * args.steps + 32, ignore_eos=True, detokenize=False
+    )
     for i, ids in enumerate(torch.randint(10, 500, (args.batch, args.prompt), generator=generator).tolist()):
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
     started: set[str] = set()
@@ -94,7 +96,9 @@ def measure(model: str, overrides: dict | None, args: argparse.Namespace) -> dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     parser.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.75])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=512)
@@ -126,14 +130,19 @@ def main() -> int:
     ]
     failed = False
     for name, row in rows:
-        launch_ratio, speed_ratio = row["launches"] / stock["launches"], row["tokens_per_s"] / stock["tokens_per_s"]
+        launch_ratio, speed_ratio = (
+            row["launches"] / stock["launches"],
+            row["tokens_per_s"] / stock["tokens_per_s"],
+        )
         ok = launch_ratio <= MAX_LAUNCH_RATIO and speed_ratio >= MIN_SPEED_RATIO
         failed |= not ok
         lines.append(
             f"| {name} | {row['launches']:.0f} | {launch_ratio:.2f}x | {row['tokens_per_s']:.1f} | "
             f"{speed_ratio:.2f}x | {'PASS' if ok else 'FAIL'} |"
         )
-    table = "\n".join([f"device {args.device}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps", *lines])
+    table = "\n".join(
+        [f"device {args.device}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps", *lines]
+    )
     print(table)
     if args.out:
         args.out.write_text(table + "\n")
