@@ -387,10 +387,7 @@ class EvictionImpl(PagedTorchImpl):
         blocks = torch.where(exists, blocks, 0)  # empty slots read and write vLLM's null block
         kv = kv_cache[blocks, :, offsets].permute(0, 2, 1, 3)  # [B, H_kv, N, 2D]
         keys, values = kv[..., :d].contiguous(), kv[..., d:].contiguous()
-        if identity:
-            held = slots[:, None, :].expand(-1, self.num_kv_heads, -1)
-        else:
-            held = positions[rows, :, :width]
+        held = slots[:, None, :].expand(-1, self.num_kv_heads, -1) if identity else positions[rows, :, :width]
         shift = longest - lengths
         held = torch.where(exists[:, None, :], held + shift[:, None, None], -1)
         observed = None
@@ -429,9 +426,8 @@ class EvictionImpl(PagedTorchImpl):
 
 def _remember(queries: torch.Tensor, row: int, new: torch.Tensor) -> None:
     """Shift the newest queries new [Q, H_q, D] into row `row` of queries [R, H_q, observe, D]."""
-    observe = queries.shape[2]
-    recent = torch.cat([queries[row], new.transpose(0, 1).to(queries.dtype)], dim=1)[:, -observe:]
-    queries[row] = recent
+    newest = torch.cat([queries[row], new.transpose(0, 1).to(queries.dtype)], dim=1)
+    queries[row] = newest[:, -queries.shape[2] :]
 
 
 class EvictionBackend(AttentionBackend):
