@@ -164,13 +164,32 @@ class EvictionManager(FullAttentionManager):
         prompt = self.prompt.get(request_id, num_tokens)
         return self.spec.list_blocks(num_tokens, prompt) * self.block_size
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> int:
-        if not self.req_to_blocks.get(request_id):  # a new or resumed request: its prefill's end
-            self.prompt[request_id] = int(kwargs.get("prefill_end") or num_tokens)
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Any,
+        total_computed_tokens: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> int:
+        prompt = self.prompt.get(request_id) if self.req_to_blocks.get(request_id) else None
+        if prompt is None:  # a new or resumed request: its prefill's end
+            prompt = int(kwargs.get("prefill_end") or num_tokens)
+        if total_computed_tokens < prompt:
+            # the backend computes a row of several queries as prompt: a replay after a preemption computes
+            # one token past vLLM's prefill_end (its last output, which vLLM counts as decode)
+            prompt = max(prompt, num_tokens)
+        self.prompt[request_id] = prompt
         if self.reports:  # only the reporting group's manager needs it
             self.tokens[request_id] = num_tokens
         return super().get_num_blocks_to_allocate(
-            request_id, self._tokens(request_id, num_tokens), *args, **kwargs
+            request_id,
+            self._tokens(request_id, num_tokens),
+            new_computed_blocks,
+            total_computed_tokens,
+            *args,
+            **kwargs,
         )
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> list[Any]:

@@ -173,6 +173,7 @@ VLLM_IMPORTS = (
     "vllm.v1.attention.backend:CommonAttentionMetadata",
     "vllm.v1.attention.backends.registry:AttentionBackendEnum",
     "vllm.v1.attention.backends.registry:register_backend",
+    "vllm.v1.core.sched.async_scheduler:AsyncScheduler",
     "vllm.v1.core.sched.scheduler:Scheduler",
     "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager",
     "vllm.v1.kv_cache_interface:AttentionSpec",

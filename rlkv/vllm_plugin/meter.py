@@ -1,4 +1,5 @@
-"""KV blocks in use, measured by vLLM's own scheduler: `KVMeteredScheduler` (pass as `scheduler_cls`).
+"""KV blocks in use, measured by vLLM's own scheduler: `KVMeteredScheduler` (pass as `scheduler_cls`;
+it keeps vLLM's async scheduling on where vLLM turned it on).
 
 vLLM allocates KV memory as blocks from one pool; a request holds blocks in every KV cache group
 (rlkv's split: full-attention groups and sliding-window groups, `attention.py`). After each
@@ -20,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from rlkv.vllm_plugin.fence import in_process_scheduler
@@ -58,7 +60,18 @@ class KVMeterReading:
 
 
 class KVMeteredScheduler(Scheduler):
-    """vLLM's scheduler, also recording the peak KV blocks in use and their full-cache equivalent."""
+    """vLLM's scheduler, also recording the peak KV blocks in use and their full-cache equivalent.
+
+    With async scheduling on (`scheduler_config.async_scheduling`, as vLLM resolved it) it is built as
+    `AsyncKVMeteredScheduler`, so passing it as `scheduler_cls` leaves vLLM's async scheduling on (vLLM
+    serves a custom scheduler class as given: a synchronous one would turn async scheduling off).
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> KVMeteredScheduler:
+        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        if cls is KVMeteredScheduler and vllm_config.scheduler_config.async_scheduling:
+            cls = AsyncKVMeteredScheduler
+        return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -96,7 +109,12 @@ class KVMeteredScheduler(Scheduler):
         )
 
 
+class AsyncKVMeteredScheduler(KVMeteredScheduler, AsyncScheduler):
+    """vLLM's async scheduler with `KVMeteredScheduler`'s meter (what `KVMeteredScheduler` builds under async
+    scheduling)."""
+
+
 def engine_meter(llm: Any) -> KVMeteredScheduler | None:
-    """The `KVMeteredScheduler` of `llm` (a `vllm.LLM`) when its engine core runs in this process, else None."""
+    """The metered scheduler of `llm` (a `vllm.LLM`) when its engine core runs in this process, else None."""
     scheduler = in_process_scheduler(llm)
     return scheduler if isinstance(scheduler, KVMeteredScheduler) else None

@@ -48,6 +48,21 @@ def check_engine(vllm_config: Any) -> HeadSplit:
             f"pipeline_parallel_size={parallel.pipeline_parallel_size}: rlkv's head split is served with tensor "
             "parallelism only; use tensor_parallel_size instead"
         )
+    context = {
+        "decode_context_parallel_size": parallel.decode_context_parallel_size,
+        "prefill_context_parallel_size": parallel.prefill_context_parallel_size,
+    }
+    for name, size in context.items():
+        if size > 1:
+            raise HeadSplitError(
+                f"{name}={size}: context parallelism splits a request's tokens over ranks, which rlkv's "
+                "compressed heads (sink, window, kept slots per request) do not follow; set it to 1"
+            )
+    if vllm_config.kv_transfer_config is not None:
+        raise HeadSplitError(
+            "kv_transfer_config is set: a KV connector moves stock-layout blocks between engines, and rlkv's "
+            "compressed groups hold rings and compacted slots; serve without a KV connector"
+        )
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     split.check_shards(num_kv_heads, parallel.tensor_parallel_size)
     if vllm_config.quant_config is not None:

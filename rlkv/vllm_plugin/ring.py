@@ -85,7 +85,9 @@ class RingManager(FullAttentionManager):
         if (
             total_computed_tokens < prefill_end
         ):  # a prompt, or one replayed with its outputs after a preemption
-            self.prefill_end[request_id] = prefill_end
+            # vLLM's prefill_end of a replay stops one token short of what the step computes (its last output
+            # counts as decode), but the backend reads every query of a replayed row over the prompt's blocks
+            self.prefill_end[request_id] = max(prefill_end, num_tokens)
         return super().get_num_blocks_to_allocate(
             request_id,
             self._slot_tokens(request_id, num_tokens),
