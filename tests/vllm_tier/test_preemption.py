@@ -94,3 +94,48 @@ def test_a_preempted_request_continues_as_a_cold_request_over_its_outputs(demo, 
             assert tokens[k:] == continued[rid], (rid, k)
         else:
             assert tokens == undisturbed[int(rid[1:])], rid
+
+
+@pytest.mark.parametrize("form", ["eval-form", "protected", "rlkv+rkv"])
+def test_no_block_leaks_after_200_requests_with_preemption_aborts_and_prefix_hits(demo, form):
+    """200 requests through a 48-block pool: prompts that share prefixes (hits where the form caches), every
+    7th aborted mid-run, vLLM preempting; afterwards the pool holds every block again."""
+    model, tokenizer, _, prompts, mask = demo
+    ids = [tokenizer(p).input_ids for p in prompts]
+    caching = form == "protected"  # the ring and the eviction group cache nothing
+    with engine(
+        hf_overrides=_overrides(model, mask, form), enable_prefix_caching=caching, **SMALL_POOL
+    ) as llm:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        _, pool = kv_groups(llm)
+        free, core = pool.get_num_free_blocks(), llm.llm_engine
+        for i in range(200):  # a prompt, or the same prompt cut shorter: a prefix of an earlier one
+            prompt = ids[i % REQUESTS][: 350 - 13 * (i % 17)]
+            params = vllm.SamplingParams(temperature=0, max_tokens=8 + 5 * (i % 11), ignore_eos=True)
+            core.add_request(f"q{i}", {"prompt_token_ids": prompt}, params)
+        preempted, hits, step = False, 0, 0
+        while core.has_unfinished_requests():
+            for out in core.step():
+                hits += bool(out.finished and out.num_cached_tokens)
+            step += 1
+            if step % 5 == 0:  # abort the running requests numbered 7k
+                core.abort_request([f"q{i}" for i in range(0, 200, 7)])
+            preempted = preempted or any(r.num_preemptions for r in scheduler.requests.values())
+        assert pool.get_num_free_blocks() == free  # cached blocks nobody holds count as free, as for vLLM
+    assert preempted
+    assert (hits > 0) == caching
+
+
+def test_beam_search_reads_every_beam_as_prompt_so_it_equals_stock_vllm(demo):
+    """vLLM's beam search sends, each step, a request whose prompt is the beam: a compressed head reads a
+    prompt in full in the eval form, so beam search compresses nothing there and gives stock vLLM's beams."""
+    from vllm.sampling_params import BeamSearchParams
+
+    model, tokenizer, _, prompts, mask = demo
+    params = BeamSearchParams(beam_width=2, max_tokens=24, ignore_eos=True)
+    requests = [{"prompt_token_ids": tokenizer(p).input_ids} for p in prompts[:2]]
+    with engine(hf_overrides=_overrides(model, mask, "eval-form")) as llm:
+        compressed = [[b.tokens for b in o.sequences] for o in llm.beam_search(requests, params)]
+    with engine() as llm:
+        stock = [[b.tokens for b in o.sequences] for o in llm.beam_search(requests, params)]
+    assert compressed == stock
