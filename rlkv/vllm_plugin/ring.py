@@ -12,6 +12,12 @@ prompt is computed its blocks go back to the pool: a request generating holds `r
 (`ceil((sink + window + 1) / block)`), against up to `ceil((window + 1) / block) + 1` window blocks plus
 the sink's for the gather form (`sink_window.py`), which stays the exact reference (`kernel: "torch"`).
 
+The protected form (`protect_prompt`: the prompt kept for the request's life) lays the ring after the prompt
+instead: a request's table is linear from its first block, position p < base at slot p and a later one at
+`base + (p - base) % (window + 1)`, where base = max(the prompt's end, sink); a generated query reads the
+table's first `min(p + 1, base + window + 1)` slots, i.e. the prompt (sink included) and its window, in one
+stock call; a request holds `ceil((base + window + 1) / block)` blocks at most.
+
 The ring's blocks are a request's own and hold positions out of order, so this group caches no block for
 prefix hits (vLLM then finds none for the model: tokens stay those of a cold run).
 """
@@ -39,8 +45,8 @@ class RingSpec(SinkWindowSpec):
 
     @property
     def ring_blocks(self) -> int:
-        """Blocks at the front of each request's table that hold its ring."""
-        return cdiv(self.ring_capacity, self.block_size)
+        """Blocks at the front of each request's table that hold its ring (none in the protected layout)."""
+        return 0 if self.protect_prompt else cdiv(self.ring_capacity, self.block_size)
 
     def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
         """The prompt's blocks (at most `max_len` tokens) after the ring's."""
@@ -63,12 +69,21 @@ class RingManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: RingSpec, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.ring_tokens = kv_cache_spec.ring_blocks * kv_cache_spec.block_size
+        # the protected layout: a request holds at most base + window + 1 slots (base: its prompt's end, or sink)
+        self.protect, self.sink, self.window = (
+            kv_cache_spec.protect_prompt,
+            kv_cache_spec.sink,
+            kv_cache_spec.window,
+        )
         # request -> the tokens its prefill computes (vLLM's prefill_end, or a replayed row's end)
         self.prefill_end: dict[str, int] = {}
 
     def _slot_tokens(self, request_id: str, num_tokens: int) -> int:
         """Token slots of the base manager's count that hold `num_tokens` of this request."""
-        return self.ring_tokens + min(num_tokens, self.prefill_end.get(request_id, num_tokens))
+        prefill_end = self.prefill_end.get(request_id, num_tokens)
+        if self.protect:
+            return min(num_tokens, max(prefill_end, self.sink) + self.window + 1)
+        return self.ring_tokens + min(num_tokens, prefill_end)
 
     def get_num_blocks_to_allocate(
         self,
@@ -105,7 +120,10 @@ class RingManager(FullAttentionManager):
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
-        """Return the prompt's blocks to the pool once every prefill token is computed (no query reads them)."""
+        """Return the prompt's blocks to the pool once every prefill token is computed (no query reads them);
+        the protected layout keeps them."""
+        if self.protect:
+            return
         end = max(self.prefill_end.get(request_id, 0), num_prompt_tokens or 0)
         blocks = self.req_to_blocks.get(request_id)
         if blocks and end and processed_computed_tokens >= end:

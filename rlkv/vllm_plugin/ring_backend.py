@@ -55,11 +55,19 @@ class RingBuilderMixin:
         # persistent, so that a captured graph reads this step's slots at fixed addresses
         self.ring_slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.prompt_slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.protect = kv_cache_spec.protect_prompt
+        if (
+            self.protect
+        ):  # each request's ring base (its prompt's end, or sink), on the device, by its first block
+            blocks = int(vllm_config.cache_config.num_gpu_blocks)  # the pool's, set before builders are made
+            self.bases = torch.zeros(blocks, dtype=torch.int64, device=device)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> RingMetadata:
         m = common_attn_metadata
+        if self.protect:
+            return self._build_protected(m, fast_build)
         reqs, tokens = m.num_reqs, m.slot_mapping.shape[0]
         plan = _step_plan(m, self.sink, self.window, self.block)
         table = m.block_table_tensor[:reqs]
@@ -87,6 +95,38 @@ class RingBuilderMixin:
             _token_to_req_indices_cache=None,
         )
         return RingMetadata(super().build(0, read, fast_build), self.ring_slots[:tokens], prompt_slots)
+
+    def _build_protected(self, m: CommonAttentionMetadata, fast_build: bool) -> RingMetadata:
+        """The protected layout (`ring.py`): a prompt row (or a replay) writes position p at slot p and reads
+        causally; it sets its request's base to the row's end (at least sink), kept on the device by the
+        request's first block (a block of its own for its life: this group shares none). A generated token
+        at p >= base goes to slot base + (p - base) % (window + 1), and its query reads the first
+        min(p + 1, base + window + 1) slots: one write and one stock call per layer."""
+        reqs, tokens = m.num_reqs, m.slot_mapping.shape[0]
+        prefilling, _, position = step_inputs(m)
+        starts_cpu = m.query_start_loc_cpu[: reqs + 1]
+        linear_cpu = prefilling | ((starts_cpu[1:] - starts_cpu[:-1]) > 1)
+        table, seq_lens = m.block_table_tensor[:reqs], m.seq_lens[:reqs]
+        linear = linear_cpu.to(seq_lens.device, non_blocking=True)
+        first = table[:, 0]
+        base = torch.where(linear, seq_lens.clamp(min=self.sink), self.bases[first])
+        self.bases[first] = base  # a step's requests are distinct: one write per first block
+        token = torch.arange(tokens, device=seq_lens.device)
+        request = torch.searchsorted(m.query_start_loc[1 : reqs + 1], token, right=True).clamp(max=reqs - 1)
+        p, b = position[:tokens], base[request]
+        index = torch.where(p < b, p, b + (p - b) % (self.window + 1))
+        slots = table[request, index // self.block] * self.block + index % self.block
+        self.ring_slots[:tokens] = torch.where(token < m.query_start_loc[reqs], slots, -1)
+        read = dataclasses.replace(
+            m,
+            seq_lens=torch.where(linear, seq_lens, torch.minimum(seq_lens, base + self.window + 1)).to(
+                seq_lens.dtype
+            ),
+            slot_mapping=self.ring_slots[:tokens],
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
+        return RingMetadata(super().build(0, read, fast_build), self.ring_slots[:tokens], None)
 
 
 @dataclass

@@ -154,8 +154,8 @@ class HeadSplit:
 
     @property
     def uses_ring(self) -> bool:
-        """True when the form can run as the ring (`ring.py`): the prompt read in full, not kept, no policy."""
-        return self.full_prompt and not self.protect_prompt and self.policy is None and self.kernel == "stock"
+        """True when the form can run as a ring (`ring.py`): the prompt read in full (kept or not), no policy."""
+        return self.full_prompt and self.policy is None and self.kernel == "stock"
 
     @property
     def is_sliding_window(self) -> bool:

@@ -34,9 +34,9 @@ def _overrides(model, mask, form: str) -> dict:
         return compression_overrides(
             model.config, method_config("rlkv+rkv", 0.5, model=model, masks={"rlkv": mask})
         )
-    config = vllm_compression(mask, 0.5, sink=16, window=64, protect_prompt=form == "protected")
+    config = vllm_compression(mask, 0.5, sink=16, window=64, protect_prompt=form.startswith("protected"))
     overrides = compression_overrides(model.config, config)
-    if form == "eval-form-torch":
+    if form.endswith("torch"):  # rlkv's gather form instead of the ring
         overrides[CONFIG_KEY] = overrides[CONFIG_KEY] | {"kernel": "torch"}
     return overrides
 
@@ -96,13 +96,13 @@ def test_a_preempted_request_continues_as_a_cold_request_over_its_outputs(demo, 
             assert tokens == undisturbed[int(rid[1:])], rid
 
 
-@pytest.mark.parametrize("form", ["eval-form", "protected", "rlkv+rkv"])
+@pytest.mark.parametrize("form", ["eval-form", "protected", "protected-torch", "rlkv+rkv"])
 def test_no_block_leaks_after_200_requests_with_preemption_aborts_and_prefix_hits(demo, form):
     """200 requests through a 48-block pool: prompts that share prefixes (hits where the form caches), every
     7th aborted mid-run, vLLM preempting; afterwards the pool holds every block again."""
     model, tokenizer, _, prompts, mask = demo
     ids = [tokenizer(p).input_ids for p in prompts]
-    caching = form == "protected"  # the ring and the eviction group cache nothing
+    caching = form == "protected-torch"  # the rings and the eviction group cache nothing
     with engine(
         hf_overrides=_overrides(model, mask, form), enable_prefix_caching=caching, **SMALL_POOL
     ) as llm:

@@ -3,7 +3,7 @@ an earlier request's output (multi-turn chat, agent loops) gets the tokens of a 
 
 A block whose KV was computed while its request was generating (compressed heads windowed) is not what a cold
 run computes for the same tokens as prompt (read in full), so a hit may only reuse blocks written as prompt.
-The eval form's ring (`rlkv.vllm_plugin.ring`, on the platform's kernel) caches no block at all.
+The rings (`rlkv.vllm_plugin.ring`: the eval and protected forms on the platform's kernel) cache no block at all.
 """
 
 import pytest
@@ -27,14 +27,14 @@ def _greedy(llm, ids: list[int], max_tokens: int) -> tuple[list[int], int]:
     return list(out.outputs[0].token_ids), out.num_cached_tokens or 0
 
 
-@pytest.mark.parametrize("form", ["eval-form", "eval-form-torch", "protected"])
+@pytest.mark.parametrize("form", ["eval-form", "eval-form-torch", "protected", "protected-torch"])
 def test_a_follow_up_over_an_earlier_output_gets_the_cold_runs_tokens(form):
     model, tokenizer = load(DEMO, dtype="float32")
-    protect_prompt = form == "protected"
+    protect_prompt = form.startswith("protected")
     overrides = compression_overrides(
         DEMO, vllm_compression(HeadMask.random(model, seed=0), 0.5, window=16, protect_prompt=protect_prompt)
     )
-    if form == "eval-form-torch":  # rlkv's gather form instead of the ring
+    if form.endswith("torch"):  # rlkv's gather form instead of the ring
         overrides[CONFIG_KEY] = overrides[CONFIG_KEY] | {"kernel": "torch"}
     problems = load_chain_task("test", 2)
     first = tokenizer(build_prompt(problems[0], tokenizer))["input_ids"]
@@ -46,7 +46,7 @@ def test_a_follow_up_over_an_earlier_output_gets_the_cold_runs_tokens(form):
     with engine(hf_overrides=overrides, enable_prefix_caching=False) as llm:
         cold, _ = _greedy(llm, follow_up, 60)
     assert warm == cold
-    if form == "eval-form":  # the ring's group caches nothing, so vLLM finds no hit for the model
+    if not form.endswith("torch"):  # a ring's group caches nothing, so vLLM finds no hit for the model
         assert cached == 0
     else:  # the first request's prompt blocks are still reused (written as prompt: what a cold run computes)
         assert 0 < cached <= len(first), (cached, len(first))

@@ -45,8 +45,8 @@ def test_tokens_equal_the_transformers_path_in_the_same_form(demo, sparsity, win
     config = _form(mask, sparsity, window_prefill, protect_prompt=protect_prompt)
     with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
         managers, _ = kv_groups(llm)
-        # the eval form runs as the ring on vLLM's CPU kernel; the others as rlkv's gather form
-        ring = not window_prefill and not protect_prompt
+        # the eval and protected forms run as rings on vLLM's CPU kernel; the windowed prompt as rlkv's gather form
+        ring = not window_prefill
         assert ("RingManager" if ring else "SinkWindowManager") in {type(m).__name__ for m in managers}
         served = greedy(llm, prompts)
     reference = generate(
@@ -84,11 +84,16 @@ def _torch_kernel(overrides: dict) -> dict:
     return overrides | {CONFIG_KEY: overrides[CONFIG_KEY] | {"kernel": "torch"}}
 
 
-@pytest.mark.parametrize("sparsity", [0.5, 0.75])
-def test_the_ring_on_the_stock_kernel_gives_the_torch_references_tokens(demo, sparsity):
-    """The eval form on vLLM's CPU attention kernel (the ring) against rlkv's exact torch form, 48 problems."""
+@pytest.mark.parametrize(
+    "sparsity, protect_prompt",
+    [(0.5, False), (0.75, False), (0.5, True), (0.75, True)],
+    ids=["s0.5", "s0.75", "s0.5-protected", "s0.75-protected"],
+)
+def test_the_ring_on_the_stock_kernel_gives_the_torch_references_tokens(demo, sparsity, protect_prompt):
+    """The eval and protected forms on vLLM's CPU attention kernel (the rings) against rlkv's exact torch form,
+    48 problems."""
     model, _, _, prompts, mask = demo
-    overrides = compression_overrides(model.config, _form(mask, sparsity))
+    overrides = compression_overrides(model.config, _form(mask, sparsity, protect_prompt=protect_prompt))
     with engine(hf_overrides=overrides) as llm:
         assert "RingManager" in {type(m).__name__ for m in kv_groups(llm)[0]}
         ring = greedy(llm, prompts)
@@ -99,13 +104,13 @@ def test_the_ring_on_the_stock_kernel_gives_the_torch_references_tokens(demo, sp
     assert equal >= 46, f"{equal} of 48 generations equal"
 
 
-@pytest.mark.parametrize("form", ["eval-form", "protected", "eval-form-torch"])
+@pytest.mark.parametrize("form", ["eval-form", "protected", "eval-form-torch", "protected-torch"])
 def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_pool(demo, form):
     model, _, _, _, mask = demo
-    protect_prompt = form == "protected"
+    protect_prompt = form.startswith("protected")
     overrides = compression_overrides(model.config, _form(mask, 0.5, protect_prompt=protect_prompt))
-    ring = form == "eval-form"
-    if form == "eval-form-torch":
+    ring = not form.endswith("torch")
+    if not ring:
         overrides = _torch_kernel(overrides)
     with engine(hf_overrides=overrides) as llm:
         kind = "RingManager" if ring else "SinkWindowManager"
@@ -117,7 +122,10 @@ def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_
     assert len(held) >= 399
     full, kept, free = zip(*held)
     ring_blocks = -(-(SINK + WINDOW + 1) // BLOCK)  # 3: the ring's sink + window + 1 slots
-    if ring:  # the ring and the prompt while it is read, then the ring alone, from the first generated step
+    if ring and protect_prompt:  # the prompt, then its ring of window + 1 slots right after it
+        assert kept[0] == -(-prompt_tokens // BLOCK)
+        assert max(kept) == kept[-1] == -(-(prompt_tokens + WINDOW + 1) // BLOCK)  # 12
+    elif ring:  # the ring and the prompt while it is read, then the ring alone, from the first generated step
         assert kept[0] == ring_blocks + -(-prompt_tokens // BLOCK)
         assert set(kept[1:]) == {ring_blocks}
     else:
