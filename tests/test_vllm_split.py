@@ -18,7 +18,7 @@ from rlkv.inference.vllm import (
     vllm_compression,
     vllm_overrides,
 )
-from rlkv.vllm_plugin.split import CONFIG_KEY, HeadSplit, HeadSplitError
+from rlkv.vllm_plugin.split import CONFIG_KEY, EvictionRule, HeadSplit, HeadSplitError
 
 DEMO = "assets/demo-model"
 
@@ -94,16 +94,20 @@ def test_a_split_that_does_not_fit_is_refused_in_one_line(change, message):
         HeadSplit.from_config(config)
 
 
-def test_the_kernel_round_trips_and_only_the_full_prompt_form_runs_as_the_ring():
-    """`kernel` is absent from the plain data when stock (splits written before it read the same); the ring
-    (`rlkv.vllm_plugin.ring`) serves the prompt-read-in-full form without a policy, on the stock kernel."""
+def test_the_kernel_round_trips_and_only_the_full_prompt_forms_run_as_rings():
+    """`kernel` is absent from the plain data when stock (splits written before it read the same); the rings
+    (`rlkv.vllm_plugin.ring`) serve the prompt-read-in-full forms (kept or not) without a policy, on the stock
+    kernel."""
     base = HeadSplit(((0,), (1,)), window=8, sink=4, full_prompt=True)
     assert "kernel" not in base.to_config() and base.uses_ring
     torch_form = HeadSplit(((0,), (1,)), window=8, sink=4, full_prompt=True, kernel="torch")
     config = {"num_hidden_layers": 2, "num_key_value_heads": 2, CONFIG_KEY: torch_form.to_config()}
     assert HeadSplit.from_config(config) == torch_form and not torch_form.uses_ring
     assert not HeadSplit(((0,), (1,)), window=8, sink=4).uses_ring  # the windowed prompt
-    assert not HeadSplit(((0,), (1,)), window=8, sink=4, full_prompt=True, protect_prompt=True).uses_ring
+    assert HeadSplit(((0,), (1,)), window=8, sink=4, full_prompt=True, protect_prompt=True).uses_ring
+    assert not HeadSplit(
+        ((0,), (1,)), window=8, sink=4, full_prompt=True, policy=EvictionRule("rkv", 64)
+    ).uses_ring
 
 
 def test_no_split_and_unsupported_architectures_are_named(make_model):
