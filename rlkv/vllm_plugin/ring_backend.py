@@ -103,20 +103,16 @@ class RingBuilderMixin:
         at p >= base goes to slot base + (p - base) % (window + 1), and its query reads the first
         min(p + 1, base + window + 1) slots: one write and one stock call per layer."""
         reqs, tokens = m.num_reqs, m.slot_mapping.shape[0]
-        prefilling, _, position = step_inputs(m)
-        starts_cpu = m.query_start_loc_cpu[: reqs + 1]
-        linear_cpu = prefilling | ((starts_cpu[1:] - starts_cpu[:-1]) > 1)
+        linear_cpu, _, request, real, p = _rows_and_tokens(m)
         table, seq_lens = m.block_table_tensor[:reqs], m.seq_lens[:reqs]
         linear = linear_cpu.to(seq_lens.device, non_blocking=True)
         first = table[:, 0]
         base = torch.where(linear, seq_lens.clamp(min=self.sink), self.bases[first])
         self.bases[first] = base  # a step's requests are distinct: one write per first block
-        token = torch.arange(tokens, device=seq_lens.device)
-        request = torch.searchsorted(m.query_start_loc[1 : reqs + 1], token, right=True).clamp(max=reqs - 1)
-        p, b = position[:tokens], base[request]
+        b = base[request]
         index = torch.where(p < b, p, b + (p - b) % (self.window + 1))
         slots = table[request, index // self.block] * self.block + index % self.block
-        self.ring_slots[:tokens] = torch.where(token < m.query_start_loc[reqs], slots, -1)
+        self.ring_slots[:tokens] = torch.where(real, slots, -1)
         read = dataclasses.replace(
             m,
             seq_lens=torch.where(linear, seq_lens, torch.minimum(seq_lens, base + self.window + 1)).to(
@@ -154,21 +150,30 @@ class _StepPlan:
 _LAST_PLAN: list[tuple[Any, tuple[int, int, int], _StepPlan]] = []
 
 
+def _rows_and_tokens(
+    m: CommonAttentionMetadata,
+) -> tuple[torch.Tensor, ...]:
+    """(linear [R] host bool: the request's row reads its prompt blocks causally, the host upper bounds of the
+    sequence lengths [R], each token's request [T],
+    whether each token is real (not padding) [T], positions [T]) of one step, for either ring layout. A row of
+    several queries that is not a prompt is a preempted request replaying its outputs: read as prompt."""
+    reqs, tokens = m.num_reqs, m.slot_mapping.shape[0]
+    starts_cpu = m.query_start_loc_cpu[: reqs + 1]
+    prefilling, upper, position = step_inputs(m)
+    linear_cpu = prefilling | ((starts_cpu[1:] - starts_cpu[:-1]) > 1)
+    token = torch.arange(tokens, device=m.block_table_tensor.device)
+    request = torch.searchsorted(m.query_start_loc[1 : reqs + 1], token, right=True).clamp(max=reqs - 1)
+    return linear_cpu, upper, request, token < m.query_start_loc[reqs], position[:tokens]
+
+
 def _step_plan(m: CommonAttentionMetadata, sink: int, window: int, block: int) -> _StepPlan:
     """The step's `_StepPlan` for ring groups of this form, built by the step's first ring group."""
     if _LAST_PLAN and _LAST_PLAN[0][0] is m.query_start_loc_cpu and _LAST_PLAN[0][1] == (sink, window, block):
         return _LAST_PLAN[0][2]
-    reqs, tokens, device = m.num_reqs, m.slot_mapping.shape[0], m.block_table_tensor.device
-    starts_cpu = m.query_start_loc_cpu[: reqs + 1]
-    prefilling, upper, position = step_inputs(m)
-    # a row of several queries that is not a prompt is a preempted request replaying its outputs: read
-    # causally over its prompt blocks (vLLM's manager gave it blocks to its `prefill_end`); host flags
-    linear_cpu = prefilling | ((starts_cpu[1:] - starts_cpu[:-1]) > 1)
+    device = m.block_table_tensor.device
+    # a replaying row reads causally over its prompt blocks (its manager gave it blocks to the row's end)
+    linear_cpu, upper, request, real, position = _rows_and_tokens(m)
     any_linear = bool(linear_cpu.any())
-    token = torch.arange(tokens, device=device)
-    request = torch.searchsorted(m.query_start_loc[1 : reqs + 1], token, right=True).clamp(max=reqs - 1)
-    real = token < m.query_start_loc[reqs]
-    position = position[:tokens]
     ring_index = torch.where(position < sink, position, sink + (position - sink) % (window + 1))
     # a token a later token of the step overwrites in the ring is not written there (one write per slot)
     kept = real & ((position < sink) | (position >= m.seq_lens[request] - (window + 1)))

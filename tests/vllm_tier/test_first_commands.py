@@ -130,7 +130,7 @@ def test_vllm_arg_without_the_vllm_engine_is_refused(capsys, tmp_path):
     assert_one_error_line(err, "rlkv eval", "--vllm-arg without --engine vllm")
 
 
-@pytest.mark.parametrize("method", ["rlkv", "rlkv+rkv"])
+@pytest.mark.parametrize("method", ["rlkv", "rlkv+rkv", "protected"])
 def test_vllms_compiled_path_gives_the_eager_tokens(method):
     """vLLM's default (compiled, `enforce_eager=False`) runs rlkv's groups as the eager engine does: the eval's
     form and R-KV on the mask's compressed heads at s=0.75 (a compaction every step), 16 chain problems."""
@@ -139,18 +139,21 @@ def test_vllms_compiled_path_gives_the_eager_tokens(method):
     from rlkv.data.chain_task import load_chain_task
     from rlkv.data.prompts import build_prompt
     from rlkv.eval.methods import method_config
-    from rlkv.inference.vllm import compression_overrides
+    from rlkv.inference.vllm import compression_overrides, vllm_compression
 
     model, tokenizer = load(DEMO, dtype="float32")
     mask = HeadMask.random(model, seed=0)
-    config = method_config(
-        method, 0.75, model=model, masks={"rlkv": mask}, policy_kwargs={"rkv": {"buffer": 0}}
-    )
+    if method == "protected":  # the protected form's ring
+        config = vllm_compression(mask, 0.75, protect_prompt=True)
+    else:
+        config = method_config(
+            method, 0.75, model=model, masks={"rlkv": mask}, policy_kwargs={"rkv": {"buffer": 0}}
+        )
     overrides = compression_overrides(DEMO, config)
     prompts = [build_prompt(p, tokenizer) for p in load_chain_task("test", 16)]
     tokens = {}
     for eager in (True, False):
-        extra = {"enable_prefix_caching": False} if method != "rlkv" else {}
+        extra = {"enable_prefix_caching": False} if method == "rlkv+rkv" else {}
         with engine(hf_overrides=overrides, enforce_eager=eager, **extra) as llm:
             tokens[eager] = greedy(llm, prompts, max_tokens=64)
     same = sum(a == b for a, b in zip(tokens[True], tokens[False], strict=True))
