@@ -128,6 +128,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 MODULE_EXCEPTIONS = {
     "rlkv.vllm_plugin.eviction": {"policies", "cache"},
     "rlkv.vllm_plugin.eviction_backend": {"policies", "cache"},
+    "rlkv.vllm_plugin.eviction_compaction": {"cache"},
     "rlkv.vllm_plugin.observed": {"cache"},
 }
 

@@ -18,6 +18,8 @@ from rlkv.vllm_plugin.split import ARCHITECTURES
 VLLM_ONLY_MODULES = (
     "rlkv.vllm_plugin.eviction",
     "rlkv.vllm_plugin.eviction_backend",
+    "rlkv.vllm_plugin.eviction_compaction",
+    "rlkv.vllm_plugin.eviction_stock",
     "rlkv.vllm_plugin.meter",
     "rlkv.vllm_plugin.models",
     "rlkv.vllm_plugin.ring",

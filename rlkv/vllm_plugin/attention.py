@@ -135,6 +135,7 @@ def _part(
             layer_index=layer,
             head_ids=head_ids,
             bucket=bucket,
+            platform=original.attn_backend if split.kernel == "stock" else None,
             **kwargs,
         )
     if split.is_sliding_window:

@@ -36,7 +36,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from rlkv.vllm_plugin.fence import current_vllm_config, register_kv_cache_spec
+from rlkv.vllm_plugin.fence import cpu_attention_isa, current_vllm_config, register_kv_cache_spec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -224,15 +224,45 @@ class EvictionManager(FullAttentionManager):
 
 
 BACKEND_NAME = "RLKV_EVICTION"
+# the platform backends the group also runs on (`eviction_stock.py`): their name -> (rlkv's backend's name, its
+# class path), and the ISAs of vLLM's CPU attention whose page layout rlkv reads (checked against the stock
+# cache write by the vLLM tier); on another (AMX's packed keys) the group keeps rlkv's torch form
+STOCK_EVICTION_BACKENDS = {
+    "CPU_ATTN": ("RLKV_EVICTION_CPU_ATTN", "rlkv.vllm_plugin.eviction_stock.CpuEvictionBackend")
+}
+PLAIN_CPU_ISAS = ("vec", "vec16")
 
 
 def register_eviction() -> None:
-    """Register `EvictionSpec` with its manager and the group's attention backend (by class path); idempotent."""
+    """Register `EvictionSpec` with its manager and the group's attention backends (by class path); idempotent."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_kv_cache_spec(EvictionSpec, EvictionManager)
-    if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, "rlkv.vllm_plugin.eviction_backend.EvictionBackend")
+    backends = [
+        (BACKEND_NAME, "rlkv.vllm_plugin.eviction_backend.EvictionBackend"),
+        *STOCK_EVICTION_BACKENDS.values(),
+    ]
+    for name, path in backends:
+        if name not in AttentionBackendEnum.__members__:
+            register_backend(name, path)
+
+
+def eviction_backend(platform: Any, policy: Any, head_size: int) -> type:
+    """The group's backend: on the platform's kernel (`eviction_stock.py`) where rlkv has one for `platform`
+    (the full heads' backend; None: `kernel: "torch"`), the policy observes no attention and the kernel's page
+    layout is one rlkv reads; else rlkv's torch form."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from rlkv.vllm_plugin.eviction_backend import EvictionBackend
+
+    entry = STOCK_EVICTION_BACKENDS.get(platform.get_name()) if platform is not None else None
+    if entry is None or policy.observe_attention:
+        return EvictionBackend
+    config = current_vllm_config()
+    isa = cpu_attention_isa(
+        config.model_config.dtype, config.cache_config.block_size, head_size, config.cache_config.cache_dtype
+    )
+    return AttentionBackendEnum[entry[0]].get_class() if isa in PLAIN_CPU_ISAS else EvictionBackend
 
 
 class EvictionAttention(Attention):
@@ -240,7 +270,9 @@ class EvictionAttention(Attention):
 
     policy, policy_kwargs (JSON), budget, sink, window, protect_prompt: the spec's fields; layer_index,
     head_ids: the model layer and its KV heads this module serves (a policy may depend on them, e.g.
-    random eviction's hash); bucket: the spec's bucket; other arguments as `Attention`'s.
+    random eviction's hash); bucket: the spec's bucket; platform: the full heads' attention backend, whose
+    kernel the group runs on where it can (`eviction_backend`; None: rlkv's torch form); other arguments as
+    `Attention`'s.
     """
 
     def __init__(
@@ -255,13 +287,15 @@ class EvictionAttention(Attention):
         layer_index: int,
         head_ids: tuple[int, ...],
         bucket: int = 0,
+        platform: Any = None,
         **kwargs: Any,
     ) -> None:
         import torch
 
-        from rlkv.vllm_plugin.eviction_backend import EvictionBackend
+        from rlkv.policies import get_policy
 
-        super().__init__(*args, attn_backend=EvictionBackend, **kwargs)
+        observer = get_policy(policy, **json.loads(policy_kwargs))
+        super().__init__(*args, attn_backend=eviction_backend(platform, observer, args[1]), **kwargs)
         self.rlkv_rule = dict(
             policy=policy,
             policy_kwargs=policy_kwargs,

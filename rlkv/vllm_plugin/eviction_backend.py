@@ -13,12 +13,15 @@ sink/window group's):
 4. a due compaction builds a `CompressedStore` view of the request's slots (keys, values, their
    positions, the last observation queries) and runs the policy's own `select` on it
    (`rlkv.cache.static.budget.policy_view` / `keep_in_run`): the kept slots, in order, move to the
-   leading slots. The same code, on the same tensors, as rlkv's static cache.
+   leading slots. The same code, on the same tensors, as rlkv's static cache (`eviction_compaction.py`).
 
 Per request, what the pages cannot hold lives in two tables per layer, indexed by a row the builder
 gives each request (keyed by the request's first block, which it holds for its whole life: this
 group never shares blocks): each slot's logical position per head, and the last observation queries.
 The step's due compactions of a layer run as one policy call over the requests that can share a view.
+
+This torch form is the exact reference (`kernel: "torch"`) and serves policies that observe attention (H2O);
+elsewhere steps 1 and 3 run on the platform's own kernel (`eviction_stock.py`).
 """
 
 from __future__ import annotations
@@ -32,8 +35,15 @@ import torch.nn.functional as F
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
 
+from rlkv.vllm_plugin.eviction_compaction import (
+    PageViews,
+    compact_all,
+    remember,
+    remember_decode,
+    slot_blocks,
+)
 from rlkv.vllm_plugin.fence import step_inputs
-from rlkv.vllm_plugin.observed import SlotTables, SlotView, decode_attention, prompt_probabilities
+from rlkv.vllm_plugin.observed import SlotTables, decode_attention, prompt_probabilities
 from rlkv.vllm_plugin.sink_window_backend import PagedTorchImpl
 
 
@@ -72,6 +82,7 @@ class EvictionMetadata:
     before: list[tuple[int, ...]] = field(default_factory=list)
     after: list[tuple[int, ...]] = field(default_factory=list)
     identity: list[tuple[int, int]] = field(default_factory=list)
+    stock: Any = None  # the platform backend's metadata of the step, where the group runs on its kernel
 
 
 def _first_blocks(m: CommonAttentionMetadata) -> list[int]:
@@ -162,17 +173,6 @@ class EvictionMetadataBuilder(AttentionMetadataBuilder[EvictionMetadata]):
         return out
 
 
-def _slot_blocks(
-    block_table: torch.Tensor, requests: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block ids, offsets) of `slots` [W, S] of requests [W] whose (kept prompt blocks, prompt blocks) are
-    `blocks` [W, 2] (`EvictionSpec.block_index`)."""
-    index = slots // size
-    kept, prompt = blocks[:, :1], blocks[:, 1:]
-    index = torch.where(index < kept, index, prompt + index - kept).clamp(max=block_table.shape[1] - 1)
-    return block_table[requests[:, None], index], slots % size
-
-
 @dataclass
 class _DecodePlan:
     """Where a step's generated tokens write ([W] block ids, offsets) and read ([W, S]), their occupied-slot
@@ -193,9 +193,9 @@ def _decode_plan(m: EvictionMetadata, size: int) -> _DecodePlan:
     if cached is not None:
         return cached
     requests, pairs = m.decode_requests, m.decode_blocks
-    written, write_offsets = _slot_blocks(m.block_table, requests, pairs, m.decode_slots[:, None], size)
+    written, write_offsets = slot_blocks(m.block_table, requests, pairs, m.decode_slots[:, None], size)
     slots = torch.arange(m.max_read, device=requests.device)[None, :].expand(requests.shape[0], -1)
-    read_blocks, read_offsets = _slot_blocks(m.block_table, requests, pairs, slots, size)
+    read_blocks, read_offsets = slot_blocks(m.block_table, requests, pairs, slots, size)
     occupied = (slots < m.decode_reads[:, None])[:, None, None, :]
     m._rlkv_decode_plan = _DecodePlan(
         written[:, 0],
@@ -234,6 +234,10 @@ class EvictionImpl(PagedTorchImpl):
                 self.slot_tables = SlotTables(rows, self.num_kv_heads, capacity, device)
         return self.tables
 
+    def pages(self, kv_cache: torch.Tensor) -> PageViews:
+        """Keys and values of this layout (`[block, kv head, slot, key | value]`) as `PageViews`."""
+        return PageViews(kv_cache[..., : self.head_size], kv_cache[..., self.head_size :])
+
     def forward(
         self,
         layer: Any,
@@ -271,18 +275,17 @@ class EvictionImpl(PagedTorchImpl):
             )
             output[first : first + count] = out.transpose(0, 1).to(output.dtype)
             if queries is not None:
-                _remember(queries, row, query[first : first + count])
+                remember(queries, row, query[first : first + count])
             if self.slot_tables is not None:
                 self._observe_prompt(layer, query[first : first + count], kv[..., :d], wanted, count, row)
         for row, prompt in m.identity:
             positions[row, :, :prompt] = torch.arange(prompt, device=query.device)
-        self._compact_all(layer, kv_cache, m, positions, queries, m.before, identity=True)
+        compact_all(self, layer, self.pages(kv_cache), m, positions, queries, m.before, identity=True)
         if m.decode_tokens is not None:
             self._decode(layer, query, key, value, kv_cache, m, positions, output)
-            if queries is not None:  # each row's newest query shifts in (a step's rows are distinct)
-                recent = query[m.decode_tokens][:, :, None, :].to(queries.dtype)  # [W, H_q, 1, D]
-                queries[m.decode_rows] = torch.cat([queries[m.decode_rows][:, :, 1:], recent], dim=2)
-        self._compact_all(layer, kv_cache, m, positions, queries, m.after, identity=False)
+            if queries is not None:
+                remember_decode(queries, m, query)
+        compact_all(self, layer, self.pages(kv_cache), m, positions, queries, m.after, identity=False)
         return output
 
     def _observe_prompt(self, layer, query, keys, wanted, count: int, row: int) -> None:
@@ -330,104 +333,6 @@ class EvictionImpl(PagedTorchImpl):
             enable_gqa=True,
         )
         output[tokens] = out[:, :, 0, :].to(output.dtype)
-
-    def _compact_all(
-        self, layer, kv_cache, m, positions, queries, items: list[tuple[int, ...]], identity: bool
-    ):
-        """Run the due compactions `items`, batched: one policy call per group of requests that can share a
-        `CompressedStore` view (a protected prompt: each request alone; random eviction, which ranks prompt
-        slots by the prompt's end: requests with as many generated tokens; otherwise all of them)."""
-        if not items:
-            return
-        spec = layer.rlkv_spec
-        if spec.protect_prompt:
-            groups = [[item] for item in items]
-        elif spec.policy == "random":
-            by_generated: dict[int, list[tuple[int, ...]]] = {}
-            for item in items:
-                by_generated.setdefault(item[4] - item[5], []).append(item)
-            groups = list(by_generated.values())
-        else:
-            groups = [items]
-        for group in groups:
-            self._compact(layer, kv_cache, m, positions, queries, group, identity)
-
-    def _compact(
-        self,
-        layer: Any,
-        kv_cache: torch.Tensor,
-        m: EvictionMetadata,
-        positions: torch.Tensor,
-        queries: torch.Tensor | None,
-        items: list[tuple[int, ...]],
-        identity: bool,
-    ) -> None:
-        """Run the policy over each request's occupied slots; the slots it keeps move, in order, to the front.
-
-        items: (request index, table row, occupied slots, kept slots, tokens, prompt, kept prompt blocks,
-        prompt blocks) per request. The requests share one view in a common column frame, as rows of a
-        left-padded batch on the transformers path: a request of n tokens sits at columns shifted by
-        (longest n - n), so the store's logical length, window and observation queries' columns are shared
-        and each row starts at its shift; its slots past its occupied ones are empty (position -1).
-        identity: the slots hold the prompt at slot = position (its first compaction).
-        """
-        from rlkv.cache.static.budget import keep_in_run, policy_view
-
-        d, size, device = self.head_size, kv_cache.shape[2], kv_cache.device
-        spec = layer.rlkv_spec
-        columns = list(zip(*items, strict=True))
-        requests, rows = (torch.tensor(c, dtype=torch.long, device=device) for c in columns[:2])
-        occupied = torch.tensor(columns[2], dtype=torch.long, device=device)
-        lengths = torch.tensor(columns[4], dtype=torch.long, device=device)
-        pairs = torch.tensor(list(zip(columns[6], columns[7])), dtype=torch.long, device=device)
-        width, longest = max(columns[2]), max(columns[4])
-        slots = torch.arange(width, device=device)[None, :].expand(len(items), -1)
-        exists = slots < occupied[:, None]
-        blocks, offsets = _slot_blocks(m.block_table, requests, pairs, slots, size)
-        blocks = torch.where(exists, blocks, 0)  # empty slots read and write vLLM's null block
-        kv = kv_cache[blocks, :, offsets].permute(0, 2, 1, 3)  # [B, H_kv, N, 2D]
-        keys, values = kv[..., :d].contiguous(), kv[..., d:].contiguous()
-        held = slots[:, None, :].expand(-1, self.num_kv_heads, -1) if identity else positions[rows, :, :width]
-        shift = longest - lengths
-        held = torch.where(exists[:, None, :], held + shift[:, None, None], -1)
-        observed = None
-        if queries is not None:
-            count = min(queries.shape[2], longest)
-            q = queries[rows, :, queries.shape[2] - count :]  # [B, H_q, N_q, D], oldest first
-            q = q.reshape(len(items), self.num_kv_heads, self.groups, count, d)
-            observed = (q, torch.arange(longest - count, longest, device=device))
-        early = columns[5][0] if spec.protect_prompt else 0
-        prompt = columns[5][0] + (longest - columns[4][0])  # one prompt end for the group (see _compact_all)
-        view = policy_view(
-            layer.rlkv_layer_index,
-            layer.rlkv_head_ids.to(device),
-            self.groups,
-            layer.rlkv_settings,
-            (keys, values, held),
-            observed,
-            shift,
-            (longest, prompt),
-            {},
-            unpadded=len(set(columns[2])) == 1 and len(set(columns[4])) == 1,
-        )
-        buffers = SlotView(self.slot_tables, rows, width, list(columns[1])) if self.slot_tables else None
-        if buffers is not None:  # the policy's per-slot buffers move with the kept slots
-            view._slot_buffers.update(buffers.buffers)
-        moved_buffers = tuple(buffers.buffers.values()) if buffers is not None else ()
-        keep_in_run(view, layer.rlkv_policy, (keys, values, held), 0, early, early, moved_buffers)
-        if buffers is not None:
-            buffers.store(compacted=True)
-        packed = torch.cat([keys, values], dim=-1).permute(0, 2, 1, 3)  # [B, N, H_kv, 2D], kept ones first
-        # empty slots aim at vLLM's null block (never read unmasked): no second gather to keep what it holds
-        kv_cache[blocks, :, offsets] = packed.to(kv_cache.dtype)
-        kept = min(width, positions.shape[2])
-        positions[rows, :, :kept] = torch.where(held >= 0, held - shift[:, None, None], -1)[..., :kept]
-
-
-def _remember(queries: torch.Tensor, row: int, new: torch.Tensor) -> None:
-    """Shift the newest queries new [Q, H_q, D] into row `row` of queries [R, H_q, observe, D]."""
-    newest = torch.cat([queries[row], new.transpose(0, 1).to(queries.dtype)], dim=1)
-    queries[row] = newest[:, -queries.shape[2] :]
 
 
 class EvictionBackend(AttentionBackend):

@@ -61,6 +61,14 @@ def attention_class() -> type[torch.nn.Module]:
     return Attention
 
 
+def cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """The ISA vLLM's CPU attention picks for these settings ("vec", "vec16", "amx", ...): it decides the
+    kernel's page layout."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+
+
 def reload_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load `weights` ((checkpoint name, tensor) pairs, every parameter) into `llm`'s model in place.
 
@@ -116,7 +124,7 @@ def eviction_compactions(llm: Any) -> list[int] | None:
         for groups in runner.attn_groups
         for group in groups
         for builder in group.metadata_builders
-        if type(builder).__name__ == "EvictionMetadataBuilder"
+        if any(c.__name__ == "EvictionMetadataBuilder" for c in type(builder).__mro__)
     ]
 
 
@@ -185,6 +193,7 @@ VLLM_CPU_IMPORTS = (
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder",
+    "vllm.v1.attention.backends.cpu_attn:_get_attn_isa",
 )
 # members of vLLM's classes whose names mark them private that rlkv calls, overrides or sets, "module:Class.member"
 VLLM_PRIVATE_MEMBERS = (
