@@ -83,6 +83,7 @@ class EvictionMetadata:
     after: list[tuple[int, ...]] = field(default_factory=list)
     identity: list[tuple[int, int]] = field(default_factory=list)
     stock: Any = None  # the platform backend's metadata of the step, where the group runs on its kernel
+    decode_positions: torch.Tensor | None = None  # [W, 1]: the generated tokens' positions (the stock form's)
 
 
 def _first_blocks(m: CommonAttentionMetadata) -> list[int]:
@@ -280,12 +281,12 @@ class EvictionImpl(PagedTorchImpl):
                 self._observe_prompt(layer, query[first : first + count], kv[..., :d], wanted, count, row)
         for row, prompt in m.identity:
             positions[row, :, :prompt] = torch.arange(prompt, device=query.device)
-        compact_all(self, layer, self.pages(kv_cache), m, positions, queries, m.before, identity=True)
+        compact_all(self, layer, kv_cache, m, positions, queries, m.before, identity=True)
         if m.decode_tokens is not None:
             self._decode(layer, query, key, value, kv_cache, m, positions, output)
             if queries is not None:
                 remember_decode(queries, m, query)
-        compact_all(self, layer, self.pages(kv_cache), m, positions, queries, m.after, identity=False)
+        compact_all(self, layer, kv_cache, m, positions, queries, m.after, identity=False)
         return output
 
     def _observe_prompt(self, layer, query, keys, wanted, count: int, row: int) -> None:

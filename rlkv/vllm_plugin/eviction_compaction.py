@@ -51,19 +51,20 @@ def remember_decode(queries: torch.Tensor, m: Any, query: torch.Tensor) -> None:
 def compact_all(
     impl: Any,
     layer: Any,
-    pages: PageViews,
+    kv_cache: torch.Tensor,
     m: Any,
     positions: torch.Tensor,
     queries: torch.Tensor | None,
     items: list[tuple[int, ...]],
     identity: bool,
 ) -> None:
-    """Run the due compactions `items`, batched: one policy call per group of requests that can share a
+    """Run the due compactions `items` over the layer's cache (through `impl.pages`), batched: one policy call
+    per group of requests that can share a
     `CompressedStore` view (a protected prompt: each request alone; random eviction, which ranks prompt
     slots by the prompt's end: requests with as many generated tokens; otherwise all of them)."""
     if not items:
         return
-    spec = layer.rlkv_spec
+    pages, spec = impl.pages(kv_cache), layer.rlkv_spec
     if spec.protect_prompt:
         groups = [[item] for item in items]
     elif spec.policy == "random":

@@ -74,6 +74,7 @@ class CpuEvictionBuilder(EvictionMetadataBuilder):
             slots = slots.clone()
             block = table[out.decode_requests, out.decode_slots // size].to(torch.long)
             slots[out.decode_tokens] = (block * size + out.decode_slots % size).to(slots.dtype)
+            out.decode_positions = out.positions[out.decode_tokens][:, None]  # each layer's position table
         read = dataclasses.replace(
             m,
             seq_lens=lengths,
@@ -132,16 +133,15 @@ class CpuEvictionImpl(EvictionImpl):
                 remember(queries, row, query[first : first + count])
         for row, prompt in m.identity:
             positions[row, :, :prompt] = torch.arange(prompt, device=query.device)
-        pages = self.pages(kv_cache)
-        compact_all(self, layer, pages, m, positions, queries, m.before, identity=True)
+        compact_all(self, layer, kv_cache, m, positions, queries, m.before, identity=True)
         tokens = m.stock.slot_mapping.shape[0]
         self.stock.do_kv_cache_update(layer, key[:tokens], value[:tokens], kv_cache, m.stock.slot_mapping)
         if m.decode_tokens is not None:
-            positions[m.decode_rows, :, m.decode_slots] = m.positions[m.decode_tokens][:, None]
+            positions[m.decode_rows, :, m.decode_slots] = m.decode_positions
         self.stock.forward(layer, query, key, value, kv_cache, m.stock, output)
         if queries is not None and m.decode_tokens is not None:
             remember_decode(queries, m, query)
-        compact_all(self, layer, pages, m, positions, queries, m.after, identity=False)
+        compact_all(self, layer, kv_cache, m, positions, queries, m.after, identity=False)
         return output
 
 

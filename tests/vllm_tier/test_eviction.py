@@ -265,7 +265,9 @@ def _kept_positions(llm) -> dict[int, list[list[int]]]:
         for groups in runner.attn_groups
         for group in groups
         for b in group.metadata_builders
-        if type(b).__name__ == "EvictionMetadataBuilder"
+        if any(
+            c.__name__ == "EvictionMetadataBuilder" for c in type(b).__mro__
+        )  # the torch or the stock form's
     )
     (state,) = builder.requests.values()
     kept: dict[int, list[list[int]]] = {}
