@@ -40,6 +40,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -110,6 +111,13 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "rollout engine, benchmarks/vllm/engines.py; needs --vllm-model) and/or padding (vLLM's KV capacity "
         "for the authors' masks against the ideal, benchmarks/vllm/padding.py; needs --vllm-author-masks) and/or "
         "dispatch (torch ops per decode step against stock vLLM, benchmarks/vllm/dispatch.py)",
+    )
+    parser.add_argument(
+        "--vllm-kernel",
+        choices=("stock", "torch", "both"),
+        default="stock",
+        help="the compressed heads' kernel (serving part): stock (the platform's own, the default), torch (rlkv's "
+        "reference forms) or both (each method twice, the torch rows marked [torch] and left out of the checks)",
     )
     parser.add_argument(
         "--vllm-no-references",
@@ -277,13 +285,22 @@ def suite_vllm(args: argparse.Namespace) -> dict:
     return result
 
 
+def _with_kernel(model: str, config: Any, kernel: str) -> dict:
+    """vLLM overrides of `config` on `model` with the compressed heads on `kernel` (`HeadSplit.kernel`)."""
+    from rlkv.inference.vllm import compression_overrides
+    from rlkv.vllm_plugin.split import CONFIG_KEY
+
+    overrides = compression_overrides(model, config)
+    return overrides | {CONFIG_KEY: overrides[CONFIG_KEY] | {"kernel": kernel}}
+
+
 def suite_serving(args: argparse.Namespace) -> dict:
     """Both KV sizes, stock and rlkv at each sparsity, plus the transformers reference rows."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rlkv import HeadMask
     from rlkv.eval.methods import method_config
     from rlkv.inference import load
-    from rlkv.inference.vllm import compression_overrides, vllm_compression
+    from rlkv.inference.vllm import vllm_compression
 
     if args.quick:
         args.vllm_layers, args.vllm_prompt, args.vllm_new_tokens, args.vllm_requests = 2, 64, 96, 4
@@ -318,8 +335,15 @@ def suite_serving(args: argparse.Namespace) -> dict:
         kwargs = {"rkv": args.vllm_policy_kwargs}
         return method_config(method, sparsity, model=hf, masks={"rlkv": mask}, policy_kwargs=kwargs)
 
+    kernels = ["stock", "torch"] if args.vllm_kernel == "both" else [args.vllm_kernel]
     runs = [("stock vLLM", 0.0, None)] + [
-        (f"{m} s={s}", s, compression_overrides(model, config(m, s))) for m, s in cells
+        (
+            f"{m} s={s}" + (" [torch]" if kernel == "torch" else ""),
+            s,
+            _with_kernel(model, config(m, s), kernel),
+        )
+        for m, s in cells
+        for kernel in kernels
     ]
     if args.vllm_kv != "both":
         sizes = {args.vllm_kv: sizes[args.vllm_kv]}
@@ -331,6 +355,9 @@ def suite_serving(args: argparse.Namespace) -> dict:
             print(f"  vllm: {bound} {name} ...", flush=True)
             r = run_engine(model, prompts, args.vllm_new_tokens, kv_bytes, overrides)
             method = name.split(" ")[0] if overrides else "stock"
+            method += (
+                " [torch]" if name.endswith("[torch]") else ""
+            )  # the checks read the stock kernel's rows
             rows.append({"kv": bound, "kv_bytes": kv_bytes, "method": name, "sparsity": sparsity, **r})
             rows[-1]["kind"] = method
             print(f"  vllm: {bound} {name}: {json.dumps(r)}", flush=True)

@@ -83,7 +83,8 @@ class EvictionMetadata:
     after: list[tuple[int, ...]] = field(default_factory=list)
     identity: list[tuple[int, int]] = field(default_factory=list)
     stock: Any = None  # the platform backend's metadata of the step, where the group runs on its kernel
-    decode_positions: torch.Tensor | None = None  # [W, 1]: the generated tokens' positions (the stock form's)
+    decode_positions: torch.Tensor | None = None  # [W, 1]: the generated tokens' positions
+    decode_query_slots: torch.Tensor | None = None  # [W]: their slots in the observation query rings
 
 
 def _first_blocks(m: CommonAttentionMetadata) -> list[int]:
@@ -100,6 +101,7 @@ class EvictionMetadataBuilder(AttentionMetadataBuilder[EvictionMetadata]):
         self.rows = 2 * int(vllm_config.scheduler_config.max_num_seqs)
         self.requests: OrderedDict[int, _RequestState] = OrderedDict()  # first block -> state, oldest first
         self.compactions = 0  # every compaction this group ran (all requests)
+        self.observe = int(kv_cache_spec.settings().policy.observe_queries)  # the layers' query rings' size
 
     def _state(self, key: int, reset: bool) -> _RequestState:
         """The request's state (a new one, reusing the least recently seen row, when its key is new)."""
@@ -171,20 +173,22 @@ class EvictionMetadataBuilder(AttentionMetadataBuilder[EvictionMetadata]):
             ) = columns[:, :5].unbind(1)
             out.decode_blocks = columns[:, 5:]
             out.max_read = max(d[4] for d in decode)
+            out.decode_positions = positions[out.decode_tokens][:, None]  # each layer's position table
+            if self.observe:
+                out.decode_query_slots = out.decode_positions[:, 0] % self.observe
         return out
 
 
 @dataclass
 class _DecodePlan:
-    """Where a step's generated tokens write ([W] block ids, offsets) and read ([W, S]), their occupied-slot
-    mask [W, 1, 1, S] and logical positions [W, 1]: the same for every layer of the group."""
+    """Where a step's generated tokens write ([W] block ids, offsets) and read ([W, S]) and their occupied-slot
+    mask [W, 1, 1, S]: the same for every layer of the group."""
 
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
     read_blocks: torch.Tensor
     read_offsets: torch.Tensor
     occupied: torch.Tensor
-    token_positions: torch.Tensor
 
 
 def _decode_plan(m: EvictionMetadata, size: int) -> _DecodePlan:
@@ -204,7 +208,6 @@ def _decode_plan(m: EvictionMetadata, size: int) -> _DecodePlan:
         read_blocks,
         read_offsets,
         occupied,
-        m.positions[m.decode_tokens][:, None],
     )
     return m._rlkv_decode_plan
 
@@ -276,7 +279,7 @@ class EvictionImpl(PagedTorchImpl):
             )
             output[first : first + count] = out.transpose(0, 1).to(output.dtype)
             if queries is not None:
-                remember(queries, row, query[first : first + count])
+                remember(queries, row, query[first : first + count], length)
             if self.slot_tables is not None:
                 self._observe_prompt(layer, query[first : first + count], kv[..., :d], wanted, count, row)
         for row, prompt in m.identity:
@@ -313,7 +316,7 @@ class EvictionImpl(PagedTorchImpl):
         plan = _decode_plan(m, kv_cache.shape[2])  # shared by the group's layers this step
         new = torch.cat([key[tokens], value[tokens]], dim=-1).to(kv_cache.dtype)
         kv_cache[plan.write_blocks, :, plan.write_offsets] = new
-        positions[m.decode_rows, :, m.decode_slots] = plan.token_positions
+        positions[m.decode_rows, :, m.decode_slots] = m.decode_positions
         kv = kv_cache[plan.read_blocks, :, plan.read_offsets].permute(0, 2, 1, 3)  # [W, H_kv, S, 2D]
         if self.slot_tables is not None:
             self.slot_tables.reset(m.decode_rows, m.decode_slots)

@@ -36,16 +36,18 @@ def slot_blocks(
     return block_table[requests[:, None], index], slots % size
 
 
-def remember(queries: torch.Tensor, row: int, new: torch.Tensor) -> None:
-    """Shift the newest queries new [Q, H_q, D] into row `row` of queries [R, H_q, observe, D]."""
-    newest = torch.cat([queries[row], new.transpose(0, 1).to(queries.dtype)], dim=1)
-    queries[row] = newest[:, -queries.shape[2] :]
+def remember(queries: torch.Tensor, row: int, new: torch.Tensor, end: int) -> None:
+    """Write a prompt chunk's queries new [Q, H_q, D] (positions [end - Q, end)) into row `row` of queries
+    [R, H_q, observe, D]: position p at slot p % observe (a ring: one write, no shift)."""
+    observe = queries.shape[2]
+    k = min(new.shape[0], observe)
+    slots = torch.arange(end - k, end, device=new.device) % observe
+    queries[row, :, slots] = new[new.shape[0] - k :].transpose(0, 1).to(queries.dtype)
 
 
 def remember_decode(queries: torch.Tensor, m: Any, query: torch.Tensor) -> None:
-    """Shift each generated token's query [H_q, D] into its request's row (a step's rows are distinct)."""
-    recent = query[m.decode_tokens][:, :, None, :].to(queries.dtype)  # [W, H_q, 1, D]
-    queries[m.decode_rows] = torch.cat([queries[m.decode_rows][:, :, 1:], recent], dim=2)
+    """Write each generated token's query [H_q, D] at its request's row, slot position % observe."""
+    queries[m.decode_rows, :, m.decode_query_slots] = query[m.decode_tokens].to(queries.dtype)
 
 
 def compact_all(
@@ -117,9 +119,11 @@ def _compact(
     shift = longest - lengths
     held = torch.where(exists[:, None, :], held + shift[:, None, None], -1)
     observed = None
-    if queries is not None:
-        count = min(queries.shape[2], longest)
-        q = queries[rows, :, queries.shape[2] - count :]  # [B, H_q, N_q, D], oldest first
+    if queries is not None:  # each request's last `count` queries, oldest first, from its ring (`remember`)
+        observe = queries.shape[2]
+        count = min(observe, longest)
+        own = lengths[:, None] - count + torch.arange(count, device=device)[None, :]  # [B, N_q] positions
+        q = queries[rows[:, None], :, own % observe].transpose(1, 2)  # [B, H_q, N_q, D]
         q = q.reshape(len(items), impl.num_kv_heads, impl.groups, count, d)
         observed = (q, torch.arange(longest - count, longest, device=device))
     early = columns[5][0] if spec.protect_prompt else 0

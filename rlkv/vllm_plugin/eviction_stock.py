@@ -74,7 +74,6 @@ class CpuEvictionBuilder(EvictionMetadataBuilder):
             slots = slots.clone()
             block = table[out.decode_requests, out.decode_slots // size].to(torch.long)
             slots[out.decode_tokens] = (block * size + out.decode_slots % size).to(slots.dtype)
-            out.decode_positions = out.positions[out.decode_tokens][:, None]  # each layer's position table
         read = dataclasses.replace(
             m,
             seq_lens=lengths,
@@ -129,8 +128,8 @@ class CpuEvictionImpl(EvictionImpl):
         m = attn_metadata
         positions, queries = self._tables(layer, query.device, query.dtype)
         if queries is not None:
-            for _, first, count, _, row in m.prefill:
-                remember(queries, row, query[first : first + count])
+            for _, first, count, length, row in m.prefill:
+                remember(queries, row, query[first : first + count], length)
         for row, prompt in m.identity:
             positions[row, :, :prompt] = torch.arange(prompt, device=query.device)
         compact_all(self, layer, kv_cache, m, positions, queries, m.before, identity=True)
