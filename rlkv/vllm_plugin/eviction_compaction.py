@@ -61,9 +61,9 @@ def compact_all(
     identity: bool,
 ) -> None:
     """Run the due compactions `items` over the layer's cache (through `impl.pages`), batched: one policy call
-    per group of requests that can share a
-    `CompressedStore` view (a protected prompt: each request alone; random eviction, which ranks prompt
-    slots by the prompt's end: requests with as many generated tokens; otherwise all of them)."""
+    per group of requests that can share a `CompressedStore` view (a protected prompt: each request alone;
+    random eviction, which ranks prompt slots by the prompt's end: requests with as many generated tokens;
+    otherwise all of them)."""
     if not items:
         return
     pages, spec = impl.pages(kv_cache), layer.rlkv_spec
