@@ -96,3 +96,47 @@ def test_the_compiled_path_gives_the_eager_tokens_and_h2o_keeps_the_torch_form(d
     assert sum(a == b for a, b in zip(eager, compiled)) >= 15
     with engine(hf_overrides=_overrides(model, mask, "rlkv+h2o", 0.5, "stock")) as llm:
         assert _eviction_backends(llm) == {"RLKV_EVICTION"}
+
+
+def test_four_kv_heads_uneven_parts_give_the_torch_forms_and_the_transformers_paths_tokens(
+    tmp_path, make_model
+):
+    """A tiny model with 4 KV heads and a random mask (uneven per-layer counts: parts of one KV head, some not
+    contiguous), R-KV at a budget of 32 so that every request compacts, 60 greedy tokens on 12 prompts."""
+    import dataclasses
+
+    from vllm import SamplingParams
+
+    from rlkv import HeadMask
+    from rlkv.data.chain_task import load_chain_task
+    from rlkv.inference import generate
+    from rlkv.testing import tiny_tokenizer
+    from rlkv.vllm_plugin.fence import eviction_compactions
+
+    model = make_model("llama", num_key_value_heads=4, num_attention_heads=8, head_dim=32, hidden_size=128)
+    tokenizer = tiny_tokenizer()  # head_dim 32: vLLM's CPU kernel needs a multiple of 32
+    model.save_pretrained(tmp_path / "tiny")
+    mask = HeadMask.random(model, seed=3)
+    config = method_config("rlkv+rkv", 0.5, model=model, masks={"rlkv": mask})
+    config = dataclasses.replace(config, budget=32)
+    prompts = [p["problem"] for p in load_chain_task("test", 12)]
+    ids = [tokenizer(p).input_ids for p in prompts]
+    served = {}
+    for kernel in ("stock", "torch"):
+        overrides = compression_overrides(model.config, config)
+        overrides = overrides | {CONFIG_KEY: overrides[CONFIG_KEY] | {"kernel": kernel}}
+        with engine(str(tmp_path / "tiny"), hf_overrides=overrides, skip_tokenizer_init=True) as llm:
+            assert (
+                _eviction_backends(llm)
+                == {"stock": {"RLKV_EVICTION_CPU_ATTN"}, "torch": {"RLKV_EVICTION"}}[kernel]
+            )
+            params = SamplingParams(temperature=0, max_tokens=60, detokenize=False)
+            outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+            served[kernel] = [list(o.outputs[0].token_ids) for o in outs]
+            assert min(eviction_compactions(llm)) >= 12  # every request compacted
+    reference = generate(
+        model, tokenizer, prompts, 60, compression=config, apply_chat_template=False, progress=False
+    )
+    assert sum(a == b for a, b in zip(served["stock"], served["torch"])) >= 11
+    equal = sum(a == o.token_ids for a, o in zip(served["stock"], reference))
+    assert equal >= 11, f"{equal} of 12 equal"
