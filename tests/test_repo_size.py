@@ -26,8 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # 2026-12-07: the vLLM-form side folders' redrawable eval plots dropped, the dispatch bench rows came: 29.78 MB.
 # Later that day the ring's dispatch rows came in and the RNG states of every training run's intermediate checkpoints
 # left (only a resume from that checkpoint reads them; runs resume from their latest, which keeps its own): 29.30 MB.
+# 2026-12-07, later: the eviction group's bench rows came in; the dispatch runs' bench.json copies left (their
+# bench.md holds every row and check): 29.39 MB.
 # The bound only goes down.
-MAX_TRACKED_BYTES = 29_400_000
+MAX_TRACKED_BYTES = 29_390_000
 
 TOKENIZER_FILES = {
     "tokenizer.json",
