@@ -73,13 +73,17 @@ def plugin_log():
     recorder, logger = _Recorder(), logging.getLogger("vllm.rlkv")
     # another library's logging set-up earlier in the session (dictConfig's disable_existing_loggers) may have
     # disabled this logger or raised its level: the test reads what the plugin says, so it turns both back
-    disabled, level = logger.disabled, logger.level
+    # and vLLM's `suppress_logging` (engine-argument defaults) leaves `logging.disable(INFO)` in force for the
+    # whole process when the code inside it raises: lifted here for the test
+    disabled, level, everywhere = logger.disabled, logger.level, logging.root.manager.disable
     logger.disabled = False
     logger.setLevel(logging.INFO)
+    logging.disable(logging.NOTSET)
     logger.addFilter(recorder)
     yield recorder.lines
     logger.removeFilter(recorder)
     logger.disabled, logger.level = disabled, level
+    logging.disable(everywhere)
 
 
 def _served_and_reference(model, tokenizer, prompts, config, plugin_log, max_tokens=200):
