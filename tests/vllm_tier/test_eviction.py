@@ -70,20 +70,25 @@ class _Recorder(logging.Filter):
 @pytest.fixture
 def plugin_log():
     """The messages of the `vllm.rlkv` logger while the test runs."""
-    recorder, logger = _Recorder(), logging.getLogger("vllm.rlkv")
-    # another library's logging set-up earlier in the session (dictConfig's disable_existing_loggers) may have
-    # disabled this logger or raised its level: the test reads what the plugin says, so it turns both back
-    # and vLLM's `suppress_logging` (engine-argument defaults) leaves `logging.disable(INFO)` in force for the
-    # whole process when the code inside it raises: lifted here for the test
-    disabled, level, everywhere = logger.disabled, logger.level, logging.root.manager.disable
-    logger.disabled = False
-    logger.setLevel(logging.INFO)
-    logging.disable(logging.NOTSET)
-    logger.addFilter(recorder)
+    from rlkv.vllm_plugin import eviction
+
+    recorder = _Recorder()
+    # the logger by name and the object the plugin logs through (the same one unless an earlier test made a
+    # new logging manager); another library's logging set-up earlier in the session (dictConfig's
+    # disable_existing_loggers) may have disabled them or raised their level, and vLLM's `suppress_logging`
+    # (engine-argument defaults) leaves a process-wide `logging.disable(INFO)` in force when the code inside
+    # it raises: the test reads what the plugin says, so it lifts all of these while it runs
+    loggers = list({id(x): x for x in (logging.getLogger("vllm.rlkv"), eviction._LOG)}.values())
+    saved = [(x.disabled, x.level, x.manager.disable) for x in loggers]
+    for x in loggers:
+        x.disabled, x.manager.disable = False, logging.NOTSET
+        x.setLevel(logging.INFO)
+        x.addFilter(recorder)
     yield recorder.lines
-    logger.removeFilter(recorder)
-    logger.disabled, logger.level = disabled, level
-    logging.disable(everywhere)
+    for x, (disabled, level, everywhere) in zip(loggers, saved, strict=True):
+        x.removeFilter(recorder)
+        x.disabled, x.manager.disable = disabled, everywhere
+        x.setLevel(level)
 
 
 def _served_and_reference(model, tokenizer, prompts, config, plugin_log, max_tokens=200):
