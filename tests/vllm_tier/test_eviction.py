@@ -70,25 +70,16 @@ class _Recorder(logging.Filter):
 @pytest.fixture
 def plugin_log():
     """The messages of the `vllm.rlkv` logger while the test runs."""
-    from rlkv.vllm_plugin import eviction
-
-    recorder = _Recorder()
-    # the logger by name and the object the plugin logs through (the same one unless an earlier test made a
-    # new logging manager); another library's logging set-up earlier in the session (dictConfig's
-    # disable_existing_loggers) may have disabled them or raised their level, and vLLM's `suppress_logging`
-    # (engine-argument defaults) leaves a process-wide `logging.disable(INFO)` in force when the code inside
-    # it raises: the test reads what the plugin says, so it lifts all of these while it runs
-    loggers = list({id(x): x for x in (logging.getLogger("vllm.rlkv"), eviction._LOG)}.values())
-    saved = [(x.disabled, x.level, x.manager.disable) for x in loggers]
-    for x in loggers:
-        x.disabled, x.manager.disable = False, logging.NOTSET
-        x.setLevel(logging.INFO)
-        x.addFilter(recorder)
+    recorder, logger = _Recorder(), logging.getLogger("vllm.rlkv")
+    # another library's logging set-up earlier in the session (dictConfig's disable_existing_loggers) may have
+    # disabled this logger or raised its level: the test reads what the plugin says, so it turns both back
+    disabled, level = logger.disabled, logger.level
+    logger.disabled = False
+    logger.setLevel(logging.INFO)
+    logger.addFilter(recorder)
     yield recorder.lines
-    for x, (disabled, level, everywhere) in zip(loggers, saved, strict=True):
-        x.removeFilter(recorder)
-        x.disabled, x.manager.disable = disabled, everywhere
-        x.setLevel(level)
+    logger.removeFilter(recorder)
+    logger.disabled, logger.level = disabled, level
 
 
 def _served_and_reference(model, tokenizer, prompts, config, plugin_log, max_tokens=200):
