@@ -29,7 +29,13 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from rlkv.vllm_plugin.eviction import STOCK_EVICTION_BACKENDS
 from rlkv.vllm_plugin.eviction_backend import EvictionImpl, EvictionMetadata, EvictionMetadataBuilder
-from rlkv.vllm_plugin.eviction_compaction import PageViews, compact_all, remember, remember_decode
+from rlkv.vllm_plugin.eviction_compaction import (
+    PageViews,
+    compact_all,
+    remember,
+    remember_decode,
+    slot_blocks,
+)
 
 
 def cpu_attn_pages(kv_cache: torch.Tensor) -> PageViews:
@@ -63,12 +69,11 @@ class CpuEvictionBuilder(EvictionMetadataBuilder):
             # `block_index` (the kept prompt blocks, then those after the prompt's); a prompt row's is its own
             pairs = torch.zeros(reqs, 2, dtype=torch.long, device=table.device)
             pairs[out.decode_requests] = out.decode_blocks
-            kept, prompt = pairs[:, :1], pairs[:, 1:]
-            columns = torch.arange(table.shape[1], device=table.device)[None, :]
-            index = torch.where(columns < kept, columns, prompt + columns - kept).clamp(
-                max=table.shape[1] - 1
-            )
-            table = table.gather(1, index)
+            columns = torch.arange(table.shape[1], device=table.device)[None, :].expand(reqs, -1)
+            requests = torch.arange(reqs, device=table.device)
+            table = slot_blocks(table, requests, pairs, columns * size, size)[
+                0
+            ]  # the same rule as every read
             lengths = lengths.clone()
             lengths[out.decode_requests] = out.decode_reads.to(lengths.dtype)
             slots = slots.clone()
