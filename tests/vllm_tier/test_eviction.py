@@ -68,8 +68,15 @@ class _Recorder(logging.Filter):
 
 
 @pytest.fixture
-def plugin_log():
+def plugin_log(monkeypatch):
     """The messages of the `vllm.rlkv` logger while the test runs."""
+    from vllm import envs
+
+    # TRL's import (other tests of this process) sets VLLM_LOGGING_LEVEL=ERROR, and each engine start applies
+    # it to vLLM's logger, the plugin's parent, resetting the plugin's own level: this test's engines log at
+    # INFO (vLLM caches its environment once an engine has started: the cache is dropped on both sides)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    envs.disable_envs_cache()
     recorder, logger = _Recorder(), logging.getLogger("vllm.rlkv")
     # another library's logging set-up earlier in the session (dictConfig's disable_existing_loggers) may have
     # disabled this logger or raised its level: the test reads what the plugin says, so it turns both back
@@ -80,6 +87,7 @@ def plugin_log():
     yield recorder.lines
     logger.removeFilter(recorder)
     logger.disabled, logger.level = disabled, level
+    envs.disable_envs_cache()  # the next engine reads the environment monkeypatch restores
 
 
 def _served_and_reference(model, tokenizer, prompts, config, plugin_log, max_tokens=200):
