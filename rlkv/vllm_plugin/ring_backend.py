@@ -220,9 +220,9 @@ def _head_rows(m: CommonAttentionMetadata, k: int) -> tuple[CommonAttentionMetad
     row_starts_cpu = torch.cat(
         [(starts_cpu[:-1, None] * k + units_cpu * lens_cpu[:, None]).flatten(), starts_cpu[-1:] * k]
     )
-    position = position[:tokens]
+    row_position = position[:tokens].repeat_interleave(k)  # token-major: token t's units at t * k + h
     if int(lens_cpu.max()) <= 1:
-        order, row_position = None, position.repeat_interleave(k)
+        order = None
     else:
         token = torch.arange(tokens, device=device)
         request = torch.searchsorted(starts[1:], token, right=True).clamp(max=reqs - 1)
@@ -231,8 +231,7 @@ def _head_rows(m: CommonAttentionMetadata, k: int) -> tuple[CommonAttentionMetad
         row = torch.where((token < starts[-1])[:, None], row, token[:, None] * k + unit).flatten()
         order = torch.empty_like(row)
         order[row] = torch.arange(tokens * k, device=device)
-        row_position = torch.empty_like(position.repeat_interleave(k))
-        row_position[row] = position.repeat_interleave(k)
+        row_position = row_position[order]
     rows = dataclasses.replace(
         m,
         query_start_loc=row_starts.to(starts.dtype),
