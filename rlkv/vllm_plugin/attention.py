@@ -42,8 +42,6 @@ class HeadMixedAttention(nn.Module):
     unit: KV heads per part (equal-sized parts keep one page size across KV cache groups).
     parallel: (tensor-parallel rank, size): this rank holds 1 / size of the layer's full and compressed heads.
     buckets: the spec bucket of each compressed part, keyed (layer, part index) (`HeadSplit.compressed_buckets`).
-    ring_units: where the compressed heads run as a ring, the units each request's ring table holds
-    (`HeadSplit.ring_units`): the layer's compressed heads are then one module; None: one module per unit.
     """
 
     def __init__(
@@ -54,7 +52,6 @@ class HeadMixedAttention(nn.Module):
         unit: int,
         parallel: tuple[int, int] = (0, 1),
         buckets: dict[tuple[int, int], int] | None = None,
-        ring_units: int | None = None,
     ):
         super().__init__()
         num_kv, num_heads = original.num_kv_heads, original.num_heads  # this rank's share under TP
@@ -77,25 +74,13 @@ class HeadMixedAttention(nn.Module):
         layer = layer_index(original.layer_name)
         # this rank's KV heads, in the served order (`HeadSplit.served_order`): its full ones, then compressed
         served = split.served_order(layer, num_kv * shards, shards)[rank * num_kv : (rank + 1) * num_kv]
-        # the ring's module holds all of the layer's compressed heads (one kernel call: `ring_backend.py`)
-        ring = ring_units is not None
         # (module name, its served KV-head positions): full heads at [0, num_full), compressed after
         self.parts: list[tuple[str, slice]] = []
         for kind, start, stop in (("full", 0, num_full), ("window", num_full, num_kv)):
-            step = max(stop - start, 1) if ring and kind == "window" else unit
-            for i, first in enumerate(range(start, stop, step)):
-                name, heads = f"{kind}_{i}", slice(first, min(first + step, stop))
+            for i, first in enumerate(range(start, stop, unit)):
+                name, heads = f"{kind}_{i}", slice(first, min(first + unit, stop))
                 bucket = (buckets or {}).get((layer, i), 0) if kind == "window" else 0
-                part = _part(
-                    original,
-                    kind,
-                    (layer, served[heads]),
-                    split,
-                    cache_config,
-                    name,
-                    bucket,
-                    (unit, ring_units),
-                )
+                part = _part(original, kind, (layer, served[heads]), split, cache_config, name, bucket)
                 self.add_module(name, part)
                 self.parts.append((name, heads))
 
@@ -126,11 +111,9 @@ def _part(
     cache_config: Any,
     name: str,
     bucket: int = 0,
-    units: tuple[int, int | None] = (1, None),
 ) -> nn.Module:
     """One attention module over the KV heads `heads` (the layer, its stock KV heads): stock full attention,
-    vLLM's sliding window, rlkv's sink/window form or rlkv's token eviction (the last two in spec `bucket`);
-    units: (KV heads per unit, the units of a ring table, or None where the form runs no ring)."""
+    vLLM's sliding window, rlkv's sink/window form or rlkv's token eviction (the last two in spec `bucket`)."""
     layer, head_ids = heads
     num_kv = len(head_ids)
     args = (num_kv * (original.num_heads // original.num_kv_heads), original.head_size, original.impl.scale)
@@ -160,18 +143,17 @@ def _part(
     from rlkv.vllm_plugin.ring import RingAttention, ring_backend
     from rlkv.vllm_plugin.sink_window import SinkWindowAttention
 
-    form = dict(
+    ring = ring_backend(original.attn_backend) if split.uses_ring else None
+    return (RingAttention if ring is not None else SinkWindowAttention)(
+        *args,
+        backend=ring,
         sink=split.sink,
         window=split.window,
         full_prompt=split.full_prompt,
         protect_prompt=split.protect_prompt,
         bucket=bucket,
+        **kwargs,
     )
-    unit, ring_units = units
-    if ring_units is not None:
-        ring = ring_backend(original.attn_backend)
-        return RingAttention(*args, backend=ring, unit=unit, units=ring_units, **form, **kwargs)
-    return SinkWindowAttention(*args, **form, **kwargs)
 
 
 def split_attention_layers(model: nn.Module, split: HeadSplit, num_kv_heads: int) -> HeadOrder:
@@ -186,29 +168,19 @@ def split_attention_layers(model: nn.Module, split: HeadSplit, num_kv_heads: int
     parallel = tensor_parallel()
     shards = parallel[1]
     unit = split.unit(num_kv_heads, shards)
-    layers = [
-        (parent, name, child)
-        for parent in list(model.modules())
-        for name, child in list(parent.named_children())
-        if type(child) is attention
-    ]
-    ring_units = None
-    if layers and split.uses_ring:
-        from rlkv.vllm_plugin.ring import ring_backend
-
-        if ring_backend(layers[0][2].attn_backend) is not None:
-            ring_units = split.ring_units(num_kv_heads, shards)
-    buckets = split.compressed_buckets(num_kv_heads, shards, one_part_per_layer=ring_units is not None)
+    buckets = split.compressed_buckets(num_kv_heads, shards)
     orders: dict[int, tuple[int, ...]] = {}
     geometry = (1, 1)
-    for parent, child_name, child in layers:
-        layer = layer_index(child.layer_name)
-        full = split.full_kv_heads[layer]
-        if len(full) == num_kv_heads and unit == num_kv_heads // shards:
-            continue
-        mixed = HeadMixedAttention(child, full, split, unit, parallel, buckets, ring_units)
-        setattr(parent, child_name, mixed)
-        # the checkpoint's whole tensors are permuted; vLLM's loaders then give each rank its slice
-        orders[layer] = split.served_order(layer, num_kv_heads, shards)
-        geometry = (child.num_heads // child.num_kv_heads, child.head_size)
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not attention:
+                continue
+            layer = layer_index(child.layer_name)
+            full = split.full_kv_heads[layer]
+            if len(full) == num_kv_heads and unit == num_kv_heads // shards:
+                continue
+            setattr(parent, child_name, HeadMixedAttention(child, full, split, unit, parallel, buckets))
+            # the checkpoint's whole tensors are permuted; vLLM's loaders then give each rank its slice
+            orders[layer] = split.served_order(layer, num_kv_heads, shards)
+            geometry = (child.num_heads // child.num_kv_heads, child.head_size)
     return HeadOrder(orders, *geometry)

@@ -162,7 +162,6 @@ STEP_FIELDS = {
 VLLM_IMPORTS = (
     "vllm:ModelRegistry",
     "vllm.config:get_current_vllm_config",
-    "vllm.config:get_layers_from_vllm_config",
     "vllm.distributed:get_tensor_model_parallel_rank",
     "vllm.distributed:get_tensor_model_parallel_world_size",
     "vllm.model_executor.layers.attention:Attention",

@@ -45,13 +45,12 @@ class GroupPlan:
     saving_kept: float
 
 
-def evaluate(full: int, buckets: tuple[int, ...], compressed_units: int | None = None) -> GroupPlan:
-    """The `GroupPlan` vLLM makes of `full` full parts and compressed buckets `buckets` (of parts; the parts
-    hold `compressed_units` units in all, one each by default: a ring module holds all of a layer's)."""
+def evaluate(full: int, buckets: tuple[int, ...]) -> GroupPlan:
+    """The `GroupPlan` vLLM makes of `full` full parts and compressed buckets `buckets`."""
     sizes = [full, *buckets] if full else list(buckets)
     g = vllm_group_size(sizes)
     groups = sum(math.ceil(size / g) for size in sizes)
-    compressed = sum(buckets) if compressed_units is None else compressed_units
+    compressed = sum(buckets)
     if not full or not compressed:
         return GroupPlan(full, buckets, g, groups, 1.0)
     full_slots = math.ceil(full / g) * g  # pages a token costs in the full kind (stock: full + compressed)
@@ -79,19 +78,18 @@ def _candidates(full: int, compressed: int) -> list[tuple[int, ...]]:
     return sorted(layouts)
 
 
-def plan_groups(full: int, compressed: int, compressed_units: int | None = None) -> GroupPlan:
-    """The compressed buckets to build for `full` full and `compressed` compressed attention parts (holding
-    `compressed_units` units in all; one each by default).
+def plan_groups(full: int, compressed: int) -> GroupPlan:
+    """The compressed buckets to build for `full` full and `compressed` compressed attention parts.
 
     One bucket when vLLM's grouping of it keeps `KEEP_SAVING` of the ideal saving; else the layout with the
     fewest groups (then buckets) among those that keep it; else the one keeping the most.
     """
     if not compressed:
         return evaluate(full, ())
-    plain = evaluate(full, (compressed,), compressed_units)
+    plain = evaluate(full, (compressed,))
     if plain.saving_kept >= KEEP_SAVING:
         return plain
-    plans = [evaluate(full, layout, compressed_units) for layout in _candidates(full, compressed)]
+    plans = [evaluate(full, layout) for layout in _candidates(full, compressed)]
     keeping = [p for p in plans if p.saving_kept >= KEEP_SAVING]
     if keeping:
         return min(keeping, key=lambda p: (p.groups, -p.saving_kept, len(p.buckets)))

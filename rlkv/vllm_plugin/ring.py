@@ -36,14 +36,7 @@ from rlkv.vllm_plugin.sink_window import SinkWindowAttention, SinkWindowSpec
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RingSpec(SinkWindowSpec):
-    """`SinkWindowSpec` of the ring layout: `ring_blocks` blocks of ring, then the prompt's blocks.
-
-    units: head units a request's table holds per logical block (a layer's compressed heads are one module of
-    up to `units` units of `num_kv_heads` heads each, `head rows` in `ring_backend.py`): logical block j of
-    unit h is the table's column `j * units + h`, so the manager allocates `units` blocks per logical block.
-    """
-
-    units: int = 1
+    """`SinkWindowSpec` of the ring layout: `ring_blocks` blocks of ring, then the prompt's blocks."""
 
     @property
     def ring_capacity(self) -> int:
@@ -56,8 +49,8 @@ class RingSpec(SinkWindowSpec):
         return 0 if self.protect_prompt else cdiv(self.ring_capacity, self.block_size)
 
     def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
-        """The prompt's blocks (at most `max_len` tokens) after the ring's, for each unit."""
-        return self.units * (self.ring_blocks + cdiv(max_len, self.block_size))
+        """The prompt's blocks (at most `max_len` tokens) after the ring's."""
+        return self.ring_blocks + cdiv(max_len, self.block_size)
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         return self.max_num_blocks_per_req(vllm_config, vllm_config.model_config.max_model_len) * (
@@ -76,7 +69,6 @@ class RingManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: RingSpec, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.ring_tokens = kv_cache_spec.ring_blocks * kv_cache_spec.block_size
-        self.units = kv_cache_spec.units
         # the protected layout: a request holds at most base + window + 1 slots (base: its prompt's end, or sink)
         self.protect, self.sink, self.window = (
             kv_cache_spec.protect_prompt,
@@ -87,13 +79,11 @@ class RingManager(FullAttentionManager):
         self.prefill_end: dict[str, int] = {}
 
     def _slot_tokens(self, request_id: str, num_tokens: int) -> int:
-        """Token slots of the base manager's count that hold `num_tokens` of this request (in every unit)."""
+        """Token slots of the base manager's count that hold `num_tokens` of this request."""
         prefill_end = self.prefill_end.get(request_id, num_tokens)
         if self.protect:
-            slots = min(num_tokens, max(prefill_end, self.sink) + self.window + 1)
-        else:
-            slots = self.ring_tokens + min(num_tokens, prefill_end)
-        return self.units * cdiv(slots, self.block_size) * self.block_size
+            return min(num_tokens, max(prefill_end, self.sink) + self.window + 1)
+        return self.ring_tokens + min(num_tokens, prefill_end)
 
     def get_num_blocks_to_allocate(
         self,
@@ -137,9 +127,7 @@ class RingManager(FullAttentionManager):
         end = max(self.prefill_end.get(request_id, 0), num_prompt_tokens or 0)
         blocks = self.req_to_blocks.get(request_id)
         if blocks and end and processed_computed_tokens >= end:
-            self._remove_blocks_in_range(
-                request_id, self.units * self.ring_tokens // self.block_size, len(blocks)
-            )
+            self._remove_blocks_in_range(request_id, self.ring_tokens // self.block_size, len(blocks))
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
@@ -181,17 +169,6 @@ def ring_backend(platform_backend: Any) -> type | None:
 
 
 class RingAttention(SinkWindowAttention):
-    """`SinkWindowAttention` in the ring layout (`RingSpec`), on a ring backend (`ring_backend`), over all of a
-    layer's compressed KV heads: `rows` units of `unit` heads (a page holds one unit; every unit of a request
-    is a row of the group's one kernel call per layer), in a group whose tables hold `units` units."""
+    """`SinkWindowAttention` in the ring layout (`RingSpec`), on a ring backend (`ring_backend`)."""
 
     spec_class = RingSpec
-
-    def __init__(self, *args: Any, unit: int, units: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.rlkv_unit, self.rlkv_units = unit, units
-        self.rlkv_rows = self.num_kv_heads // unit
-
-    def get_kv_cache_spec(self, vllm_config: Any) -> RingSpec:
-        spec = super().get_kv_cache_spec(vllm_config)
-        return dataclasses.replace(spec, num_kv_heads=self.rlkv_unit, units=self.rlkv_units)

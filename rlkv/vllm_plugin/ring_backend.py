@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.config import get_layers_from_vllm_config
-from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -35,48 +33,28 @@ from rlkv.vllm_plugin.ring import RING_BACKENDS
 
 
 @dataclass
-class RingRows:
-    """One step of the ring layers of `k` units (`head rows`): the platform backend's metadata over the rows'
-    remapped tables and lengths, the slots [T * k] each row token is written to in the ring and in its prompt
-    (-1: not written there; None: no token of the step is a prompt token, so no prompt write), and `order`
-    [T * k], the token-major index (token t, unit h: t * k + h) of each row token (None: the same order, a
-    step whose rows are single queries)."""
+class RingMetadata:
+    """One step of the ring group: the platform backend's metadata over the remapped tables and lengths, and
+    the slots [T] each token is written to in the ring and in its prompt (-1: not written there; None: no
+    token of the step is a prompt token, so no prompt write)."""
 
     stock: Any
     ring_slots: torch.Tensor
     prompt_slots: torch.Tensor | None
-    order: torch.Tensor | None = None
-
-
-@dataclass
-class RingMetadata:
-    """One step of the ring group: `RingRows` for each count of units its layers hold."""
-
-    rows: dict[int, RingRows]
 
 
 class RingBuilderMixin:
-    """Before the platform's metadata builder: the step's ring and prompt slots, tables and read lengths, for
-    each count of head units its layers hold (`head rows`: a request's k units are k rows of one call)."""
+    """Before the platform's metadata builder: the step's ring and prompt slots, tables and read lengths."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names).values()
-        self.row_counts = sorted({layer.rlkv_rows for layer in layers})
-        # the platform's plan is per row: one unit's KV heads and their query heads
-        (self.num_heads,) = {layer.num_heads // layer.rlkv_rows for layer in layers}
-        self.units = kv_cache_spec.units
         self.sink, self.window = kv_cache_spec.sink, kv_cache_spec.window
         self.capacity, self.ring_columns = kv_cache_spec.ring_capacity, kv_cache_spec.ring_blocks
         self.block = kv_cache_spec.block_size
         tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         # persistent, so that a captured graph reads this step's slots at fixed addresses
-        self.ring_slots = {
-            k: torch.full((tokens * k,), -1, dtype=torch.int64, device=device) for k in self.row_counts
-        }
-        self.prompt_slots = {
-            k: torch.full((tokens * k,), -1, dtype=torch.int64, device=device) for k in self.row_counts
-        }
+        self.ring_slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.prompt_slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.protect = kv_cache_spec.protect_prompt
         if (
             self.protect
@@ -87,25 +65,14 @@ class RingBuilderMixin:
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> RingMetadata:
-        step = common_attn_metadata
-        rows = {}
-        for k in self.row_counts:
-            m, order = _per_step(step, ("rows", k), lambda k=k: _head_rows(step, k))
-            # the rows' tables are this group's (the rows themselves are the same in every group of the step)
-            m = dataclasses.replace(m, block_table_tensor=_unit_tables(step, k, self.units))
-            build = self._build_protected if self.protect else self._build_ring
-            rows[k] = build(m, k, step, fast_build)
-            rows[k].order = order
-        return RingMetadata(rows)
-
-    def _build_ring(self, m: CommonAttentionMetadata, k: int, step: Any, fast_build: bool) -> RingRows:
-        """The eval form's ring (`ring.py`) for rows `m` (requests, or their units: `_head_rows`)."""
+        m = common_attn_metadata
+        if self.protect:
+            return self._build_protected(m, fast_build)
         reqs, tokens = m.num_reqs, m.slot_mapping.shape[0]
-        key = ("plan", k, self.sink, self.window, self.block)
-        plan = _per_step(step, key, lambda: _step_plan(m, self.sink, self.window, self.block))
+        plan = _step_plan(m, self.sink, self.window, self.block)
         table = m.block_table_tensor[:reqs]
         ring = table[plan.request, plan.ring_column] * self.block + plan.ring_offset
-        self.ring_slots[k][:tokens] = torch.where(plan.ring_kept, ring, -1)
+        self.ring_slots[:tokens] = torch.where(plan.ring_kept, ring, -1)
         columns = table.shape[1] - self.ring_columns
         seq_lens = m.seq_lens[:reqs]
         if plan.linear is None:  # a decode-only step (every captured graph's): no prompt row, no prompt write
@@ -113,8 +80,8 @@ class RingBuilderMixin:
         else:
             column = (self.ring_columns + plan.prompt_column).clamp(max=table.shape[1] - 1)
             prompt = table[plan.request, column] * self.block + plan.prompt_offset
-            self.prompt_slots[k][:tokens] = torch.where(plan.prompt_kept, prompt, -1)
-            prompt_slots = self.prompt_slots[k][:tokens]
+            self.prompt_slots[:tokens] = torch.where(plan.prompt_kept, prompt, -1)
+            prompt_slots = self.prompt_slots[:tokens]
             read_table = torch.where(plan.linear[:, None], table[:, self.ring_columns :], table[:, :columns])
             read_lens = torch.where(plan.linear, seq_lens, seq_lens.clamp(max=self.capacity))
         read = dataclasses.replace(
@@ -123,13 +90,13 @@ class RingBuilderMixin:
             seq_lens_cpu_upper_bound=plan.upper,
             max_seq_len=int(plan.upper.max()),
             block_table_tensor=read_table,
-            slot_mapping=self.ring_slots[k][:tokens],
+            slot_mapping=self.ring_slots[:tokens],
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        return RingRows(super().build(0, read, fast_build), self.ring_slots[k][:tokens], prompt_slots)
+        return RingMetadata(super().build(0, read, fast_build), self.ring_slots[:tokens], prompt_slots)
 
-    def _build_protected(self, m: CommonAttentionMetadata, k: int, step: Any, fast_build: bool) -> RingRows:
+    def _build_protected(self, m: CommonAttentionMetadata, fast_build: bool) -> RingMetadata:
         """The protected layout (`ring.py`): a prompt row (or a replay) writes position p at slot p and reads
         causally; it sets its request's base to the row's end (at least sink), kept on the device by the
         request's first block (a block of its own for its life: this group shares none). A generated token
@@ -145,17 +112,17 @@ class RingBuilderMixin:
         b = base[request]
         index = torch.where(p < b, p, b + (p - b) % (self.window + 1))
         slots = table[request, index // self.block] * self.block + index % self.block
-        self.ring_slots[k][:tokens] = torch.where(real, slots, -1)
+        self.ring_slots[:tokens] = torch.where(real, slots, -1)
         read = dataclasses.replace(
             m,
             seq_lens=torch.where(linear, seq_lens, torch.minimum(seq_lens, base + self.window + 1)).to(
                 seq_lens.dtype
             ),
-            slot_mapping=self.ring_slots[k][:tokens],
+            slot_mapping=self.ring_slots[:tokens],
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        return RingRows(super().build(0, read, fast_build), self.ring_slots[k][:tokens], None)
+        return RingMetadata(super().build(0, read, fast_build), self.ring_slots[:tokens], None)
 
 
 @dataclass
@@ -177,76 +144,10 @@ class _StepPlan:
     upper: torch.Tensor
 
 
-# what the ring groups compute once per step (head rows, plans), for the last step: keyed by vLLM's host query
-# starts of that step (one object shared by every group's metadata of a step, a new one each step: vLLM copies
-# its per-step metadata shallowly for each group); the object is held, so its id is not reused meanwhile
-_STEP: list[Any] = [None, {}]
-
-
-def _per_step(step: CommonAttentionMetadata, key: tuple, make: Any) -> Any:
-    """`make()` once per step and `key` (the first group of the step that needs it computes it)."""
-    if _STEP[0] is not step.query_start_loc_cpu:
-        _STEP[:] = [step.query_start_loc_cpu, {}]
-    if key not in _STEP[1]:
-        _STEP[1][key] = make()
-    return _STEP[1][key]
-
-
-def _unit_tables(m: CommonAttentionMetadata, k: int, units: int) -> torch.Tensor:
-    """The block table [R * k, J] of the step's head rows (`_head_rows`) in a group whose requests' tables hold
-    `units` units: row (r, h) is the columns `h::units` of request r's table."""
-    table = m.block_table_tensor[: m.num_reqs]
-    if units == 1:
-        return table
-    columns = table.shape[1] // units
-    table = table[:, : columns * units].view(table.shape[0], columns, units)[:, :, :k].transpose(1, 2)
-    return table.reshape(-1, columns).contiguous()  # the kernel reads a table's columns at stride 1
-
-
-def _head_rows(m: CommonAttentionMetadata, k: int) -> tuple[CommonAttentionMetadata, Any]:
-    """The step `m` with each request's `k` head units as `k` rows of their own (row (r, h): request r's unit h,
-    its queries and its sequence length; its table is `_unit_tables`'): the metadata of those rows, and `order`
-    [T * k], the token-major index (t * k + h) of each row token in row order (None when every row is a single
-    query: then row order is token-major order). Padding tokens keep their place."""
-    if k == 1:
-        return m, None
-    reqs, tokens = m.num_reqs, m.slot_mapping.shape[0]
-    device = m.block_table_tensor.device
-    prefilling, upper, position = step_inputs(m)
-    starts, starts_cpu = m.query_start_loc[: reqs + 1], m.query_start_loc_cpu[: reqs + 1]
-    units_cpu, unit = torch.arange(k), torch.arange(k, device=device)
-    lens, lens_cpu = starts[1:] - starts[:-1], starts_cpu[1:] - starts_cpu[:-1]
-    row_starts = torch.cat([(starts[:-1, None] * k + unit * lens[:, None]).flatten(), starts[-1:] * k])
-    row_starts_cpu = torch.cat(
-        [(starts_cpu[:-1, None] * k + units_cpu * lens_cpu[:, None]).flatten(), starts_cpu[-1:] * k]
-    )
-    row_position = position[:tokens].repeat_interleave(k)  # token-major: token t's units at t * k + h
-    if int(lens_cpu.max()) <= 1:
-        order = None
-    else:
-        token = torch.arange(tokens, device=device)
-        request = torch.searchsorted(starts[1:], token, right=True).clamp(max=reqs - 1)
-        first = starts[request]
-        row = (first * k + (token - first))[:, None] + unit * lens[request][:, None]
-        row = torch.where((token < starts[-1])[:, None], row, token[:, None] * k + unit).flatten()
-        order = torch.empty_like(row)
-        order[row] = torch.arange(tokens * k, device=device)
-        row_position = row_position[order]
-    rows = dataclasses.replace(
-        m,
-        query_start_loc=row_starts.to(starts.dtype),
-        query_start_loc_cpu=row_starts_cpu.to(starts_cpu.dtype),
-        seq_lens=m.seq_lens[:reqs].repeat_interleave(k),
-        seq_lens_cpu_upper_bound=upper.repeat_interleave(k),
-        is_prefilling=prefilling.repeat_interleave(k),
-        positions=row_position,
-        num_reqs=reqs * k,
-        num_actual_tokens=m.num_actual_tokens * k,
-        slot_mapping=m.slot_mapping.new_empty(tokens * k),
-        _num_computed_tokens_cache=None,
-        _token_to_req_indices_cache=None,
-    )
-    return rows, order
+# the last step's plan, keyed by vLLM's host query starts of that step (one object shared by every group's
+# metadata of a step, a new one each step: vLLM copies its per-step metadata shallowly for each group); the
+# object is held, so its id is not reused while the entry lives
+_LAST_PLAN: list[tuple[Any, tuple[int, int, int], _StepPlan]] = []
 
 
 def _rows_and_tokens(
@@ -266,7 +167,9 @@ def _rows_and_tokens(
 
 
 def _step_plan(m: CommonAttentionMetadata, sink: int, window: int, block: int) -> _StepPlan:
-    """The step's `_StepPlan` for ring groups of this form over rows `m` (built once per step, `_per_step`)."""
+    """The step's `_StepPlan` for ring groups of this form, built by the step's first ring group."""
+    if _LAST_PLAN and _LAST_PLAN[0][0] is m.query_start_loc_cpu and _LAST_PLAN[0][1] == (sink, window, block):
+        return _LAST_PLAN[0][2]
     device = m.block_table_tensor.device
     # a replaying row reads causally over its prompt blocks (its manager gave it blocks to the row's end)
     linear_cpu, upper, request, real, position = _rows_and_tokens(m)
@@ -287,6 +190,7 @@ def _step_plan(m: CommonAttentionMetadata, sink: int, window: int, block: int) -
         linear=linear,
         upper=torch.where(linear_cpu, upper, read) if linear is not None else read,
     )
+    _LAST_PLAN[:] = [(m.query_start_loc_cpu, (sink, window, block), plan)]
     return plan
 
 
@@ -306,29 +210,18 @@ class RingImplMixin:
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of query [T, H_q, D] into output; key, value [T, H_kv, D] are written first. The layer's
-        k head units are k rows per request (`_head_rows`): token-major [T, k * h, D] is [T * k, h, D], a view
-        when the step's rows are single queries, else reordered to rows and the output back."""
+        """Attention of query [T, H_q, D] into output; key, value [T, H_kv, D] are written first."""
         if attn_metadata is None:  # profiling run
             return output
-        k = layer.rlkv_rows
-        m = attn_metadata.rows[k]
-        tokens = m.ring_slots.shape[0] // k
-        size = query.shape[-1]
-        query = query[:tokens].reshape(tokens * k, -1, size)
-        key = key[:tokens].reshape(tokens * k, -1, size)
-        value = value[:tokens].reshape(tokens * k, -1, size)
-        rows = target = output[:tokens].view(tokens * k, -1, size)
-        if m.order is not None:
-            query, key, value = query[m.order], key[m.order], value[m.order]
-            rows = torch.empty_like(target)
+        m = attn_metadata
+        if key.shape[0] != m.ring_slots.shape[0]:
+            key, value = key[: m.ring_slots.shape[0]], value[: m.ring_slots.shape[0]]
         super().do_kv_cache_update(layer, key, value, kv_cache, m.ring_slots)
         if m.prompt_slots is not None:
             super().do_kv_cache_update(layer, key, value, kv_cache, m.prompt_slots)
-        super().forward(layer, query, key, value, kv_cache, m.stock, rows, output_scale, output_block_scale)
-        if m.order is not None:
-            target.index_copy_(0, m.order, rows)
-        return output
+        return super().forward(
+            layer, query, key, value, kv_cache, m.stock, output, output_scale, output_block_scale
+        )
 
 
 class CpuRingBuilder(RingBuilderMixin, CPUAttentionMetadataBuilder):

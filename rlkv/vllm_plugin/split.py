@@ -212,34 +212,20 @@ class HeadSplit:
             counts += [len(full) // shards, len(self.compressed_kv_heads(layer, num_kv_heads)) // shards]
         return math.gcd(*[c for c in counts if c]) or num_kv_heads // shards
 
-    def compressed_units(self, layer: int, num_kv_heads: int, shards: int = 1) -> int:
-        """Units (`unit` KV heads each) of `layer`'s compressed heads on one rank."""
-        return len(self.compressed_kv_heads(layer, num_kv_heads)) // shards // self.unit(num_kv_heads, shards)
-
-    def ring_units(self, num_kv_heads: int, shards: int = 1) -> int:
-        """The most compressed units a layer has: the units each request's table holds in a ring group, where
-        one module per layer holds all of its compressed heads (`ring.RingAttention`)."""
-        return max(self.compressed_units(layer, num_kv_heads, shards) for layer in range(self.num_layers))
-
-    def compressed_buckets(
-        self, num_kv_heads: int, shards: int = 1, one_part_per_layer: bool = False
-    ) -> dict[tuple[int, int], int]:
+    def compressed_buckets(self, num_kv_heads: int, shards: int = 1) -> dict[tuple[int, int], int]:
         """The spec bucket of each compressed part, keyed (layer, part index in the layer) (`groups.plan_groups`:
-        buckets laid out so that vLLM's KV cache groups pad no full-attention part). A layer's compressed heads
-        are one part each `unit` heads, or one part in all (`one_part_per_layer`: the ring, whose module holds
-        them all). The window-only form runs vLLM's own sliding-window spec, which has no bucket: all 0."""
+        buckets laid out so that vLLM's KV cache groups pad no full-attention part). The window-only form
+        runs vLLM's own sliding-window spec, which has no bucket: all 0."""
         unit = self.unit(num_kv_heads, shards)
-        units = [self.compressed_units(layer, num_kv_heads, shards) for layer in range(self.num_layers)]
         parts = [
             (layer, i)
-            for layer, count in enumerate(units)
-            for i in range(min(count, 1) if one_part_per_layer else count)
+            for layer in range(self.num_layers)
+            for i in range(len(self.compressed_kv_heads(layer, num_kv_heads)) // shards // unit)
         ]
         if self.is_sliding_window:
             return dict.fromkeys(parts, 0)
         full = sum(len(heads) // shards // unit for heads in self.full_kv_heads)
-        plan = plan_groups(full, len(parts), sum(units))
-        return dict(zip(parts, bucket_of_parts(plan), strict=True))
+        return dict(zip(parts, bucket_of_parts(plan_groups(full, len(parts))), strict=True))
 
     def describe(self, num_kv_heads: int, architecture: str) -> str:
         """One line for logs: how many KV heads are full and what the others keep."""

@@ -22,10 +22,6 @@ NEW_TOKENS, REQUESTS = 300, 5
 # 48 blocks of 32 tokens over every group: five ~350-token prompts + 300 new tokens need more, so vLLM
 # preempts; a step's token budget holds a whole replay (no replay is chunked)
 SMALL_POOL = {"num_gpu_blocks_override": 48, "max_model_len": 700, "max_num_batched_tokens": 2048}
-# the rings' tables hold every unit of the mask's most compressed layer (2 KV heads here), each unit its ring and
-# its prompt blocks: a 700-token request needs 2 x (3 + 22) ring blocks + 22 full ones and vLLM's margin, so the
-# pool is 80 there (still far short of five requests' ~27 blocks each at their end: vLLM preempts)
-RING_POOL = SMALL_POOL | {"num_gpu_blocks_override": 80}
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +39,6 @@ def _overrides(model, mask, form: str) -> dict:
     if form.endswith("torch"):  # rlkv's gather form instead of the ring
         overrides[CONFIG_KEY] = overrides[CONFIG_KEY] | {"kernel": "torch"}
     return overrides
-
-
-def _pool(form: str, max_model_len: int = 700) -> dict:
-    """The small pool of a form: the rings' (`eval-form`, `protected`) need more blocks per request; a shorter
-    `max_model_len` (420: requests of at most 408 tokens) needs 2 x (3 + 14) + 14 and the margin: 52 blocks."""
-    if form not in ("eval-form", "protected"):
-        return SMALL_POOL
-    return (
-        RING_POOL
-        if max_model_len == 700
-        else RING_POOL | {"num_gpu_blocks_override": 52, "max_model_len": 420}
-    )
 
 
 def _run_preempted(llm, prompts: list[list[int]], abort: str | None = None):
@@ -86,7 +70,7 @@ def test_a_preempted_request_continues_as_a_cold_request_over_its_outputs(demo, 
     model, tokenizer, _, prompts, mask = demo
     ids = [tokenizer(p).input_ids for p in prompts]
     overrides = _overrides(model, mask, form)
-    with engine(hf_overrides=overrides, **_pool(form)) as llm:
+    with engine(hf_overrides=overrides, **SMALL_POOL) as llm:
         served, cuts, all_freed = _run_preempted(llm, ids, abort=f"r{REQUESTS - 1}")
     assert all_freed  # every block of the finished, preempted and aborted requests
     assert sorted(served) == [f"r{i}" for i in range(REQUESTS - 1)]
@@ -114,14 +98,13 @@ def test_a_preempted_request_continues_as_a_cold_request_over_its_outputs(demo, 
 
 @pytest.mark.parametrize("form", ["eval-form", "protected", "protected-torch", "rlkv+rkv"])
 def test_no_block_leaks_after_200_requests_with_preemption_aborts_and_prefix_hits(demo, form):
-    """200 requests through a 48-block pool (52 for the rings, requests of at most 420 tokens): prompts that share
-    prefixes (hits where the form caches), every 7th aborted mid-run, vLLM preempting; afterwards the pool holds
-    every block again."""
+    """200 requests through a 48-block pool: prompts that share prefixes (hits where the form caches), every
+    7th aborted mid-run, vLLM preempting; afterwards the pool holds every block again."""
     model, tokenizer, _, prompts, mask = demo
     ids = [tokenizer(p).input_ids for p in prompts]
     caching = form == "protected-torch"  # the rings and the eviction group cache nothing
     with engine(
-        hf_overrides=_overrides(model, mask, form), enable_prefix_caching=caching, **_pool(form, 420)
+        hf_overrides=_overrides(model, mask, form), enable_prefix_caching=caching, **SMALL_POOL
     ) as llm:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         _, pool = kv_groups(llm)

@@ -17,7 +17,7 @@ from vllm_engines import blocks_per_step, demo_chain, engine, greedy, groups_by_
 from rlkv import HeadMask  # noqa: E402
 from rlkv.data.chain_task import load_chain_task  # noqa: E402
 from rlkv.inference import generate  # noqa: E402
-from rlkv.inference.vllm import compression_overrides, head_split, vllm_compression  # noqa: E402
+from rlkv.inference.vllm import compression_overrides, vllm_compression  # noqa: E402
 from rlkv.vllm_plugin.split import CONFIG_KEY  # noqa: E402
 
 SINK, WINDOW, BLOCK = 16, 64, 32
@@ -122,16 +122,12 @@ def test_the_group_holds_sink_and_window_blocks_and_the_prompt_goes_back_to_the_
     assert len(held) >= 399
     full, kept, free = zip(*held)
     ring_blocks = -(-(SINK + WINDOW + 1) // BLOCK)  # 3: the ring's sink + window + 1 slots
-    # a ring layer's compressed heads are one module, units of `unit` heads; the group's tables hold its layers'
-    # largest count of units (2 on this mask: a layer compresses both of its KV heads), each unit its blocks
-    units = head_split(model, _form(mask, 0.5, protect_prompt=protect_prompt)).ring_units(2)
-    assert units == 2
     if ring and protect_prompt:  # the prompt, then its ring of window + 1 slots right after it
-        assert kept[0] == units * -(-prompt_tokens // BLOCK)
-        assert max(kept) == kept[-1] == units * -(-(prompt_tokens + WINDOW + 1) // BLOCK)  # 12 per unit
+        assert kept[0] == -(-prompt_tokens // BLOCK)
+        assert max(kept) == kept[-1] == -(-(prompt_tokens + WINDOW + 1) // BLOCK)  # 12
     elif ring:  # the ring and the prompt while it is read, then the ring alone, from the first generated step
-        assert kept[0] == units * (ring_blocks + -(-prompt_tokens // BLOCK))
-        assert set(kept[1:]) == {units * ring_blocks}
+        assert kept[0] == ring_blocks + -(-prompt_tokens // BLOCK)
+        assert set(kept[1:]) == {ring_blocks}
     else:
         # sink blocks (the prompt's when protected) + window blocks (+1: a window not aligned to blocks)
         head = -(-(prompt_tokens if protect_prompt else SINK) // BLOCK)
@@ -195,20 +191,18 @@ def test_four_kv_heads_non_contiguous_parts_equal_the_transformers_path(tmp_path
 
 
 def test_an_uneven_mask_is_grouped_without_padding_the_full_heads(demo):
-    """s=0.375 on the demo model: 5 full and 3 compressed KV heads, the compressed ones in 2 ring modules (one
-    per layer with compressed heads). In one spec bucket vLLM makes groups of 2 and pads the full kind to 6
-    (67% of the ideal saving); the split's buckets (`groups.plan_groups`) give groups vLLM pads only in the
-    compressed kind, as planned, and the transformers path's tokens."""
-    from rlkv.vllm_plugin.groups import evaluate, plan_groups
+    """s=0.375 on the demo model: 5 full and 3 compressed KV heads. In one spec bucket vLLM makes groups of 3
+    and pads the full kind to 6 (67% of the ideal saving); the split's buckets (`groups.plan_groups`) give
+    groups vLLM pads only in the compressed kind, as planned, and the transformers path's tokens."""
+    from rlkv.inference.vllm import head_split
+    from rlkv.vllm_plugin.groups import plan_groups
 
     model, tokenizer, _, prompts, mask = demo
     config = _form(mask, 0.375)
     split = head_split(model, config)
     full = sum(map(len, split.full_kv_heads))
-    modules = sum(split.compressed_units(layer, 2) > 0 for layer in range(split.num_layers))
-    plan = plan_groups(full, modules, 8 - full)
-    assert (full, modules) == (5, 2) and evaluate(full, (modules,), 8 - full).saving_kept < 0.9
-    assert plan.saving_kept == 1.0 and len(plan.buckets) > 1
+    plan = plan_groups(full, 8 - full)
+    assert (full, plan.saving_kept) == (5, 1.0) and len(plan.buckets) > 1
     with engine(hf_overrides=compression_overrides(model.config, config)) as llm:
         groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups  # read only
         size = max(len(g.layer_names) for g in groups)
