@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # left (only a resume from that checkpoint reads them; runs resume from their latest, which keeps its own): 29.30 MB.
 # 2026-12-07, later: the eviction group's bench rows came in; the dispatch runs' bench.json copies left (their
 # bench.md holds every row and check): 29.39 MB.
-# 2026-12-07, stop 94: the ring's head rows (code and docs) came in; four serving runs' bench.json copies left
-# (each folder's COMMAND.md and bench.md hold its command, rows and checks): under 29.38 MB.
+# 2026-12-07, stop 94: four serving runs' bench.json copies left (each folder's COMMAND.md and bench.md hold its
+# command, rows and checks); the head rows' dispatch rows came in: under 29.38 MB.
 # The bound only goes down.
 MAX_TRACKED_BYTES = 29_390_000
 
