@@ -7,14 +7,14 @@ batched forward over the sequences per head, so it is the cheap non-RL baseline 
 beat. `ablation_mask` generates the solutions, scores the heads and returns a `HeadMask` (scores
 min-max scaled to [0, 1], raw increases in its metadata, `metadata["method"] == "ablation"`).
 `mask_nll` measures the same NLL with a whole mask's compressed heads at a sparsity: a cheap way to
-compare masks (learned, ablation, random) before generating with them. `refine_cut` refines a mask's
-cut at given sparsities by a swap search on that joint NLL (`rlkv refine-mask`).
+compare masks (learned, ablation, random) before generating with them. The searches over head sets on that
+joint NLL (`refine_cut`, `eliminate`) are in `rlkv.cut_search`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +72,7 @@ def completion_nll(model: Any, sequences: list[Solution], batch_size: int = 4) -
 
 
 @contextlib.contextmanager
-def _gated(model: Any, sink: int, local: int) -> Iterator[Any]:
+def gated_model(model: Any, sink: int, local: int) -> Iterator[Any]:
     """RLKV gates (all 1) on `model` for the block; afterwards the model is as it was (attention, flags)."""
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     gates = attach_gates(model, sink=sink, local=local, init=1.0)
@@ -101,7 +101,7 @@ def ablation_scores(
     """
     from tqdm.auto import tqdm
 
-    with _gated(model, sink, local) as gates:
+    with gated_model(model, sink, local) as gates:
         base = completion_nll(model, sequences, batch_size)
         num_layers, num_heads = gates.alpha.shape
         delta = torch.zeros(num_layers, num_heads)
@@ -148,7 +148,7 @@ def mask_nll(
     """
     from tqdm.auto import tqdm
 
-    with _gated(model, sink, local) as gates:
+    with gated_model(model, sink, local) as gates:
         base = completion_nll(model, sequences, batch_size)
         increases: dict[str, dict[float, float]] = {name: {} for name in masks}
         bar = tqdm(
@@ -163,120 +163,6 @@ def mask_nll(
                 bar.update(1)
         bar.close()
     return base, increases
-
-
-@dataclass
-class CutSearch:
-    """What `refine_cut` did at one sparsity: the full heads it started from and kept (flat indices
-    layer * H_kv + head), their NLL increases over full KV (nats/token), the swaps it accepted
-    ((out, in, increase after)), and how many layouts it scored."""
-
-    sparsity: float
-    start: list[int]
-    kept: list[int]
-    start_increase: float
-    increase: float
-    swaps: list[tuple[int, int, float]]
-    evaluated: int
-
-
-def refine_cut(
-    model: Any,
-    sequences: list[Solution],
-    mask: HeadMask,
-    sparsities: list[float],
-    *,
-    sink: int = 16,
-    local: int = 64,
-    swap_in: int = 4,
-    swap_out: int = 6,
-    rounds: int = 3,
-    batch_size: int = 4,
-    progress: bool = True,
-    scored: dict[str, float] | None = None,
-    on_score: Callable[[dict[str, float]], None] | None = None,
-) -> tuple[HeadMask, list[CutSearch]]:
-    """Refine `mask`'s cut at each sparsity by a greedy swap search on the joint NLL of `sequences`.
-
-    A ranking scores heads one at a time; what a sparsity uses is the set it keeps full, jointly. From
-    the fewest compressed heads on, each sparsity starts from the mask's top heads (within the set the
-    previous sparsity kept, so the sets nest and one ranking serves all), and each round scores every
-    swap of one of its `swap_in` lowest-ranked full heads with one of the `swap_out` highest-ranked
-    others (`completion_nll` with those heads at sink + local) and takes the best if it lowers the NLL;
-    `rounds` rounds at most. Returns the refined mask (its `full_heads(s)` is the kept set at each
-    searched s, the mask's order elsewhere; `metadata["cut_search"]` records the search) and the searches.
-    `scored`: NLLs already measured on these sequences ("base", and each layout's full heads as sorted
-    comma-separated flat indices), filled in as the search goes; `on_score(scored)` after each new one
-    (a long search saves it there and resumes from it).
-    """
-    from tqdm.auto import tqdm
-
-    mask.check_compatible(model)
-    if swap_in < 1 or swap_out < 1 or rounds < 0:
-        raise ValueError(
-            f"refine_cut needs swap_in, swap_out >= 1 and rounds >= 0, got {swap_in}, {swap_out}, {rounds}"
-        )
-    num_heads = mask.num_layers * mask.num_kv_heads
-    ranking = [layer * mask.num_kv_heads + head for layer, head in mask.order().flip(0).tolist()]
-    targets = sorted(set(sparsities))
-    searches: list[CutSearch] = []
-    scored = {} if scored is None else scored
-    with _gated(model, sink, local) as gates:
-
-        def nll(key: str, full: list[int]) -> float:
-            if key not in scored:
-                alpha = torch.zeros(num_heads)
-                alpha[full] = 1.0
-                with torch.no_grad():
-                    gates.alpha.copy_(alpha.view_as(gates.alpha))
-                scored[key] = completion_nll(model, sequences, batch_size)
-                if on_score is not None:
-                    on_score(scored)
-            return scored[key]
-
-        base = nll("base", list(range(num_heads)))
-
-        looked: set[str] = set()  # the layouts the current sparsity's search scored (or found scored)
-
-        def increase(full: list[int]) -> float:
-            key = ",".join(map(str, sorted(full)))
-            looked.add(key)
-            return nll(key, full) - base
-
-        pool, allowed = ranking, set(ranking)  # the heads ranked for this sparsity; those it may keep
-        bar = tqdm(total=len(targets), desc="cut search", disable=not progress, dynamic_ncols=True)
-        for s in targets:
-            start = pool[: mask.num_full_heads(s)]
-            kept, swaps, looked = list(start), [], set()
-            best = increase(kept)
-            for _ in range(rounds):
-                weakest = [h for h in pool if h in kept][-swap_in:] if kept else []
-                strongest = [h for h in pool if h in allowed and h not in kept][:swap_out]
-                tried = [
-                    (increase([h for h in kept if h != out] + [new]), out, new)
-                    for out in weakest
-                    for new in strongest
-                ]
-                if not tried or min(tried)[0] >= best:
-                    break
-                best, out, new = min(tried)
-                kept = [h for h in kept if h != out] + [new]
-                swaps.append((out, new, best))
-                bar.set_postfix_str(f"s={s:g} +{best:.4f} nats/token", refresh=True)
-            searches.append(CutSearch(s, start, sorted(kept), increase(start), best, swaps, len(looked)))
-            # the next (higher) sparsity ranks within this kept set, so the sets nest
-            pool, allowed = [h for h in pool if h in kept] + [h for h in pool if h not in kept], set(kept)
-            bar.update(1)
-        bar.close()
-    order = torch.tensor([[h // mask.num_kv_heads, h % mask.num_kv_heads] for h in reversed(pool)])
-    refined = HeadMask.from_order(
-        order,
-        model,
-        **{k: v for k, v in mask.metadata.items() if k != "cut_search"},
-        cut_search={"base_nll": base, "sink": sink, "local": local, "searches": [vars(c) for c in searches]},
-    )
-    refined.train_sink, refined.train_local = mask.train_sink, mask.train_local
-    return refined, searches
 
 
 def greedy_solutions(

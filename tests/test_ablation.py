@@ -271,7 +271,8 @@ def test_refine_cut_lowers_the_joint_nll_of_a_bad_ranking_and_nests_its_cuts(tmp
     """From the reverse of the ablation ranking (the heads that matter compressed first), the swap
     search lowers the NLL at both sparsities, never raises it, keeps the s=0.75 set inside the s=0.5 set
     (one ranking serves both), and the refined mask's `mask_nll` is what the search recorded."""
-    from rlkv.ablation import mask_nll, refine_cut
+    from rlkv.ablation import mask_nll
+    from rlkv.cut_search import refine_cut
 
     model = tiny_model("qwen2", num_hidden_layers=4)  # 8 KV heads
     sequences = _solutions(model, 12)

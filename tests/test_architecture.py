@@ -121,6 +121,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "trainers": {"gates", "rollout", "data", "verifiers", "head_mask", "inference", "leaf"},
     "eval": {"inference", "data", "verifiers", "head_mask", "trainers", "policies", "leaf"},
     "ablation": {"gates", "head_mask", "data", "inference", "leaf"},
+    "cut_search": {"ablation", "head_mask", "data", "leaf"},
     "cli": {ANYTHING},
 }
 # single modules allowed more than their room: the eviction group's backend makes rlkv's own decisions

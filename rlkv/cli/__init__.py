@@ -23,6 +23,7 @@ SUBCOMMANDS = [
     "rlkv.cli.ablation_mask",
     "rlkv.cli.mask_nll",
     "rlkv.cli.refine_mask",
+    "rlkv.cli.search_mask",
     "rlkv.cli.steering",
     "rlkv.cli.eval",
     "rlkv.cli.compare",

@@ -92,6 +92,46 @@ def greedy_solutions_of(args: argparse.Namespace, model: Any, tokenizer: Any, pr
     )
 
 
+def resumable_scores(
+    args: argparse.Namespace, model: Any, sequences: list, **settings: Any
+) -> tuple[dict, Any, Any]:
+    """(the NLLs a stopped search of the same settings measured, a callback that saves them as they come, the
+    partial file) for a head-set search writing `args.out`: they live in `<out>.partial.json` (atomic writes)
+    until the mask is written; a partial file of other settings is one clear error."""
+    import json
+    from pathlib import Path
+
+    from rlkv._io import atomic_write_text
+    from rlkv.errors import UserInputError
+
+    partial = Path(f"{args.out}.partial.json")
+    identity = {
+        "mask": args.mask,
+        "problems": args.problems,
+        "num": args.num,
+        "seed": args.seed,
+        "max_new_tokens": args.max_new_tokens,
+        **settings,
+        "dtype": str(next(model.parameters()).dtype),
+        "batch_size": args.batch_size,
+        "num_tokens": sum(len(c) for _, c in sequences),
+    }
+    scored = {}
+    if partial.exists():
+        saved = json.loads(partial.read_text())
+        if saved.get("identity") != identity:
+            raise UserInputError(
+                f"{partial}: a stopped search with other settings ({saved.get('identity')}); delete it to start afresh"
+            )
+        scored = saved["scored"]
+        print(f"resuming from {partial}: {len(scored)} NLLs already measured")
+
+    def save(values: dict[str, float]) -> None:
+        atomic_write_text(partial, json.dumps({"identity": identity, "scored": values}, indent=0))
+
+    return scored, save, partial
+
+
 def sink_local(args: argparse.Namespace, default: tuple[int, int] = (16, 64)) -> tuple[int, int]:
     """(sink, local) of the compressed heads: the flags where given, else `default`; a bad value is one error."""
     from rlkv.errors import UserInputError

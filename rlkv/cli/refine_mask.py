@@ -1,12 +1,18 @@
 """`rlkv refine-mask --mask DIR --model PATH --problems SET --sparsities 0.75,0.875 --out DIR`: refine a head
-mask's cut at those sparsities by a swap search on the model's own greedy solutions (rlkv.ablation.refine_cut)."""
+mask's cut at those sparsities by a swap search on the model's own greedy solutions (rlkv.cut_search.refine_cut)."""
 
 from __future__ import annotations
 
 import argparse
 
 from rlkv.cli import csv_fractions, csv_list, positive_int
-from rlkv.cli.ablation_mask import add_solution_args, greedy_solutions_of, load_for_solutions, sink_local
+from rlkv.cli.ablation_mask import (
+    add_solution_args,
+    greedy_solutions_of,
+    load_for_solutions,
+    resumable_scores,
+    sink_local,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,12 +62,10 @@ def swap_pair(text: str) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     """Refine the mask and write its folder; prints each sparsity's search. Returns the exit status."""
-    import json
     import time
-    from pathlib import Path
 
-    from rlkv._io import atomic_write_text, check_output_path
-    from rlkv.ablation import refine_cut
+    from rlkv._io import check_output_path
+    from rlkv.cut_search import refine_cut
     from rlkv.errors import UserInputError
     from rlkv.head_mask import HeadMask
 
@@ -75,32 +79,7 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     sequences = greedy_solutions_of(args, model, tokenizer, problems)
     # every NLL measured is saved as it comes, so a stopped search resumes where it was
-    partial = Path(f"{args.out}.partial.json")
-    identity = {
-        "mask": args.mask,
-        "problems": args.problems,
-        "num": args.num,
-        "seed": args.seed,
-        "max_new_tokens": args.max_new_tokens,
-        "sink": sink,
-        "local": local,
-        "dtype": str(next(model.parameters()).dtype),
-        "batch_size": args.batch_size,
-        "num_tokens": sum(len(c) for _, c in sequences),
-    }
-    scored = {}
-    if partial.exists():
-        saved = json.loads(partial.read_text())
-        if saved.get("identity") != identity:
-            raise UserInputError(
-                f"{partial}: a stopped search with other settings ({saved.get('identity')}); delete it to start afresh"
-            )
-        scored = saved["scored"]
-        print(f"resuming from {partial}: {len(scored)} NLLs already measured")
-
-    def save(values: dict[str, float]) -> None:
-        atomic_write_text(partial, json.dumps({"identity": identity, "scored": values}, indent=0))
-
+    scored, save, partial = resumable_scores(args, model, sequences, sink=sink, local=local)
     refined, searches = refine_cut(
         model,
         sequences,

@@ -107,6 +107,13 @@ def _provenance(mask: Any) -> str:
             f"; then its cut at {cuts} refined by a swap search on the heads' joint teacher-forced NLL "
             "(`rlkv refine-mask`; the scores are ranks, the search in the metadata's `cut_search`)"
         )
+    elimination = mask.metadata.get("elimination")
+    if elimination:
+        text += (
+            f"; then ranked from its s={elimination['start']:g} set to s={elimination['stop']:g} by a backward "
+            "elimination on the heads' joint teacher-forced NLL (`rlkv search-mask`, "
+            f"{elimination['shards']} shard(s); the scores are ranks, the rounds in the metadata's `elimination`)"
+        )
     return text
 
 

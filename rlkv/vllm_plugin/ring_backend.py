@@ -11,7 +11,9 @@ ring slots and once at the prompt slots (a slot of -1 is skipped, as vLLM's padd
 platform's own attention kernel: two writes and one kernel call per layer, whatever the batch holds.
 
 No host read of a device tensor: the host inputs are vLLM's host copies (query starts, prefill flags,
-upper bounds of the lengths); the slots live in buffers sized once (`max_num_batched_tokens`).
+upper bounds of the lengths); the slots, the lengths and (in a step with a prompt row) the tables the kernel reads
+live in buffers made once (`max_num_batched_tokens`, `max_num_seqs`), so a captured graph finds them at fixed
+addresses (the tests check both on the CPU: `test_ring_graph_readiness.py`).
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ class RingBuilderMixin:
         self.capacity, self.ring_columns = kv_cache_spec.ring_capacity, kv_cache_spec.ring_blocks
         self.block = kv_cache_spec.block_size
         tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        # persistent, so that a captured graph reads this step's slots at fixed addresses
+        requests = int(vllm_config.scheduler_config.max_num_seqs)
+        # persistent, so that a captured graph reads this step's slots, lengths and tables at fixed addresses
         self.ring_slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.prompt_slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.read_lens = torch.zeros(requests, dtype=torch.int32, device=device)
+        self.read_table: torch.Tensor | None = None  # [max_num_seqs, table width], made at the first step
         self.protect = kv_cache_spec.protect_prompt
         if (
             self.protect
@@ -65,9 +70,18 @@ class RingBuilderMixin:
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> RingMetadata:
-        m = common_attn_metadata
+        read, ring_slots, prompt_slots = self.read_metadata(common_attn_metadata)
+        return RingMetadata(super().build(0, read, fast_build), ring_slots, prompt_slots)
+
+    def read_metadata(
+        self, m: CommonAttentionMetadata
+    ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor | None]:
+        """(the step's metadata with the tables, lengths and write slots the platform kernel reads; ring slots
+        [T]; prompt slots [T] or None), computed on the device from vLLM's device tensors and host copies (no
+        host read of a device tensor); every tensor the kernel reads lies in a persistent buffer, vLLM's or
+        this builder's."""
         if self.protect:
-            return self._build_protected(m, fast_build)
+            return self._read_protected(m)
         reqs, tokens = m.num_reqs, m.slot_mapping.shape[0]
         plan = _step_plan(m, self.sink, self.window, self.block)
         table = m.block_table_tensor[:reqs]
@@ -76,14 +90,17 @@ class RingBuilderMixin:
         columns = table.shape[1] - self.ring_columns
         seq_lens = m.seq_lens[:reqs]
         if plan.linear is None:  # a decode-only step (every captured graph's): no prompt row, no prompt write
-            prompt_slots, read_table, read_lens = None, table[:, :columns], seq_lens.clamp(max=self.capacity)
+            prompt_slots, read_table = None, table[:, :columns]  # a view of vLLM's persistent table
+            read_lens = self._lengths(seq_lens.clamp(max=self.capacity))
         else:
             column = (self.ring_columns + plan.prompt_column).clamp(max=table.shape[1] - 1)
             prompt = table[plan.request, column] * self.block + plan.prompt_offset
             self.prompt_slots[:tokens] = torch.where(plan.prompt_kept, prompt, -1)
             prompt_slots = self.prompt_slots[:tokens]
-            read_table = torch.where(plan.linear[:, None], table[:, self.ring_columns :], table[:, :columns])
-            read_lens = torch.where(plan.linear, seq_lens, seq_lens.clamp(max=self.capacity))
+            read_table = self._table(
+                torch.where(plan.linear[:, None], table[:, self.ring_columns :], table[:, :columns])
+            )
+            read_lens = self._lengths(torch.where(plan.linear, seq_lens, seq_lens.clamp(max=self.capacity)))
         read = dataclasses.replace(
             m,
             seq_lens=read_lens,
@@ -94,9 +111,28 @@ class RingBuilderMixin:
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        return RingMetadata(super().build(0, read, fast_build), self.ring_slots[:tokens], prompt_slots)
+        return read, self.ring_slots[:tokens], prompt_slots
 
-    def _build_protected(self, m: CommonAttentionMetadata, fast_build: bool) -> RingMetadata:
+    def _lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """`lengths` [R] copied into the persistent read lengths (vLLM's dtype)."""
+        out = self.read_lens[: lengths.shape[0]]
+        out.copy_(lengths)
+        return out
+
+    def _table(self, table: torch.Tensor) -> torch.Tensor:
+        """`table` [R, C] copied into the persistent read table (made at the first step that needs it)."""
+        reqs, width = table.shape
+        if self.read_table is None or self.read_table.shape[1] < width:
+            self.read_table = torch.zeros(
+                self.read_lens.shape[0], width, dtype=table.dtype, device=self.read_lens.device
+            )
+        out = self.read_table[:reqs, :width]
+        out.copy_(table)
+        return out
+
+    def _read_protected(
+        self, m: CommonAttentionMetadata
+    ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor | None]:
         """The protected layout (`ring.py`): a prompt row (or a replay) writes position p at slot p and reads
         causally; it sets its request's base to the row's end (at least sink), kept on the device by the
         request's first block (a block of its own for its life: this group shares none). A generated token
@@ -115,14 +151,14 @@ class RingBuilderMixin:
         self.ring_slots[:tokens] = torch.where(real, slots, -1)
         read = dataclasses.replace(
             m,
-            seq_lens=torch.where(linear, seq_lens, torch.minimum(seq_lens, base + self.window + 1)).to(
-                seq_lens.dtype
+            seq_lens=self._lengths(
+                torch.where(linear, seq_lens, torch.minimum(seq_lens, base + self.window + 1))
             ),
             slot_mapping=self.ring_slots[:tokens],
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        return RingMetadata(super().build(0, read, fast_build), self.ring_slots[:tokens], None)
+        return read, self.ring_slots[:tokens], None
 
 
 @dataclass
