@@ -41,20 +41,22 @@ class AblationScores:
     local: int
 
 
-def completion_nll(model: Any, sequences: list[Solution], batch_size: int = 4) -> float:
-    """Mean teacher-forced NLL (nats per token) of the completion tokens of `sequences` under `model`.
+def completion_token_nll(model: Any, sequences: list[Solution], batch_size: int = 4) -> list[torch.Tensor]:
+    """Per sequence, the teacher-forced NLL (nats, float64) of each of its completion tokens under `model`:
+    DoubleTensor[len(completion)], in the order of `sequences`.
 
     Batches are left-padded (positions count real tokens, as in `generate`); logits are computed only
-    at completion positions, in fp32 chunks, and summed in fp64.
+    at completion positions, in fp32 chunks.
     """
     if batch_size < 1 or not sequences or any(not c for _, c in sequences):
         raise ValueError("completion_nll needs batch_size >= 1 and sequences with non-empty completions")
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     device = next(model.parameters()).device
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]) + len(sequences[i][1]))
-    total, count = torch.zeros((), dtype=torch.float64), 0
+    out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
     for start in range(0, len(order), batch_size):
-        batch = teacher_forced_batch([sequences[i] for i in order[start : start + batch_size]]).to(device)
+        chosen = order[start : start + batch_size]
+        batch = teacher_forced_batch([sequences[i] for i in chosen]).to(device)
         with torch.inference_mode():
             hidden = decoder(
                 input_ids=batch.input_ids,
@@ -63,12 +65,27 @@ def completion_nll(model: Any, sequences: list[Solution], batch_size: int = 4) -
                 use_cache=False,
             ).last_hidden_state
             states, targets = hidden[batch.rows, batch.cols], batch.targets
-            for i in range(0, len(targets), LOGIT_CHUNK):
-                logits = head(states[i : i + LOGIT_CHUNK]).float()
-                nll = torch.nn.functional.cross_entropy(logits, targets[i : i + LOGIT_CHUNK], reduction="sum")
-                total += nll.double().cpu()
-        count += len(batch.targets)
-    return float(total) / count
+            nll = torch.cat(
+                [
+                    torch.nn.functional.cross_entropy(
+                        head(states[i : i + LOGIT_CHUNK]).float(),
+                        targets[i : i + LOGIT_CHUNK],
+                        reduction="none",
+                    )
+                    for i in range(0, len(targets), LOGIT_CHUNK)
+                ]
+            )
+        # the batch's targets are its rows' completions, one after the other
+        pieces = nll.double().cpu().split([len(sequences[i][1]) for i in chosen])
+        for i, piece in zip(chosen, pieces, strict=True):
+            out[i] = piece
+    return out
+
+
+def completion_nll(model: Any, sequences: list[Solution], batch_size: int = 4) -> float:
+    """Mean teacher-forced NLL (nats per token) of the completion tokens of `sequences` under `model`
+    (`completion_token_nll`, summed in fp64)."""
+    return float(torch.cat(completion_token_nll(model, sequences, batch_size)).mean())
 
 
 @contextlib.contextmanager
@@ -128,6 +145,76 @@ def ablation_scores(
     )
 
 
+@dataclass
+class MaskScreen:
+    """What `screen_masks` measured: full KV's NLL (nats/token), per mask name and sparsity the token-mean NLL
+    increase over full KV and, with a decisive threshold, the mean increase over the decisive tokens (those
+    whose NLL rises by more than `threshold` nats when every head is compressed; one set per solution, the
+    same for every mask), how many tokens are decisive, and how many were scored."""
+
+    base_nll: float
+    increase: dict[str, dict[float, float]]
+    decisive_increase: dict[str, dict[float, float]] | None = None
+    threshold: float | None = None
+    num_decisive: int = 0
+    num_tokens: int = 0
+
+
+def screen_masks(
+    model: Any,
+    sequences: list[Solution],
+    masks: dict[str, HeadMask],
+    sparsities: list[float],
+    *,
+    decisive: float | None = None,
+    sink: int = 16,
+    local: int = 64,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> MaskScreen:
+    """Score head masks without generating: for each mask and sparsity s, the heads `mask.full_heads(s)` leaves
+    out run sink + local attention (gates 0, the rest 1) and each completion token's teacher-forced NLL of
+    `sequences` is compared with full KV's.
+
+    The token mean is the screen every distillation objective optimises; it dilutes the few tokens that carry
+    a fact of the prompt. With `decisive` (nats), the tokens whose NLL rises by more than that with every head
+    compressed are the solution's decisive tokens (fixed before any mask is scored) and the screen also
+    reports the mean increase over them. The model is left as it was.
+    """
+    from tqdm.auto import tqdm
+
+    with gated_model(model, sink, local) as gates:
+        base_tokens = torch.cat(completion_token_nll(model, sequences, batch_size))
+        chosen = None
+        if decisive is not None:
+            with torch.no_grad():
+                gates.alpha.zero_()
+            chosen = torch.cat(completion_token_nll(model, sequences, batch_size)) - base_tokens > decisive
+        screen = MaskScreen(
+            float(base_tokens.mean()), {name: {} for name in masks}, num_tokens=len(base_tokens)
+        )
+        if chosen is not None:
+            screen.decisive_increase = {name: {} for name in masks}
+            screen.threshold, screen.num_decisive = decisive, int(chosen.sum())
+        bar = tqdm(
+            total=len(masks) * len(sparsities), desc="mask nll", disable=not progress, dynamic_ncols=True
+        )
+        for name, mask in masks.items():
+            mask.check_compatible(model)
+            for s in sparsities:
+                with torch.no_grad():
+                    gates.alpha.copy_(mask.full_heads(s).to(gates.alpha))
+                rise = torch.cat(completion_token_nll(model, sequences, batch_size)) - base_tokens
+                screen.increase[name][s] = float(rise.mean())
+                if chosen is not None:
+                    screen.decisive_increase[name][s] = (
+                        float(rise[chosen].mean()) if chosen.any() else float("nan")
+                    )
+                bar.update(1)
+        bar.close()
+    return screen
+
+
 def mask_nll(
     model: Any,
     sequences: list[Solution],
@@ -139,30 +226,13 @@ def mask_nll(
     batch_size: int = 4,
     progress: bool = True,
 ) -> tuple[float, dict[str, dict[float, float]]]:
-    """Compare head masks without generating: (base NLL, {mask name: {sparsity: NLL increase}}).
-
-    For each mask and sparsity s, the heads `mask.full_heads(s)` leaves out run sink + local
-    attention (gates 0, the rest 1) and the `completion_nll` of `sequences` (nats/token) is compared
-    with full KV. A cheap proxy for pass@1 at a sparsity: a mask whose increase is smaller keeps more
-    of what the model's own solutions need. The model is left as it was.
-    """
-    from tqdm.auto import tqdm
-
-    with gated_model(model, sink, local) as gates:
-        base = completion_nll(model, sequences, batch_size)
-        increases: dict[str, dict[float, float]] = {name: {} for name in masks}
-        bar = tqdm(
-            total=len(masks) * len(sparsities), desc="mask nll", disable=not progress, dynamic_ncols=True
-        )
-        for name, mask in masks.items():
-            mask.check_compatible(model)
-            for s in sparsities:
-                with torch.no_grad():
-                    gates.alpha.copy_(mask.full_heads(s).to(gates.alpha))
-                increases[name][s] = completion_nll(model, sequences, batch_size) - base
-                bar.update(1)
-        bar.close()
-    return base, increases
+    """Compare head masks without generating: (base NLL, {mask name: {sparsity: NLL increase}}), the token means
+    of `screen_masks`. A cheap proxy for pass@1 at a sparsity: a mask whose increase is smaller keeps more of
+    what the model's own solutions need."""
+    screen = screen_masks(
+        model, sequences, masks, sparsities, sink=sink, local=local, batch_size=batch_size, progress=progress
+    )
+    return screen.base_nll, screen.increase
 
 
 def greedy_solutions(

@@ -2,6 +2,7 @@
 batched scores equal a brute-force per-head NLL, the artifact, the CLI."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -136,6 +137,48 @@ def test_mask_nll_is_zero_uncompressed_mask_free_when_all_compressed_and_the_abl
     assert not hasattr(model, "rlkv_gates")
 
 
+def test_token_nlls_equal_a_brute_force_per_token_nll_and_their_mean_is_completion_nll():
+    from rlkv.ablation import completion_nll, completion_token_nll
+
+    model = tiny_model("qwen2")
+    sequences = _solutions(model, 12)
+    tokens = completion_token_nll(model, sequences, batch_size=3)
+    assert [len(t) for t in tokens] == [len(c) for _, c in sequences]
+    for (prompt, completion), got in zip(sequences, tokens, strict=True):
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logp = model(input_ids=ids).logits[0].double().log_softmax(-1)
+        want = [-float(logp[t, ids[0, t + 1]]) for t in range(len(prompt) - 1, len(ids[0]) - 1)]
+        assert got.tolist() == pytest.approx(want, abs=1e-4)
+    assert completion_nll(model, sequences, 3) == pytest.approx(float(torch.cat(tokens).mean()), abs=1e-12)
+
+
+def test_the_decisive_screen_scores_the_tokens_every_head_compressed_hurts_most():
+    """Decisive tokens: those whose NLL rises by more than the threshold with every head compressed, one set for
+    every mask. Below any rise, every token is decisive (the two screens agree); all heads compressed, the
+    decisive tokens' mean rise is above the threshold; nothing compressed, both screens are 0."""
+    from rlkv.ablation import completion_token_nll, gated_model, screen_masks
+
+    model = tiny_model("qwen2")
+    sequences = _solutions(model, 12)
+    masks = {"random": HeadMask.random(model, seed=1)}
+    settings = dict(sink=2, local=4, batch_size=2, progress=False)
+    every = screen_masks(model, sequences, masks, [0.5], decisive=-1e9, **settings)
+    assert every.num_decisive == every.num_tokens
+    assert every.decisive_increase["random"][0.5] == pytest.approx(every.increase["random"][0.5], abs=1e-12)
+    screen = screen_masks(model, sequences, masks, [0.0, 0.5, 1.0], decisive=0.5, **settings)
+    with gated_model(model, 2, 4) as gates:  # the decisive set, measured apart
+        full = torch.cat(completion_token_nll(model, sequences, 2))
+        with torch.no_grad():
+            gates.alpha.zero_()
+        rise = torch.cat(completion_token_nll(model, sequences, 2)) - full
+    assert screen.num_decisive == int((rise > 0.5).sum()) and 0 < screen.num_decisive < screen.num_tokens
+    assert screen.decisive_increase["random"][1.0] == pytest.approx(float(rise[rise > 0.5].mean()), abs=1e-9)
+    assert screen.decisive_increase["random"][1.0] > 0.5 > screen.increase["random"][1.0]
+    assert screen.increase["random"][0.0] == 0.0 and screen.decisive_increase["random"][0.0] == 0.0
+    assert not hasattr(model, "rlkv_gates")
+
+
 def test_mask_nll_cli_prints_and_writes_the_table(tmp_path, capsys):
     mask_path = tmp_path / "mask.json"
     HeadMask.random(tiny_model("llama"), seed=5).save(mask_path)
@@ -149,6 +192,56 @@ def test_mask_nll_cli_prints_and_writes_the_table(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert set(doc["increase"]) == {"mine", "random-mask@0", "random-mask@1"}
     assert doc["increase"]["mine"]["0.0"] == 0.0 and doc["num_problems"] == 2
+
+
+def test_rank_correlation_is_spearmans_with_mean_ranks_for_ties():
+    from rlkv.eval.tables import rank_correlation
+
+    assert rank_correlation([1, 2, 3, 4], [8, 6, 4, 2]) == pytest.approx(-1.0)
+    assert rank_correlation([1, 1, 2], [1, 2, 3]) == pytest.approx(1.5 / 3**0.5)  # ranks 0.5, 0.5, 2
+    assert math.isnan(rank_correlation([1, 2], [2, 1])) and math.isnan(rank_correlation([1, 1, 1], [1, 2, 3]))
+
+
+def test_mask_nll_cli_screens_decisive_tokens_and_correlates_both_screens_with_pass_at_1(tmp_path, capsys):
+    """--decisive adds the decisive-token screen; --pass-at-1 pairs (mask, sparsity) with eval cells and prints
+    each screen's rank correlation with their pass@1 (cells of a made-up eval folder: 4 problems each)."""
+    from rlkv.eval.tables import rank_correlation
+
+    folder = tmp_path / "grid"
+    folder.mkdir()
+    solved = {"a": [1, 0, 0, 0], "b": [1, 1, 0, 0], "c": [1, 1, 1, 0]}
+    rows = [
+        {"key": f"{m}-{i}", "benchmark": "chain", "problem_id": str(i), "method": m, "sparsity": 0.5, "sample": 0,
+         "correct": bool(ok)}
+        for m, outcome in solved.items()
+        for i, ok in enumerate(outcome)
+    ]  # fmt: skip
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "screen.json"
+    argv = ["mask-nll", "--model", "tiny:llama", "--problems", "chain", "--num", "2", "--max-new-tokens", "6"]
+    argv += ["--sink", "1", "--local", "2", "--random", "3", "--sparsities", "0.5", "--decisive", "0.2"]
+    argv += [f"--pass-at-1=random-mask@{k}@0.5={folder}:{m}@0.5" for k, m in enumerate("abc")]
+    assert cli_main([*argv, "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["pass_at_1"] == {
+        "random-mask@0@0.5": 0.25,
+        "random-mask@1@0.5": 0.5,
+        "random-mask@2@0.5": 0.75,
+    }
+    assert doc["decisive"]["threshold"] == 0.2 and 0 <= doc["decisive"]["num_tokens"]
+    for screen, key in (("token-mean", "increase"), ("decisive-token", None)):
+        values = doc[key] if key else doc["decisive"]["increase"]
+        want = rank_correlation([values[f"random-mask@{k}"]["0.5"] for k in range(3)], [0.25, 0.5, 0.75])
+        got = doc["rank_correlation"][screen]
+        assert got["n"] == 3 and (
+            got["rho"] == pytest.approx(want) or math.isnan(want) and math.isnan(got["rho"])
+        )
+        assert f"{screen} screen" in printed
+    assert "decisive tokens (NLL rise > 0.2 nats" in printed
+    bad = [*argv[:-3], "--pass-at-1", f"nobody@0.5={folder}:a@0.5"]
+    assert cli_main(bad) == 2
+    assert "--pass-at-1 'nobody@0.5=" in capsys.readouterr().err
 
 
 def test_mask_nll_cli_refuses_nothing_to_compare(capsys):

@@ -1,6 +1,7 @@
 """`rlkv compare`: two eval cells paired by (benchmark, problem id), across folders."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,8 @@ def test_errors_name_the_fix_and_different_hosts_warn(tmp_path):
     _write(b, [("math", "p0", "full", 0.0, 0, True)], hosts=("host B",))
     with pytest.raises(UserInputError, match="FOLDER:METHOD"):
         parse_cell("no-colon")
+    assert parse_cell("run:random-mask@1@0.75") == Cell(Path("run"), "random-mask@1", 0.75)  # a seeded draw
+    assert parse_cell("run:ablation-mask@0.75") == Cell(Path("run"), "ablation-mask", 0.75)
     with pytest.raises(UserInputError, match="@0.75"):
         parse_cell(f"{a}:rlkv@x")
     with pytest.raises(UserInputError, match="name one as METHOD@SPARSITY"):

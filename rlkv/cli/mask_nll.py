@@ -66,6 +66,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         help="comma-separated fractions of KV heads compressed",
     )
+    parser.add_argument(
+        "--decisive",
+        type=float,
+        default=None,
+        metavar="NATS",
+        help="also screen the decisive tokens: those whose NLL rises by more than NATS with every head "
+        "compressed (one set per solution, fixed before any mask is scored); e.g. 1.0",
+    )
+    parser.add_argument(
+        "--pass-at-1",
+        dest="pass_at_1",
+        action="append",
+        default=[],
+        metavar="NAME@S=FOLDER:METHOD@S",
+        help="the pass@1 of mask NAME at sparsity S: an `rlkv eval` cell (repeatable); with 3 or more, the "
+        "rank correlation of each screen with pass@1 over them is printed",
+    )
     parser.add_argument("--out", default=None, help="also write the table as JSON here (atomically)")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run, generation_defaults={k: parser.get_default(k) for k in _GENERATION_ONLY})
@@ -74,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Score every mask at every sparsity and print the table. Returns the exit status."""
     from rlkv._io import atomic_write_text, check_output_path
-    from rlkv.ablation import mask_nll
+    from rlkv.ablation import screen_masks
     from rlkv.errors import UserInputError
 
     if not args.masks and args.random < 1:
@@ -98,18 +115,34 @@ def run(args: argparse.Namespace) -> int:
         sequences = greedy_solutions_of(args, model, tokenizer, problems)
         source, num_problems = args.problems, len(problems)
     masks = named_masks(args.masks, args.random, model)
-    base, increases = mask_nll(
+    outcomes = pass_at_1_cells(args.pass_at_1, masks)  # checked before scoring
+    screen = screen_masks(
         model,
         sequences,
         masks,
         args.sparsities,
+        decisive=args.decisive,
         sink=sink,
         local=local,
         batch_size=args.batch_size,
         progress=not args.no_progress,
     )
+    base, increases = screen.base_nll, screen.increase
     tokens = sum(len(c) for _, c in sequences)
     print(nll_table(base, increases, args.sparsities, len(sequences), tokens))
+    if screen.decisive_increase is not None:
+        print(
+            f"decisive tokens (NLL rise > {screen.threshold:g} nats with every head compressed): "
+            f"{screen.num_decisive} of {screen.num_tokens}; their mean increases:"
+        )
+        print(
+            nll_table(base, screen.decisive_increase, args.sparsities, len(sequences), tokens).split("\n", 1)[
+                1
+            ]
+        )
+    correlations = proxy_correlations(screen, outcomes)
+    for name, (rho, n) in correlations.items():
+        print(f"rank correlation with pass@1 over {n} (mask, sparsity) pairs: {name} screen {rho:+.2f}")
     if args.out:
         doc = {
             "base_nll": base,
@@ -122,6 +155,17 @@ def run(args: argparse.Namespace) -> int:
             "num_problems": num_problems,
             "increase": {name: {str(s): v for s, v in row.items()} for name, row in increases.items()},
         }
+        if screen.decisive_increase is not None:
+            doc["decisive"] = {
+                "threshold": screen.threshold,
+                "num_tokens": screen.num_decisive,
+                "increase": {
+                    n: {str(s): v for s, v in row.items()} for n, row in screen.decisive_increase.items()
+                },
+            }
+        if outcomes:
+            doc["pass_at_1"] = {f"{name}@{s:g}": p for (name, s), p in outcomes.items()}
+            doc["rank_correlation"] = {name: {"rho": rho, "n": n} for name, (rho, n) in correlations.items()}
         atomic_write_text(args.out, json.dumps(doc, indent=1) + "\n")
     return 0
 
@@ -183,3 +227,47 @@ def nll_table(
         for name, row in increases.items()
     ]
     return "\n".join(lines)
+
+
+def pass_at_1_cells(specs: list[str], masks: dict[str, Any]) -> dict[tuple[str, float], float]:
+    """{(mask name, sparsity): pass@1 over the cell's problems} of `--pass-at-1 NAME@S=FOLDER:METHOD@S` specs
+    (each NAME one of `masks`); a bad spec is one clear error."""
+    from statistics import mean
+
+    from rlkv.errors import UserInputError
+    from rlkv.eval.compare import cell_outcomes, parse_cell
+
+    outcomes = {}
+    for spec in specs:
+        target, eq, cell = spec.partition("=")
+        name, at, sparsity = target.rpartition("@")
+        try:
+            s = float(sparsity)
+        except ValueError:
+            s = None
+        if not eq or not at or s is None or name not in masks:
+            raise UserInputError(
+                f"--pass-at-1 {spec!r}: write NAME@S=FOLDER:METHOD@S with NAME one of {sorted(masks)} and S a "
+                "sparsity, e.g. ablation@0.75=results/eval/grid:ablation-mask@0.75"
+            )
+        outcomes[(name, s)] = mean(cell_outcomes(parse_cell(cell)).values())
+    return outcomes
+
+
+def proxy_correlations(screen: Any, outcomes: dict[tuple[str, float], float]) -> dict[str, tuple[float, int]]:
+    """{screen name: (Spearman rho of its NLL increase with pass@1, pairs)} over the (mask, sparsity) pairs of
+    `outcomes` that the screen scored; empty under 3 pairs. A useful screen has rho well below 0 (a larger
+    increase, a lower pass@1)."""
+    from rlkv.eval.tables import rank_correlation
+
+    screens = {"token-mean": screen.increase}
+    if screen.decisive_increase is not None:
+        screens["decisive-token"] = screen.decisive_increase
+    pairs = [(name, s) for name, s in outcomes if s in screen.increase.get(name, {})]
+    if len(pairs) < 3:
+        return {}
+    passed = [outcomes[p] for p in pairs]
+    return {
+        label: (rank_correlation([values[n][s] for n, s in pairs], passed), len(pairs))
+        for label, values in screens.items()
+    }

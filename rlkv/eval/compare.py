@@ -35,13 +35,14 @@ class Cell:
 
 
 def parse_cell(text: str) -> Cell:
-    """`FOLDER:METHOD[@SPARSITY]` (e.g. `results/eval/run:rlkv@0.75`) as a `Cell`."""
+    """`FOLDER:METHOD[@SPARSITY]` (e.g. `results/eval/run:rlkv@0.75`, `run:random-mask@0@0.75`) as a `Cell`."""
     folder, sep, spec = text.rpartition(":")
     if not sep or not folder or not spec:
         raise UserInputError(
             f"{text!r}: write a cell as FOLDER:METHOD[@SPARSITY], e.g. results/eval/run:rlkv@0.75"
         )
-    method, at, sparsity = spec.partition("@")
+    # a seeded draw's method holds an '@' itself (random-mask@0): its sparsity is after the last one
+    method, at, sparsity = spec.rpartition("@") if spec.count("@") > 1 else spec.partition("@")
     value = None
     if at:
         try:

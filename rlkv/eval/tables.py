@@ -100,6 +100,32 @@ def paired_bootstrap(
     return float(d.mean()), float(low), float(high)
 
 
+def rank_correlation(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation of paired values (ties get their mean rank); nan for fewer than 3 pairs or a
+    constant side."""
+    import numpy as np
+
+    if len(x) != len(y):
+        raise ValueError(f"rank_correlation needs paired values, got {len(x)} and {len(y)}")
+    if len(x) < 3:
+        return float("nan")
+
+    def ranks(values: Sequence[float]) -> np.ndarray:
+        v = np.asarray(values, dtype=np.float64)
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=np.float64)
+        for value in np.unique(v):  # ties: the mean of their ranks
+            tied = v == value
+            r[tied] = r[tied].mean()
+        return r
+
+    a, b = ranks(x), ranks(y)
+    if a.std() == 0 or b.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(a, b)[0, 1])
+
+
 def per_problem(cells: list[list[Row]]) -> dict[tuple[str, str], float]:
     """pass@1 per (benchmark, problem id), averaged over samples and over the methods of `cells`
     (a draw group's mean), for the problems every cell has."""

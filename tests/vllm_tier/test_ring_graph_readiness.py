@@ -69,7 +69,8 @@ def _record(builder, steps: list) -> None:
                     "slot_mapping": read.slot_mapping.data_ptr(),
                 },
                 "vllm_storages": {
-                    getattr(m, name).untyped_storage().data_ptr() for name in ("seq_lens", "block_table_tensor")
+                    getattr(m, name).untyped_storage().data_ptr()
+                    for name in ("seq_lens", "block_table_tensor")
                 },
             }
         )
@@ -123,7 +124,9 @@ def test_the_ring_builder_reads_no_device_tensor_and_hands_the_kernel_fixed_addr
             m = step["metadata"]
             meta = dataclasses.replace(m, **{name: getattr(m, name).to("meta") for name in DEVICE_FIELDS})
             read, ring, _ = probe.read_metadata(meta)
-            assert {read.seq_lens.device.type, read.block_table_tensor.device.type, ring.device.type} == {"meta"}
+            assert {read.seq_lens.device.type, read.block_table_tensor.device.type, ring.device.type} == {
+                "meta"
+            }
     mixed = [s for s in steps if not s["decode_only"]]
     decode = [s for s in steps if s["decode_only"] and s["reqs"] == len(prompts)]
     assert mixed and len(decode) >= 10, (len(mixed), len(decode))
