@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from rlkv.eval.results import read_archive, read_results
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = [
     ROOT / "results/eval/qwen2.5-coder-0.5b-instruct/results.jsonl",
@@ -59,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
 
     examples = humaneval_by_digest()
     correct, wrong = [], []
-    for path in args.results:
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
+    for path in args.results:  # rows gzipped at rest and texts in the folder's archive are read too
+        texts = read_archive(path.parent)
+        for row in read_results(path):
             if row["benchmark"] == "humaneval":
+                row["completion"] = row.get("completion") or texts.get(row["key"], "")
                 (correct if row["correct"] else wrong).append(row)
     if args.limit:
         correct = correct[: args.limit]

@@ -16,7 +16,7 @@ from statistics import mean
 from typing import Any
 
 from rlkv.errors import UserInputError
-from rlkv.eval.results import RESULTS_FILE, read_results
+from rlkv.eval.results import RESULTS_FILE, ROWS_ARCHIVE, read_results
 from rlkv.eval.tables import paired_bootstrap, per_problem
 
 
@@ -62,7 +62,7 @@ def hosts(folder: str | os.PathLike) -> list[str]:
 
 def folder_rows(folder: Path) -> list[dict[str, Any]]:
     """Every row of an eval folder, one per key (the first written), whichever run asked for it."""
-    if not (folder / RESULTS_FILE).exists():
+    if not (folder / RESULTS_FILE).exists() and not (folder / ROWS_ARCHIVE).exists():
         raise UserInputError(f"{folder}: no {RESULTS_FILE} (an `rlkv eval --out` folder is needed)")
     rows: dict[str, dict[str, Any]] = {}
     for row in read_results(folder / RESULTS_FILE):

@@ -19,6 +19,9 @@ RESULTS_FILE = "results.jsonl"
 KEYS_FILE = "eval_keys.json"  # the row keys the last run asked for: what the report counts
 CONFIG_FILE = "eval_config.json"
 ARCHIVE_FILE = "completions.jsonl.gz"  # key -> completion text of rows whose text left results.jsonl
+ROWS_ARCHIVE = (
+    RESULTS_FILE + ".gz"
+)  # a committed folder's rows, gzipped at rest (`unpack_rows` before appending)
 
 
 def row_key(benchmark: str, problem_id: str, method: str, sparsity: float, sample: int) -> str:
@@ -39,14 +42,19 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
 
 
 def read_results(path: str | os.PathLike, repair: bool = False) -> list[dict[str, Any]]:
-    """Rows of a results.jsonl. A torn last line (killed writer) is ignored, and cut off when `repair`.
+    """Rows of a results.jsonl (or, where there is none, of its gzipped form `ROWS_ARCHIVE` beside it). A torn
+    last line (killed writer) is ignored, and cut off when `repair`.
 
     A last line that is a whole row but lacks its newline (the writer was killed between the two) is a
     row: it is kept, and `repair` ends it with its newline, so the next row appended stays a line of its own.
     """
     path = Path(path)
     if not path.exists() and not path.is_symlink():
-        return []
+        packed = path.with_name(path.name + ".gz")
+        if not packed.is_file():
+            return []
+        with gzip.open(packed, "rt", encoding="utf-8") as f:  # written whole by the archiver: no torn line
+            return [json.loads(line) for line in f if line.strip()]
     data = check_regular_file(
         path, what="results.jsonl", error=UserInputError, max_bytes=MAX_RESULTS_BYTES
     ).read_bytes()
@@ -81,6 +89,17 @@ def read_results(path: str | os.PathLike, repair: bool = False) -> list[dict[str
     return rows
 
 
+def unpack_rows(out: str | os.PathLike) -> None:
+    """Where `out` holds its rows gzipped at rest (`ROWS_ARCHIVE`, `scripts/archive_completions.py --rows`) and
+    no results.jsonl, write them back to results.jsonl (atomically) and remove the archive: a run appends
+    there. Rows are written as the eval writes them (`json.dumps`, one per line)."""
+    out = Path(out)
+    if (out / ROWS_ARCHIVE).is_file() and not (out / RESULTS_FILE).exists():
+        rows = read_results(out / RESULTS_FILE)
+        atomic_write_text(out / RESULTS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
+        (out / ROWS_ARCHIVE).unlink()
+
+
 def read_archive(folder: str | os.PathLike) -> dict[str, str]:
     """key -> completion text of `folder`'s `ARCHIVE_FILE` (`scripts/archive_completions.py`; empty when
     there is none): committed eval folders keep rows in results.jsonl and the texts there."""
@@ -113,6 +132,7 @@ def current_results(out: str | os.PathLike, keys: set[str] | None = None) -> lis
 def drop_rows(out: str | os.PathLike, methods: list[str]) -> int:
     """Remove every row of `methods` from `out`'s results.jsonl (atomically), so a rerun generates them
     again (e.g. with a retrained mask); returns how many rows were dropped."""
+    unpack_rows(out)
     path = Path(out) / RESULTS_FILE
     rows, dropped = read_results(path, repair=True), set(methods)
     kept = [r for r in rows if r["method"] not in dropped]

@@ -38,6 +38,7 @@ from rlkv.eval.results import (
     read_json,
     read_results,
     row_key,
+    unpack_rows,
 )
 from rlkv.eval.resume import check_resume, record_host
 from rlkv.eval.rows import RowContext, eval_row
@@ -248,6 +249,7 @@ def _run_locked(
 
     if model is None:  # before the resume check: a scores-only TSV mask is read against the model
         model, tokenizer = load_model(cfg)
+    unpack_rows(out)  # a committed folder's rows, gzipped at rest, back where this run appends
     check_resume(out, cfg, model)
     results_path = out / RESULTS_FILE
     done_rows = read_results(results_path, repair=True)
