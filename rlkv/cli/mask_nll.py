@@ -49,7 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--benchmark",
         default=None,
-        help="with --solutions-from: which of its benchmarks (default: the first)",
+        help="with --solutions-from: which of its benchmarks (default: the first); --pass-at-1 cells are then "
+        "scored on that benchmark's rows only",
     )
     parser.add_argument(
         "--masks",
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         sequences = greedy_solutions_of(args, model, tokenizer, problems)
         source, num_problems = args.problems, len(problems)
     masks = named_masks(args.masks, args.random, model)
-    outcomes = pass_at_1_cells(args.pass_at_1, masks)  # checked before scoring
+    outcomes = pass_at_1_cells(args.pass_at_1, masks, args.benchmark)  # checked before scoring
     screen = screen_masks(
         model,
         sequences,
@@ -229,9 +230,12 @@ def nll_table(
     return "\n".join(lines)
 
 
-def pass_at_1_cells(specs: list[str], masks: dict[str, Any]) -> dict[tuple[str, float], float]:
-    """{(mask name, sparsity): pass@1 over the cell's problems} of `--pass-at-1 NAME@S=FOLDER:METHOD@S` specs
-    (each NAME one of `masks`); a bad spec is one clear error."""
+def pass_at_1_cells(
+    specs: list[str], masks: dict[str, Any], benchmark: str | None = None
+) -> dict[tuple[str, float], float]:
+    """{(mask name, sparsity): pass@1 over the cell's problems (of `benchmark` only, when given: the screened
+    solutions' own)} of `--pass-at-1 NAME@S=FOLDER:METHOD@S` specs (each NAME one of `masks`); a bad spec or a
+    cell without rows of `benchmark` is one clear error."""
     from statistics import mean
 
     from rlkv.errors import UserInputError
@@ -250,7 +254,12 @@ def pass_at_1_cells(specs: list[str], masks: dict[str, Any]) -> dict[tuple[str, 
                 f"--pass-at-1 {spec!r}: write NAME@S=FOLDER:METHOD@S with NAME one of {sorted(masks)} and S a "
                 "sparsity, e.g. ablation@0.75=results/eval/grid:ablation-mask@0.75"
             )
-        outcomes[(name, s)] = mean(cell_outcomes(parse_cell(cell)).values())
+        solved = [
+            v for (bench, _), v in cell_outcomes(parse_cell(cell)).items() if benchmark in (None, bench)
+        ]
+        if not solved:
+            raise UserInputError(f"--pass-at-1 {spec!r}: the cell has no rows of {benchmark}")
+        outcomes[(name, s)] = mean(solved)
     return outcomes
 
 
