@@ -36,6 +36,7 @@ from rlkv.vllm_plugin.eviction_compaction import (
     remember_decode,
     slot_blocks,
 )
+from rlkv.vllm_plugin.persistent import PersistentReads
 
 
 def cpu_attn_pages(kv_cache: torch.Tensor) -> PageViews:
@@ -56,13 +57,23 @@ class CpuEvictionBuilder(EvictionMetadataBuilder):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.stock = CPUAttentionMetadataBuilder(kv_cache_spec, layer_names, vllm_config, device)
+        scheduler = vllm_config.scheduler_config
+        # the read table, lengths and write slots of a step with generated tokens, at fixed addresses
+        self.persistent = PersistentReads(
+            int(scheduler.max_num_seqs), int(scheduler.max_num_batched_tokens), device
+        )
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
     ) -> EvictionMetadata:
         out = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        m, size = common_attn_metadata, self.spec.block_size
-        reqs = m.num_reqs
+        out.stock = self.stock.build(0, self.read_metadata(common_attn_metadata, out), fast_build)
+        return out
+
+    def read_metadata(self, m: Any, out: EvictionMetadata) -> Any:
+        """The step's metadata with the read table, lengths and write slots the platform kernel reads (in
+        persistent buffers where they differ from vLLM's own: a step with generated tokens)."""
+        size, reqs = self.spec.block_size, m.num_reqs
         table, lengths, slots = m.block_table_tensor[:reqs], m.seq_lens[:reqs], m.slot_mapping
         if out.decode_tokens is not None:
             # a generating request reads its slots [0, reads): column c of its read table is its list's block
@@ -71,15 +82,14 @@ class CpuEvictionBuilder(EvictionMetadataBuilder):
             pairs[out.decode_requests] = out.decode_blocks
             columns = torch.arange(table.shape[1], device=table.device)[None, :].expand(reqs, -1)
             requests = torch.arange(reqs, device=table.device)
-            table = slot_blocks(table, requests, pairs, columns * size, size)[
-                0
-            ]  # the same rule as every read
-            lengths = lengths.clone()
+            read_table, _ = slot_blocks(table, requests, pairs, columns * size, size)  # every read's rule
+            table = self.persistent.table(read_table)
+            lengths = self.persistent.lengths(lengths)
             lengths[out.decode_requests] = out.decode_reads.to(lengths.dtype)
-            slots = slots.clone()
+            slots = self.persistent.slots(slots)
             block = table[out.decode_requests, out.decode_slots // size].to(torch.long)
             slots[out.decode_tokens] = (block * size + out.decode_slots % size).to(slots.dtype)
-        read = dataclasses.replace(
+        return dataclasses.replace(
             m,
             seq_lens=lengths,
             block_table_tensor=table,
@@ -87,8 +97,6 @@ class CpuEvictionBuilder(EvictionMetadataBuilder):
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        out.stock = self.stock.build(0, read, fast_build)
-        return out
 
 
 class CpuEvictionImpl(EvictionImpl):

@@ -31,6 +31,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from rlkv.vllm_plugin.fence import step_inputs
+from rlkv.vllm_plugin.persistent import PersistentReads
 from rlkv.vllm_plugin.ring import RING_BACKENDS
 
 
@@ -56,10 +57,9 @@ class RingBuilderMixin:
         tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         requests = int(vllm_config.scheduler_config.max_num_seqs)
         # persistent, so that a captured graph reads this step's slots, lengths and tables at fixed addresses
-        self.ring_slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.persistent = PersistentReads(requests, tokens, device)
+        self.ring_slots = self.persistent.write_slots
         self.prompt_slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
-        self.read_lens = torch.zeros(requests, dtype=torch.int32, device=device)
-        self.read_table: torch.Tensor | None = None  # [max_num_seqs, table width], made at the first step
         self.protect = kv_cache_spec.protect_prompt
         if (
             self.protect
@@ -91,16 +91,18 @@ class RingBuilderMixin:
         seq_lens = m.seq_lens[:reqs]
         if plan.linear is None:  # a decode-only step (every captured graph's): no prompt row, no prompt write
             prompt_slots, read_table = None, table[:, :columns]  # a view of vLLM's persistent table
-            read_lens = self._lengths(seq_lens.clamp(max=self.capacity))
+            read_lens = self.persistent.lengths(seq_lens.clamp(max=self.capacity))
         else:
             column = (self.ring_columns + plan.prompt_column).clamp(max=table.shape[1] - 1)
             prompt = table[plan.request, column] * self.block + plan.prompt_offset
             self.prompt_slots[:tokens] = torch.where(plan.prompt_kept, prompt, -1)
             prompt_slots = self.prompt_slots[:tokens]
-            read_table = self._table(
+            read_table = self.persistent.table(
                 torch.where(plan.linear[:, None], table[:, self.ring_columns :], table[:, :columns])
             )
-            read_lens = self._lengths(torch.where(plan.linear, seq_lens, seq_lens.clamp(max=self.capacity)))
+            read_lens = self.persistent.lengths(
+                torch.where(plan.linear, seq_lens, seq_lens.clamp(max=self.capacity))
+            )
         read = dataclasses.replace(
             m,
             seq_lens=read_lens,
@@ -112,23 +114,6 @@ class RingBuilderMixin:
             _token_to_req_indices_cache=None,
         )
         return read, self.ring_slots[:tokens], prompt_slots
-
-    def _lengths(self, lengths: torch.Tensor) -> torch.Tensor:
-        """`lengths` [R] copied into the persistent read lengths (vLLM's dtype)."""
-        out = self.read_lens[: lengths.shape[0]]
-        out.copy_(lengths)
-        return out
-
-    def _table(self, table: torch.Tensor) -> torch.Tensor:
-        """`table` [R, C] copied into the persistent read table (made at the first step that needs it)."""
-        reqs, width = table.shape
-        if self.read_table is None or self.read_table.shape[1] < width:
-            self.read_table = torch.zeros(
-                self.read_lens.shape[0], width, dtype=table.dtype, device=self.read_lens.device
-            )
-        out = self.read_table[:reqs, :width]
-        out.copy_(table)
-        return out
 
     def _read_protected(
         self, m: CommonAttentionMetadata
@@ -151,7 +136,7 @@ class RingBuilderMixin:
         self.ring_slots[:tokens] = torch.where(real, slots, -1)
         read = dataclasses.replace(
             m,
-            seq_lens=self._lengths(
+            seq_lens=self.persistent.lengths(
                 torch.where(linear, seq_lens, torch.minimum(seq_lens, base + self.window + 1))
             ),
             slot_mapping=self.ring_slots[:tokens],

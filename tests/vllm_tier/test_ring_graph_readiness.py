@@ -2,7 +2,8 @@
 
 Two properties a captured decode graph needs from a metadata builder, asserted on the ring builder of a real
 in-process engine (eval and protected layouts), over the steps of staggered requests (decode-only steps and
-steps mixing a prompt with generated tokens):
+steps mixing a prompt with generated tokens); the second also on the eviction group's builder on vLLM's kernel,
+whose one host read left is each request's first block (its schedule is host ints):
 
 - no host read of a device tensor: each recorded step is replayed through the builder with vLLM's device fields
   (query starts, lengths, block table, slot mapping, positions) and the builder's own buffers on torch's `meta`
@@ -16,6 +17,7 @@ import copy
 import dataclasses
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -32,15 +34,15 @@ def demo():
     return demo_chain(6)
 
 
-def _ring_builders(llm) -> list:
+def _builders(llm, kind: str) -> list:
     builders = [
         b
         for groups in model_runner(llm).attn_groups
         for group in groups
         for b in group.metadata_builders
-        if hasattr(b, "read_metadata")
+        if type(b).__name__ == kind
     ]
-    assert builders, "no ring group in this engine"
+    assert builders, f"no {kind} in this engine"
     return builders
 
 
@@ -49,19 +51,24 @@ def _record(builder, steps: list) -> None:
     the addresses of what it hands the kernel."""
     read_metadata = builder.read_metadata
 
-    def recording(m):
-        read, ring, prompt = read_metadata(m)
+    def recording(m, *rest):
+        if rest:  # the eviction builder: the kernel's metadata, no ring
+            read = read_metadata(m, *rest)
+            ring = prompt = read.slot_mapping if rest[0].decode_tokens is not None else None
+        else:
+            read, ring, prompt = read_metadata(m)
         host = {name: getattr(m, name).clone() for name in HOST_FIELDS}
         steps.append(
             {
                 "metadata": dataclasses.replace(m, **host),
-                "decode_only": prompt is None and not bool(host["is_prefilling"][: m.num_reqs].any()),
+                "decode_only": (prompt is None or rest)
+                and not bool(host["is_prefilling"][: m.num_reqs].any()),
                 "reqs": m.num_reqs,
                 "kernel_reads": {
                     "seq_lens": read.seq_lens,
                     "block_table": read.block_table_tensor,
                     "slot_mapping": read.slot_mapping,
-                    "ring_slots": ring,
+                    **({"ring_slots": ring} if ring is not None else {}),
                 },
                 "addresses": {
                     "seq_lens": read.seq_lens.data_ptr(),
@@ -70,11 +77,11 @@ def _record(builder, steps: list) -> None:
                 },
                 "vllm_storages": {
                     getattr(m, name).untyped_storage().data_ptr()
-                    for name in ("seq_lens", "block_table_tensor")
+                    for name in ("seq_lens", "block_table_tensor", "slot_mapping")
                 },
             }
         )
-        return read, ring, prompt
+        return read if rest else (read, ring, prompt)
 
     builder.read_metadata = recording  # this engine's builder object only
 
@@ -95,12 +102,19 @@ def _staggered_steps(llm, prompts) -> None:
 
 
 def _on_meta(builder):
-    """A copy of the builder whose own tensors live on the `meta` device."""
-    probe = copy.copy(builder)
+    """A copy of the builder whose own tensors (its persistent buffers too) live on the `meta` device."""
+
+    def moved(holder):
+        copied = copy.copy(holder)
+        for name, value in vars(holder).items():
+            if isinstance(value, torch.Tensor):
+                setattr(copied, name, value.to("meta"))
+        return copied
+
+    probe = moved(builder)
     probe.__dict__.pop("read_metadata", None)  # the recording wrapper reads through the real builder
-    for name, value in vars(probe).items():
-        if hasattr(value, "to") and hasattr(value, "device"):
-            setattr(probe, name, value.to("meta"))
+    probe.persistent = moved(builder.persistent)
+    probe.ring_slots = probe.persistent.write_slots
     return probe
 
 
@@ -111,14 +125,10 @@ def test_the_ring_builder_reads_no_device_tensor_and_hands_the_kernel_fixed_addr
     overrides = compression_overrides(model.config, config)
     steps: list = []
     with engine(hf_overrides=overrides, max_num_seqs=8) as llm:
-        builders = _ring_builders(llm)
+        builders = _builders(llm, "CpuRingBuilder")
         _record(builders[0], steps)
         _staggered_steps(llm, prompts)
-        persistent = {
-            t.untyped_storage().data_ptr()
-            for t in (builders[0].ring_slots, builders[0].read_lens, builders[0].read_table)
-            if t is not None
-        }
+        persistent = builders[0].persistent.storages()
         probe = _on_meta(builders[0])
         for step in steps:  # the meta replay: a host read of a device tensor raises
             m = step["metadata"]
@@ -127,8 +137,12 @@ def test_the_ring_builder_reads_no_device_tensor_and_hands_the_kernel_fixed_addr
             assert {read.seq_lens.device.type, read.block_table_tensor.device.type, ring.device.type} == {
                 "meta"
             }
+    _check_addresses(steps, persistent, len(prompts))
+
+
+def _check_addresses(steps: list, persistent: set[int], batch: int) -> None:
     mixed = [s for s in steps if not s["decode_only"]]
-    decode = [s for s in steps if s["decode_only"] and s["reqs"] == len(prompts)]
+    decode = [s for s in steps if s["decode_only"] and s["reqs"] == batch]
     assert mixed and len(decode) >= 10, (len(mixed), len(decode))
     for step in steps:  # every tensor the kernel reads is a view of a persistent buffer
         for name, tensor in step["kernel_reads"].items():
@@ -136,3 +150,22 @@ def test_the_ring_builder_reads_no_device_tensor_and_hands_the_kernel_fixed_addr
             assert storage in persistent | step["vllm_storages"], name
     for name in decode[0]["addresses"]:  # ... at one address in every decode step of the batch
         assert len({s["addresses"][name] for s in decode}) == 1, name
+
+
+def test_the_eviction_builder_on_vllms_kernel_hands_it_fixed_addresses(demo):
+    """The eviction group on vLLM's kernel (rlkv+rkv at s=0.5, R-KV's serving buffer): the read table, lengths and
+    write slots of its steps lie in persistent buffers, at one address over a batch's decode steps."""
+    from rlkv.eval.methods import method_config
+
+    model, _, _, prompts, mask = demo
+    config = method_config(
+        "rlkv+rkv", 0.5, model=model, masks={"rlkv": mask}, policy_kwargs={"rkv": {"buffer": 8}}
+    )
+    steps: list = []
+    with engine(hf_overrides=compression_overrides(model.config, config), max_num_seqs=8) as llm:
+        builder = _builders(llm, "CpuEvictionBuilder")[0]
+        _record(builder, steps)
+        _staggered_steps(llm, prompts)
+        persistent = builder.persistent.storages()
+        assert builder.compactions > 0  # compactions ran among the recorded steps
+    _check_addresses(steps, persistent, len(prompts))
